@@ -1,0 +1,75 @@
+"""Byte sizes and durations, parsed and printed one way everywhere.
+
+Every size in a manifest, on the command line or in a table goes through ``parse_size`` and
+``format_size``; nothing else in deploykit parses units. Never imports torch.
+"""
+
+from __future__ import annotations
+
+import re
+
+_SIZE_UNITS = {
+    "": 1, "B": 1,
+    "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12,
+    "KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40,
+}
+_SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([A-Za-z]*)\s*$")
+_DURATION_UNITS = {"ms": 0.001, "s": 1.0, "m": 60.0, "h": 3600.0}
+_DURATION_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*(ms|s|m|h)?\s*$")
+
+SIZE_UNITS_TEXT = "B, KB, MB, GB, TB, KiB, MiB, GiB, TiB, or a plain integer of bytes"
+
+
+def parse_size(value: object) -> int:
+    """``"2GiB"`` -> 2147483648. Accepts an int (bytes) or a string with a unit. Raises ValueError."""
+    if isinstance(value, bool):
+        raise ValueError(f"expected a size such as '2GiB', got {value!r}")
+    if isinstance(value, int):
+        if value < 0:
+            raise ValueError(f"a size cannot be negative, got {value}")
+        return value
+    if not isinstance(value, str):
+        raise ValueError(f"expected a size such as '2GiB', got {value!r}")
+    match = _SIZE_RE.match(value)
+    if not match:
+        raise ValueError(f"cannot read {value!r} as a size; use {SIZE_UNITS_TEXT}")
+    number, unit = match.groups()
+    factor = _SIZE_UNITS.get(unit.upper())
+    if factor is None:
+        raise ValueError(f"unknown size unit {unit!r} in {value!r}; use {SIZE_UNITS_TEXT}")
+    if not unit and "." in number:
+        raise ValueError(f"a size in bytes must be a whole number, got {value!r}")
+    return int(round(float(number) * factor))
+
+
+def format_size(n: float) -> str:
+    """Bytes as a short binary-unit string: 1536 -> '1.5 KiB', 3 -> '3 B'."""
+    n = float(n)
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if abs(n) < 1024:
+            return f"{int(n)} {unit}" if unit == "B" else f"{n:.1f} {unit}".replace(".0 ", " ")
+        n /= 1024
+    return f"{n:.1f} TiB".replace(".0 ", " ")
+
+
+def parse_duration(value: object) -> float:
+    """``"120s"`` -> 120.0 seconds; ``"2m"``, ``"500ms"``, ``"1h"``, or a plain number of seconds."""
+    if isinstance(value, bool):
+        raise ValueError(f"expected a duration such as '120s', got {value!r}")
+    if isinstance(value, (int, float)):
+        seconds = float(value)
+    elif isinstance(value, str) and (match := _DURATION_RE.match(value)):
+        seconds = float(match.group(1)) * _DURATION_UNITS[match.group(2) or "s"]
+    else:
+        raise ValueError(f"cannot read {value!r} as a duration; use e.g. '500ms', '120s', '2m', '1h'")
+    if seconds <= 0:
+        raise ValueError(f"a duration must be positive, got {value!r}")
+    return seconds
+
+
+def format_duration(seconds: float) -> str:
+    if seconds < 1:
+        return f"{seconds * 1000:.0f}ms"
+    if seconds < 120:
+        return f"{seconds:g}s"
+    return f"{seconds / 60:g}m"
