@@ -101,7 +101,7 @@ class Placement(_Strict):
     """Which GPUs hold the model, and in what proportion."""
 
     gpus: list[Annotated[int, Field(ge=0)]] | Literal["all"] = Field(
-        default_factory=list, description='CUDA device indices, "all", or [] for no GPU.')
+        default=[], description='CUDA device indices, "all", or [] for no GPU.')
     ratios: list[Annotated[float, Field(ge=0)]] | None = Field(
         None, description="Relative share of the model per GPU, same length as gpus; default equal.")
     reserve: Size = Field(2 * 2**30, description="Per-GPU headroom kept free: CUDA context, "
@@ -159,11 +159,15 @@ class Sharding(_Strict):
 
 
 class CpuOffload(_Strict):
+    """CPU RAM tier: blocks the GPUs cannot hold."""
+
     max_memory: Size | None = Field(None, description="CPU RAM the model may use; default: what is "
                                                       "available on the host.")
 
 
 class DiskOffload(_Strict):
+    """Disk tier: read in place from the safetensors files when the CPU tier is full."""
+
     path: Path = Field(description="Directory for offloaded weights (relative to the manifest).")
     max_size: Size | None = Field(None, description="Disk the model may use; default: free space.")
 
@@ -177,25 +181,34 @@ class Offload(_Strict):
 
 
 class HealthCheck(_Strict):
+    """A forward pass on a known input; the model serves only if it passes."""
+
     input: str = Field("Hello", description="Text run through the model before it serves.")
     timeout: Duration = Field(120.0, description="Longest the check may take.")
 
 
 class Rollout(_Strict):
+    """How a new revision replaces the running one."""
+
     strategy: Literal["auto", "blue-green", "recreate"] = Field(
         "auto", description="blue-green loads beside the old model; recreate unloads first; auto picks.")
-    health_check: HealthCheck = Field(default_factory=HealthCheck)
+    health_check: HealthCheck = Field(default_factory=HealthCheck,
+                                      description="Run before a new model serves.")
 
 
 class Spec(_Strict):
-    model: ModelSpec
-    placement: Placement = Field(default_factory=Placement)
-    sharding: Sharding = Field(default_factory=Sharding)
-    offload: Offload = Field(default_factory=Offload)
-    rollout: Rollout = Field(default_factory=Rollout)
+    """The desired state of one deployment."""
+
+    model: ModelSpec = Field(description="The checkpoint.")
+    placement: Placement = Field(default_factory=Placement, description="GPUs and their shares.")
+    sharding: Sharding = Field(default_factory=Sharding, description="Checkpoint file layout.")
+    offload: Offload = Field(default_factory=Offload, description="CPU and disk tiers after the GPUs.")
+    rollout: Rollout = Field(default_factory=Rollout, description="How a change goes live.")
 
 
 class Metadata(_Strict):
+    """Identity of the deployment."""
+
     name: str = Field(description="DNS-1123 label: a-z, 0-9 and '-', 1 to 63 characters, "
                                   "starting and ending with a letter or digit.")
     labels: dict[str, str] = Field(default_factory=dict, description="Free-form labels.")
@@ -216,10 +229,10 @@ class ModelDeployment(_Strict):
     model_config = ConfigDict(extra="forbid", frozen=True, populate_by_name=True,
                               title="deploykit ModelDeployment")
 
-    api_version: Literal["deploykit/v1"] = Field(alias="apiVersion")
-    kind: Literal["ModelDeployment"]
-    metadata: Metadata
-    spec: Spec
+    api_version: Literal["deploykit/v1"] = Field(alias="apiVersion", description="Always deploykit/v1.")
+    kind: Literal["ModelDeployment"] = Field(description="Always ModelDeployment.")
+    metadata: Metadata = Field(description="Name and labels.")
+    spec: Spec = Field(description="What to deploy and how.")
 
 
 @dataclass(frozen=True)
@@ -298,7 +311,6 @@ def _clean_path(loc: tuple[Any, ...]) -> tuple[str | int, ...]:
 
 def _issues_from_validation(exc: ValidationError, doc: Document, source: str) -> list[Issue]:
     issues: list[Issue] = []
-    seen: set[tuple[tuple[str | int, ...], str]] = set()
     for err in exc.errors():
         path = _clean_path(err["loc"])
         if err["type"] == "missing":
@@ -314,13 +326,27 @@ def _issues_from_validation(exc: ValidationError, doc: Document, source: str) ->
             if (err["type"] != "literal_error" and given is not None
                     and not isinstance(given, (dict, list)) and str(given) not in message):
                 message += f" (got {given!r})"
-        key = (path, message)
-        if key in seen:  # union members repeat the same complaint
-            continue
-        seen.add(key)
         field = ".".join(str(p) for p in path)
+        previous = next((i for i, issue in enumerate(issues) if issue.field == (field or None)
+                         and (issue.line, issue.column) == (line, column)), None)
+        if previous is not None:  # one complaint per union member: say them as one
+            issues[previous] = _merge(issues[previous], message)
+            continue
         issues.append(Issue(message, source, line, column, field or None, _hint_for(err, path)))
     return issues
+
+
+def _merge(issue: Issue, message: str) -> Issue:
+    prefix = "Input should be "
+    got = re.search(r" \(got .*\)$", issue.message)
+    first = issue.message[: got.start()] if got else issue.message
+    second = re.sub(r" \(got .*\)$", "", message)
+    if first.startswith(prefix) and second.startswith(prefix):
+        merged = f"{first} or {second[len(prefix):]}"
+    else:
+        merged = f"{first}; or {second}"
+    return Issue(merged + (got.group(0) if got else ""), issue.path, issue.line, issue.column,
+                 issue.field, issue.hint)
 
 
 def _check_header(doc: Document, source: str) -> list[Issue]:

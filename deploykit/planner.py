@@ -248,7 +248,7 @@ def plan(structure: Structure, spec: Spec, inventory: Inventory, *, name: str = 
             raise PlanInfeasible(
                 f"GPU {first} cannot hold the input embeddings: they need {format_size(need)}, its "
                 f"budget is {format_size(budgets[first])} (memory - reserve {format_size(reserve)})",
-                shortfall={f"cuda:{first}": need - budgets[first]}, field="spec.placement.reserve")
+                shortfall={f"cuda:{first}": need - budgets[first]}, field="spec.placement.gpus")
         ends, _ = min_max_partition(loads[:held], gpu_sizes[:held], [ratios[i] for i in active],
                                     act_budgets, min_first=structure.embedding_block + 1)
         start = 0
@@ -275,7 +275,9 @@ def plan(structure: Structure, spec: Spec, inventory: Inventory, *, name: str = 
     if pos < len(blocks):
         raise PlanInfeasible(_infeasible_message(structure, pos, held, gpus, budgets, tiers, shortfall),
                              shortfall=shortfall, field="spec.offload")
-    if held < len(blocks):
+    if not active:
+        notes.append("no GPU in placement: every block runs from the CPU and disk tiers")
+    elif held < len(blocks):
         notes.append(f"{len(blocks) - held} of {len(blocks)} blocks do not fit on the GPUs and are "
                      f"offloaded ({format_size(sum(offload_sizes[held:]))})")
 

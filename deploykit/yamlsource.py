@@ -81,7 +81,9 @@ class _Builder:
         self.nodes += 1
         if self.nodes > MAX_NODES or depth > MAX_DEPTH:
             raise _TooLarge(node.start_mark)
-        doc.values.setdefault(path, (node.start_mark.line + 1, node.start_mark.column + 1))
+        # A block mapping or list starts on the line after its key: point at the key instead.
+        if isinstance(node, yaml.ScalarNode) or getattr(node, "flow_style", False) or not path:
+            doc.values.setdefault(path, (node.start_mark.line + 1, node.start_mark.column + 1))
         if isinstance(node, yaml.MappingNode):
             return self._mapping(node, path, doc, depth)
         if isinstance(node, yaml.SequenceNode):

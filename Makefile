@@ -1,0 +1,35 @@
+# deploykit: `make demo` and `make test` do all set-up themselves on a fresh machine.
+PYTHON ?= python3
+VENV   := .venv
+PY     := $(VENV)/bin/python
+STAMP  := $(VENV)/.deploykit-installed
+
+.PHONY: demo test lint docs bench clean
+
+# torch is installed first and pinned: 2.13.0 is a CPU build available locally; letting pip resolve
+# torch on its own pulls a multi-GB CUDA build.
+$(STAMP): pyproject.toml
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install -q torch==2.13.0
+	$(PY) -m pip install -q -e '.[test,bench,demo]'
+	touch $(STAMP)
+
+demo: $(STAMP)
+	$(PY) examples/demo.py
+
+test: $(STAMP)
+	$(PY) -m pytest -q
+
+lint: $(STAMP)
+	$(PY) -m mypy deploykit
+
+docs: $(STAMP)
+	$(VENV)/bin/deploykit schema --format markdown > docs/manifest.md
+	$(VENV)/bin/deploykit schema > docs/deploykit-v1.schema.json
+
+bench: $(STAMP)
+	$(PY) bench/balance.py
+
+clean:
+	rm -rf $(VENV) .demo .pytest_cache .hypothesis

@@ -1,0 +1,41 @@
+from __future__ import annotations
+
+import os
+import sys
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).parent))
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
+
+from tiny import build  # noqa: E402
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+@pytest.fixture(scope="session")
+def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> Callable[[str], Path]:
+    """``tiny_model("llama")`` -> directory of a saved tiny real model, built once per test run."""
+    cache: dict[str, Path] = {}
+    root = tmp_path_factory.mktemp("models")
+
+    def get(name: str) -> Path:
+        if name not in cache:
+            cache[name] = build(name, root / name)
+        return cache[name]
+
+    return get
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    if any(item.get_closest_marker("cuda") for item in items):
+        import torch
+
+        if not torch.cuda.is_available():
+            skip = pytest.mark.skip(reason="needs a CUDA GPU")
+            for item in items:
+                if item.get_closest_marker("cuda"):
+                    item.add_marker(skip)

@@ -1,0 +1,152 @@
+"""The real `deploykit` command in a subprocess, on real files."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from conftest import REPO
+
+MANIFEST = """\
+apiVersion: deploykit/v1
+kind: ModelDeployment
+metadata:
+  name: tiny
+spec:
+  model:
+    path: {path}
+    dtype: float32
+  placement:
+    gpus: [0, 1, 2]
+    ratios: [1, 2, 2]
+    reserve: 0
+  offload:
+    cpu: {{max_memory: 1GiB}}
+"""
+
+
+def deploykit(*args: str, env: dict | None = None, cwd: Path | None = None) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "deploykit.cli", *args], capture_output=True, text=True,
+                          env={**os.environ, "COLUMNS": "120", **(env or {})}, cwd=cwd or REPO, timeout=120)
+
+
+@pytest.fixture
+def manifest(tmp_path, tiny_model) -> Path:
+    path = tmp_path / "tiny.yaml"
+    path.write_text(MANIFEST.format(path=tiny_model("llama")))
+    return path
+
+
+def test_validate_ok(manifest):
+    result = deploykit("validate", str(manifest))
+    assert result.returncode == 0, result.stderr
+    assert "valid" in result.stdout and "tiny" in result.stdout
+
+
+def test_validate_reports_located_errors_and_exit_2(tmp_path, manifest):
+    bad = tmp_path / "bad.yaml"
+    bad.write_text(manifest.read_text().replace("dtype: float32", "dtype: fp32\n    colour: red"))
+    result = deploykit("validate", str(bad), str(manifest))
+    assert result.returncode == 2
+    lines = result.stderr.strip().splitlines()
+    assert lines == [
+        f"{bad}:8:12: spec.model.dtype: Input should be 'float32', 'float16' or 'bfloat16' "
+        "(hint: did you mean 'float32'?)",
+        f"{bad}:9:5: spec.model.colour: unknown field 'colour' "
+        "(hint: allowed keys here: path, task, dtype, trust_remote_code)",
+    ]
+
+
+def test_validate_checks_the_model_directory_unless_schema_only(tmp_path):
+    path = tmp_path / "m.yaml"
+    path.write_text(MANIFEST.format(path="./nowhere"))
+    result = deploykit("validate", str(path))
+    assert result.returncode == 2
+    assert f"{path}:7:11: spec.model.path: model directory" in result.stderr
+    assert deploykit("validate", "--schema-only", str(path)).returncode == 0
+
+
+@pytest.mark.parametrize("content", [b"", b"\x00\x01binary", b"\xff\xfe\x00x", b"a: [unclosed\n", b"- 1\n"])
+def test_bad_input_never_shows_a_traceback(tmp_path, content):
+    path = tmp_path / "x.yaml"
+    path.write_bytes(content)
+    result = deploykit("validate", str(path))
+    assert result.returncode == 2
+    assert "Traceback" not in result.stderr and str(path) in result.stderr
+
+
+def test_missing_file_exit_2():
+    result = deploykit("validate", "/no/such/manifest.yaml")
+    assert result.returncode == 2 and "no such file" in result.stderr
+
+
+def test_plan_json_on_simulated_gpus(manifest):
+    result = deploykit("plan", str(manifest), "--devices", "3x1GiB", "--output", "json")
+    assert result.returncode == 0, result.stderr
+    data = json.loads(result.stdout)
+    assert list(data)[:5] == ["name", "digest", "device_map", "devices", "bottleneck_factor"]
+    assert data["device_map"]["model.embed_tokens"] == 0
+    assert set(data["device_map"].values()) == {0, 1, 2}
+    assert [d["device"] for d in data["devices"]] == [0, 1, 2, "cpu"]
+    assert data["bottleneck_factor"] >= 1.0
+
+
+def test_plan_table_and_env_inventory(manifest):
+    result = deploykit("plan", str(manifest), env={"DEPLOYKIT_DEVICES": "3x1GiB"})
+    assert result.returncode == 0, result.stderr
+    assert "cuda:0" in result.stdout and "model.layers." in result.stdout
+    assert "bottleneck factor" in result.stdout
+
+
+def test_plan_infeasible_is_located_and_exit_1(manifest):
+    text = manifest.read_text().replace("max_memory: 1GiB", "max_memory: 1KiB")
+    manifest.write_text(text)
+    result = deploykit("plan", str(manifest), "--devices", "3x100KiB")
+    assert result.returncode == 1
+    assert f"{manifest}:13:3: spec.offload: the model needs" in result.stderr
+    result = deploykit("plan", str(manifest), "--devices", "1x1GiB")
+    assert result.returncode == 1 and "GPU 1, 2 not in the inventory" in result.stderr
+    assert f"{manifest}:10:11: spec.placement.gpus" in result.stderr
+
+
+def test_plan_bad_device_spec(manifest):
+    result = deploykit("plan", str(manifest), "--devices", "3y1GiB")
+    assert result.returncode == 1 and "cannot read device spec" in result.stderr
+
+
+def test_schema_is_json_schema():
+    result = deploykit("schema")
+    assert result.returncode == 0
+    schema = json.loads(result.stdout)
+    assert schema["required"] == ["apiVersion", "kind", "metadata", "spec"]
+    assert schema["additionalProperties"] is False
+
+
+def test_docs_manifest_reference_is_current():
+    from deploykit.reference import render
+
+    on_disk = (REPO / "docs" / "manifest.md").read_text()
+    assert on_disk == render(), "docs/manifest.md is stale: run `make docs`"
+    schema_file = json.loads((REPO / "docs" / "deploykit-v1.schema.json").read_text())
+    from deploykit.manifest import json_schema
+
+    assert schema_file == json_schema(), "docs/deploykit-v1.schema.json is stale: run `make docs`"
+
+
+def test_shipped_manifests_validate():
+    files = sorted(str(p) for p in (REPO / "manifests").glob("*.yaml"))
+    result = deploykit("validate", "--schema-only", *files)
+    assert result.returncode == 0, result.stderr
+
+
+def test_validate_does_not_import_torch(manifest):
+    code = ("import sys\nfrom deploykit import cli\n"
+            f"try:\n    cli.main(['validate', {str(manifest)!r}])\nexcept SystemExit as e:\n    code = e.code\n"
+            "print(code, 'torch' in sys.modules, 'transformers' in sys.modules)")
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert result.stdout.strip().splitlines()[-1] == "0 False False"
