@@ -17,8 +17,10 @@ The meta model is built under the ``torch.device("meta")`` context, not accelera
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
+from collections.abc import Iterator
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
@@ -90,27 +92,38 @@ def load_config(model_dir: Path, *, trust_remote_code: bool = False) -> Any:
     from transformers import AutoConfig
 
     try:
-        return AutoConfig.from_pretrained(str(model_dir), trust_remote_code=trust_remote_code)
+        with _quiet_transformers():
+            return AutoConfig.from_pretrained(str(model_dir), trust_remote_code=trust_remote_code)
     except (ValueError, KeyError, OSError) as exc:
         raise CheckpointError(f"{config_file}: transformers cannot read this config: {exc}") from None
+
+
+@contextlib.contextmanager
+def _quiet_transformers() -> Iterator[None]:
+    """transformers logs config advice and warnings at import-time levels; deploykit reports what
+    matters itself, so keep them out of its output (raise with -vv to see them)."""
+    import transformers
+
+    previous = transformers.logging.get_verbosity()
+    if not log.isEnabledFor(logging.DEBUG):
+        transformers.logging.set_verbosity_error()
+    try:
+        yield
+    finally:
+        transformers.logging.set_verbosity(previous)
 
 
 def build_meta_model(config: Any, *, task: Task, trust_remote_code: bool = False) -> torch.nn.Module:
     """The model for ``task`` on the meta device: real structure and names, no memory, no weights."""
     import torch
-    import transformers
 
     auto = _auto_class(task)
-    previous = transformers.logging.get_verbosity()
-    transformers.logging.set_verbosity_error()
     try:
-        with torch.device("meta"):
+        with _quiet_transformers(), torch.device("meta"):
             model = auto.from_config(config, trust_remote_code=trust_remote_code)
     except ValueError as exc:
         raise CheckpointError(f"task {task!r} does not fit a {type(config).__name__} "
                               f"({config.model_type}): {str(exc).splitlines()[0]}") from None
-    finally:
-        transformers.logging.set_verbosity(previous)
     model.eval()
     return model
 
@@ -286,5 +299,4 @@ def structure_from_config(config: Any, *, task: Task, dtype: str,
 def load_structure(model_dir: Path, *, task: Task, dtype: str, trust_remote_code: bool = False) -> Structure:
     """Blocks of the checkpoint at ``model_dir``, from its config.json alone (no weights read)."""
     config = load_config(model_dir, trust_remote_code=trust_remote_code)
-    logging.getLogger("transformers").setLevel(logging.ERROR)
     return structure_from_config(config, task=task, dtype=dtype, trust_remote_code=trust_remote_code)
