@@ -4,7 +4,7 @@ VENV   := .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.deploykit-installed
 
-.PHONY: demo test lint docs bench clean
+.PHONY: demo test docs bench clean
 
 # torch is installed first and pinned: 2.13.0 is a CPU build available locally; letting pip resolve
 # torch on its own pulls a multi-GB CUDA build.
@@ -19,10 +19,8 @@ demo: $(STAMP)
 	$(PY) examples/demo.py
 
 test: $(STAMP)
-	$(PY) -m pytest -q
-
-lint: $(STAMP)
 	$(PY) -m mypy deploykit
+	$(PY) -m pytest -q
 
 docs: $(STAMP)
 	$(VENV)/bin/deploykit schema --format markdown > docs/manifest.md

@@ -283,7 +283,7 @@ def _submodel(path: tuple[str | int, ...]) -> type[BaseModel] | None:
     return model
 
 
-def _hint_for(err: dict[str, Any], path: tuple[str | int, ...]) -> str | None:
+def _hint_for(err: Any, path: tuple[str | int, ...]) -> str | None:
     if err["type"] == "extra_forbidden" and path:
         parent = _submodel(path[:-1])
         if parent is not None:

@@ -174,7 +174,7 @@ def _tensor_bytes(t: torch.Tensor, dtype_bytes: int) -> int:
     return t.numel() * (dtype_bytes if t.is_floating_point() else t.element_size())
 
 
-def structure_from_model(model: torch.nn.Module, *, task: Task, dtype: str) -> Structure:
+def structure_from_model(model: Any, *, task: Task, dtype: str) -> Structure:
     """Blocks of an already-built (meta or real) model. See the module docstring for the rules."""
     import torch
     from accelerate.utils import find_tied_parameters
