@@ -168,6 +168,95 @@ def _plan_json(p: Any) -> dict[str, Any]:
     return ordered
 
 
+class _Bar:
+    """A rich progress bar (bytes, rate, ETA) behind the library's ProgressSink protocol."""
+
+    def __init__(self, description: str) -> None:
+        from rich.progress import (BarColumn, DownloadColumn, Progress, TextColumn, TimeRemainingColumn,
+                                   TransferSpeedColumn)
+
+        self.progress = Progress(TextColumn("{task.description}"), BarColumn(), DownloadColumn(binary_units=True),
+                                 TransferSpeedColumn(), TimeRemainingColumn(), console=err, transient=False)
+        self.description = description
+        self.task: Any = None
+
+    def __enter__(self) -> _Bar:
+        self.progress.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.progress.stop()
+
+    def start(self, total: int, done: int) -> None:
+        self.task = self.progress.add_task(self.description, total=total, completed=done)
+
+    def advance(self, n: int) -> None:
+        self.progress.advance(self.task, n)
+
+
+def _show_progress(quiet: bool) -> bool:
+    return not quiet and err.is_terminal
+
+
+@main.command()
+@click.argument("src", type=click.Path(file_okay=False))
+@click.argument("dst", type=click.Path(file_okay=False))
+@click.option("--max-shard-size", required=True, metavar="SIZE", help="Largest shard, e.g. 2GiB.")
+@click.option("--dtype", type=click.Choice(["float32", "float16", "bfloat16"]), default=None,
+              help="Convert floating tensors (decodes a chunk at a time); default: keep each dtype.")
+@click.option("--allow-pickle", is_flag=True,
+              help="Accept *.bin/*.pt checkpoints (read with torch.load(weights_only=True)).")
+@click.option("--quiet", "-q", is_flag=True, help="No progress bar.")
+@_handle_errors
+def reshard(src: str, dst: str, max_shard_size: str, dtype: str | None, allow_pickle: bool,
+            quiet: bool) -> None:
+    """Rewrite the checkpoint SRC into DST with shards of at most --max-shard-size.
+
+    Streams tensor by tensor with bounded memory, writes atomically (DST is either as it was or
+    complete, even after kill -9), resumes an interrupted run, and does nothing when DST is already
+    up to date.
+    """
+    from .reshard import reshard as run
+    from .units import parse_size
+
+    try:
+        size = parse_size(max_shard_size)
+    except ValueError as exc:
+        raise click.BadParameter(str(exc), param_hint="--max-shard-size") from None
+    if size <= 0:
+        raise click.BadParameter("must be greater than 0", param_hint="--max-shard-size")
+    if _show_progress(quiet):
+        with _Bar("resharding") as bar:
+            result = run(src, dst, max_shard_size=size, dtype=dtype, allow_pickle=allow_pickle, progress=bar)
+    else:
+        result = run(src, dst, max_shard_size=size, dtype=dtype, allow_pickle=allow_pickle)
+    for warning in result.warnings:
+        err.print(f"warning: {warning}", markup=False)
+    if result.status == "unchanged":
+        out.print(f"{dst}: up to date ({len(result.layout.shards)} shards), nothing written")
+        return
+    rate = result.bytes_written / result.seconds / 2**20 if result.seconds else 0
+    resumed = f", {result.resumed_shards} resumed" if result.resumed_shards else ""
+    out.print(f"{dst}: wrote {len(result.layout.shards)} shards{resumed}, "
+              f"{format_size(result.bytes_written)} in {result.seconds:.2f}s ({rate:.0f} MiB/s)")
+
+
+@main.command()
+@click.argument("directory", type=click.Path(file_okay=False))
+@_handle_errors
+def verify(directory: str) -> None:
+    """Check a resharded checkpoint: every shard against the lock file, the index against the files.
+
+    Exit 0 when everything matches, 1 otherwise.
+    """
+    from .reshard import verify as check
+
+    problems = check(directory)
+    if problems:
+        _fail(EXIT_FAILED, problems)
+    out.print(f"{directory}: verified")
+
+
 @main.command()
 @click.option("--format", "fmt", type=click.Choice(["json", "markdown"]), default="json",
               show_default=True, help="JSON Schema, or the Markdown reference (docs/manifest.md).")
