@@ -28,6 +28,7 @@ docs: $(STAMP)
 
 bench: $(STAMP)
 	$(PY) bench/balance.py
+	$(PY) bench/reshard.py
 
 clean:
 	rm -rf $(VENV) .demo .pytest_cache .hypothesis

@@ -13,7 +13,7 @@ import os
 import sys
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any, NoReturn, TypeVar
+from typing import TYPE_CHECKING, Any, NoReturn, TypeVar
 
 import click
 from rich.console import Console
@@ -21,8 +21,10 @@ from rich.table import Table
 
 from . import __version__
 from .errors import DeploykitError, Issue, ManifestError, PlanInfeasible
-from .manifest import LoadedManifest, check_on_host, json_schema, load_manifests
 from .units import format_size
+
+if TYPE_CHECKING:
+    from .manifest import LoadedManifest
 
 EXIT_OK, EXIT_FAILED, EXIT_INVALID = 0, 1, 2
 out = Console(highlight=False, soft_wrap=True)
@@ -46,8 +48,10 @@ def _handle_errors(func: F) -> F:
             _fail(EXIT_INVALID, [str(i) for i in exc.issues])
         except DeploykitError as exc:
             _fail(EXIT_FAILED, [f"error: {exc}"])
-        except KeyboardInterrupt:
+        except (KeyboardInterrupt, click.exceptions.Abort):
             _fail(130, ["interrupted"])
+        except click.ClickException:
+            raise  # usage errors: click prints them and exits 2
         except Exception as exc:  # a bug, not bad input: say so, keep the traceback available
             if os.environ.get("DEPLOYKIT_DEBUG"):
                 raise
@@ -61,6 +65,8 @@ def _handle_errors(func: F) -> F:
 
 def _load_all(files: tuple[str, ...]) -> list[LoadedManifest]:
     """Load every file, collecting the issues of all files before failing."""
+    from .manifest import load_manifests
+
     loaded: list[LoadedManifest] = []
     issues: list[Issue] = []
     for file in files:
@@ -91,6 +97,8 @@ def validate(files: tuple[str, ...], schema_only: bool) -> None:
 
     Exit code 0 when every manifest is valid, 2 when any is invalid.
     """
+    from .manifest import check_on_host
+
     loaded = _load_all(files)
     issues: list[Issue] = []
     if not schema_only:
@@ -264,6 +272,8 @@ def verify(directory: str) -> None:
 def schema(fmt: str) -> None:
     """Print the manifest's JSON Schema (for editors and CI) or its Markdown reference."""
     if fmt == "json":
+        from .manifest import json_schema
+
         click.echo(json.dumps(json_schema(), indent=2))
     else:
         from .reference import render

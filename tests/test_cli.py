@@ -150,3 +150,29 @@ def test_validate_does_not_import_torch(manifest):
             "print(code, 'torch' in sys.modules, 'transformers' in sys.modules)")
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert result.stdout.strip().splitlines()[-1] == "0 False False"
+
+
+def test_reshard_and_verify_commands(tiny_model, tmp_path):
+    dst = tmp_path / "out"
+    result = deploykit("reshard", str(tiny_model("llama")), str(dst), "--max-shard-size", "50KiB")
+    assert result.returncode == 0, result.stderr
+    assert "wrote" in result.stdout and "shards" in result.stdout
+    assert "larger than max_shard_size" in result.stderr  # the embedding gets its own shard
+    again = deploykit("reshard", str(tiny_model("llama")), str(dst), "--max-shard-size", "50KiB", "-q")
+    assert again.returncode == 0 and "up to date" in again.stdout
+    assert deploykit("verify", str(dst)).returncode == 0
+    (dst / "config.json").write_text("{}")
+    bad = deploykit("verify", str(dst))
+    assert bad.returncode == 1 and "config.json: missing or modified" in bad.stderr
+
+
+def test_reshard_bad_input_is_an_error_not_a_traceback(tmp_path):
+    src = tmp_path / "src"
+    src.mkdir()
+    (src / "model.safetensors").write_bytes(b"\x10\x00\x00\x00\x00\x00\x00\x00{not json}      ")
+    result = deploykit("reshard", str(src), str(tmp_path / "dst"), "--max-shard-size", "1GiB")
+    assert result.returncode == 1
+    assert "corrupt safetensors header" in result.stderr and "Traceback" not in result.stderr
+    assert not (tmp_path / "dst").exists()
+    result = deploykit("reshard", str(src), str(tmp_path / "dst"), "--max-shard-size", "1XB")
+    assert result.returncode == 2 and "max-shard-size" in result.stderr
