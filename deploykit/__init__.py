@@ -15,7 +15,16 @@ from .errors import (
 
 __version__ = "0.1.0"
 
+
+def __getattr__(name: str) -> object:
+    if name == "Deployment":  # imported on first use: it pulls in the manifest schema
+        from .runtime import Deployment
+
+        return Deployment
+    raise AttributeError(f"module 'deploykit' has no attribute {name!r}")
+
+
 __all__ = [
-    "ApplyError", "CheckpointError", "DeploykitError", "InventoryError", "Issue", "ManifestError",
+    "ApplyError", "CheckpointError", "Deployment", "DeploykitError", "InventoryError", "Issue", "ManifestError",
     "PlanInfeasible", "__version__",
 ]

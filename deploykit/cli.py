@@ -265,6 +265,225 @@ def verify(directory: str) -> None:
     out.print(f"{directory}: verified")
 
 
+def _manifest_files(target: str) -> list[str]:
+    path = Path(target)
+    if path.is_dir():
+        files = sorted(str(p) for p in path.iterdir() if p.suffix in (".yaml", ".yml") and p.is_file())
+        if not files:
+            raise ManifestError([Issue("no *.yaml manifests in this directory", target)])
+        return files
+    return [target]
+
+
+def _store(state_dir: str | None) -> Any:
+    from .state import StateStore
+
+    return StateStore(Path(state_dir) if state_dir else None)
+
+
+_STATE_OPTION = click.option("--state-dir", metavar="DIR", default=None, envvar="DEPLOYKIT_STATE",
+                             help="State directory (default: $DEPLOYKIT_STATE, else ~/.local/state/deploykit).")
+
+
+def _step_printer(name: str) -> Callable[[str], None]:
+    def show(step: str) -> None:
+        if err.is_terminal:
+            err.print(f"[dim]{name}: {step}…[/]")
+
+    return show
+
+
+def _summary(outcome: Any) -> None:
+    steps = ", ".join(f"{k} {v:.2f}s" for k, v in outcome.timings.items())
+    if outcome.status == "unchanged":
+        out.print(f"[green]unchanged[/] {outcome.name}: revision {outcome.revision} is current; nothing to do "
+                  f"({steps})")
+        return
+    if outcome.status == "dry-run":
+        out.print(f"[yellow]dry run[/] {outcome.name}: would {', '.join(a.step for a in outcome.actions)} "
+                  f"({outcome.actions[0].reason}); nothing changed")
+        out.print(_plan_table(outcome.plan))
+        return
+    out.print(f"[green]applied[/] {outcome.name}: revision {outcome.revision} Ready ({steps})")
+    if outcome.reshard is not None:
+        r = outcome.reshard
+        out.print(f"  shards: {outcome.shards} ({len(r.layout.shards)} files, {r.status})")
+    else:
+        out.print(f"  shards: {outcome.shards} (the checkpoint's own layout fits; used in place)")
+    out.print(f"  health: {outcome.health}")
+    out.print(_plan_table(outcome.plan))
+
+
+def _outcome_json(outcome: Any) -> dict[str, Any]:
+    return {"name": outcome.name, "status": outcome.status, "revision": outcome.revision,
+            "actions": [{"step": a.step, "reason": a.reason} for a in outcome.actions],
+            "timings": outcome.timings, "shards": str(outcome.shards) if outcome.shards else None,
+            "health": outcome.health, "plan": _plan_json(outcome.plan) if outcome.plan else None}
+
+
+@main.command()
+@click.argument("target", type=click.Path(exists=True))
+@click.option("--devices", metavar="SPEC", default=None, help="Simulated inventory (only with --dry-run "
+              "unless this host has those GPUs).")
+@click.option("--dry-run", is_flag=True, help="Show what would happen; change nothing.")
+@click.option("--force", is_flag=True, help="Apply even if nothing changed.")
+@click.option("--prune", is_flag=True, help="With a directory: remove deployments whose manifests are gone.")
+@click.option("--output", "-o", type=click.Choice(["table", "json"]), default="table", show_default=True)
+@click.option("--quiet", "-q", is_flag=True, help="No progress bars.")
+@_STATE_OPTION
+@_handle_errors
+def apply(target: str, devices: str | None, dry_run: bool, force: bool, prune: bool, output: str,
+          quiet: bool, state_dir: str | None) -> None:
+    """Apply TARGET (a manifest file, or a directory of them, in name order): validate, plan, reshard
+    if the layout on disk differs, load, health-check, record a new revision.
+
+    An unchanged manifest with an unchanged checkpoint does nothing.
+    """
+    from .reconciler import apply as run
+
+    store = _store(state_dir)
+    loaded = _load_all(tuple(_manifest_files(target)))
+    results, failures = [], []
+    for item in loaded:
+        try:
+            if _show_progress(quiet) and not dry_run:
+                with _Bar(f"{item.name}: resharding") as bar:
+                    outcome = run(item, store=store, devices=devices, dry_run=dry_run, force=force,
+                                  progress=bar, on_step=_step_printer(item.name))
+            else:
+                outcome = run(item, store=store, devices=devices, dry_run=dry_run, force=force)
+        except PlanInfeasible as exc:
+            failures.append(_located(item, exc))
+            continue
+        except ManifestError:
+            raise
+        except DeploykitError as exc:
+            failures.append(f"{item.source}: {item.name}: apply failed: {exc}")
+            continue
+        results.append(outcome)
+        if output == "table":
+            _summary(outcome)
+    if prune and Path(target).is_dir() and not dry_run:
+        keep = {item.name for item in loaded}
+        for name in store.names():
+            manifest = store.deployment_manifest(name) or ""
+            if name not in keep and Path(manifest).parent == Path(target).resolve():
+                store.forget(name)
+                out.print(f"[yellow]pruned[/] {name}: its manifest is gone")
+    if output == "json":
+        out.print_json(json.dumps([_outcome_json(o) for o in results]))
+    if failures:
+        _fail(EXIT_FAILED, failures)
+
+
+@main.command()
+@click.argument("files", nargs=-1, required=True, type=click.Path(exists=True))
+@click.option("--devices", metavar="SPEC", default=None, help="Simulated inventory for the new plan.")
+@_STATE_OPTION
+@_handle_errors
+def diff(files: tuple[str, ...], devices: str | None, state_dir: str | None) -> None:
+    """What applying FILES would change against the current revisions: manifest fields, modules that
+    move device, and whether a reshard is needed."""
+    from .differ import diff_manifest
+
+    store = _store(state_dir)
+    for item in _load_all(tuple(f for target in files for f in _manifest_files(target))):
+        report = diff_manifest(item, store=store, devices=devices)
+        for line in report:
+            out.print(line, markup=False)
+
+
+@main.command()
+@click.argument("name", required=False)
+@click.option("--output", "-o", type=click.Choice(["table", "json"]), default="table", show_default=True)
+@_STATE_OPTION
+@_handle_errors
+def status(name: str | None, output: str, state_dir: str | None) -> None:
+    """Phase, serving revision, conditions, plan summary and last error of NAME (default: all)."""
+    store = _store(state_dir)
+    names = [name] if name else store.names()
+    if name and store.latest(name) is None:
+        raise DeploykitError(f"no deployment named {name!r} (known: {', '.join(store.names()) or 'none'})")
+    reports = [store.status(n) for n in names]
+    if output == "json":
+        out.print_json(json.dumps(reports[0] if name else reports))
+        return
+    if not reports:
+        out.print("no deployments")
+    for r in reports:
+        colour = {"Ready": "green", "Failed": "red", "Progressing": "yellow"}.get(r["phase"], "white")
+        out.print(f"[bold]{r['name']}[/]  phase [{colour}]{r['phase']}[/]  revision {r['revision']}")
+        for c in r["conditions"]:
+            if c["status"] or c["type"] == "Ready":
+                out.print(f"  {c['type']}={c['status']} ({c['reason']}) {c['message']}", markup=False)
+        if r["plan"]:
+            for d in r["plan"]["devices"]:
+                device = f"cuda:{d['device']}" if isinstance(d["device"], int) else d["device"]
+                out.print(f"  {device}: {', '.join(d['blocks'])} ({format_size(d['bytes'])})", markup=False)
+        if r["last_error"]:
+            out.print(f"  last error: {r['last_error']}", markup=False)
+
+
+@main.command()
+@click.argument("name")
+@click.option("--output", "-o", type=click.Choice(["table", "json"]), default="table", show_default=True)
+@_STATE_OPTION
+@_handle_errors
+def history(name: str, output: str, state_dir: str | None) -> None:
+    """Every revision of NAME with its outcome."""
+    import time as _time
+
+    store = _store(state_dir)
+    revisions = store.history(name)
+    if not revisions:
+        raise DeploykitError(f"no deployment named {name!r}")
+    current = store.current(name)
+    rows = [{"revision": r.revision, "phase": r.phase, "current": current is not None and
+             r.revision == current.revision, "created": _time.strftime("%Y-%m-%d %H:%M:%S",
+                                                                         _time.localtime(r.created_at)),
+             "manifest_digest": r.manifest_digest, "plan_digest": r.plan_digest, "git_commit": r.git_commit,
+             "reason": r.reason} for r in revisions]
+    if output == "json":
+        out.print_json(json.dumps(rows))
+        return
+    table = Table(title=f"{name}: revisions", title_justify="left")
+    for col in ("rev", "phase", "created", "manifest", "plan", "git", "reason"):
+        table.add_column(col, overflow="fold")
+    for row in rows:
+        table.add_row(f"{row['revision']}{' *' if row['current'] else ''}", row["phase"], row["created"],
+                      row["manifest_digest"][7:19], (row["plan_digest"] or "")[7:19],
+                      (row["git_commit"] or "")[:10], row["reason"] or "")
+    out.print(table)
+
+
+@main.command()
+@click.argument("name")
+@click.option("--to-revision", type=int, default=None, help="Default: the Ready revision before the current one.")
+@click.option("--quiet", "-q", is_flag=True, help="No progress bars.")
+@_STATE_OPTION
+@_handle_errors
+def rollback(name: str, to_revision: int | None, quiet: bool, state_dir: str | None) -> None:
+    """Re-apply a recorded revision of NAME (as a new revision with that content)."""
+    from .reconciler import apply_recorded
+
+    store = _store(state_dir)
+    current = store.current(name)
+    if to_revision is None:
+        ready = [r for r in store.history(name) if r.phase == "Ready"
+                 and (current is None or r.revision < current.revision)]
+        if not ready:
+            raise DeploykitError(f"{name!r} has no Ready revision before the current one to roll back to")
+        target = ready[-1]
+    else:
+        found = store.get(name, to_revision)
+        if found is None:
+            raise DeploykitError(f"{name!r} has no revision {to_revision}")
+        target = found
+    outcome = apply_recorded(target, store=store, on_step=None if quiet else _step_printer(name))
+    out.print(f"[green]rolled back[/] {name} to the content of revision {target.revision}: "
+              f"now revision {outcome.revision}")
+
+
 @main.command()
 @click.option("--format", "fmt", type=click.Choice(["json", "markdown"]), default="json",
               show_default=True, help="JSON Schema, or the Markdown reference (docs/manifest.md).")

@@ -89,6 +89,9 @@ class ModelSpec(_Strict):
         "float16", description="Weights are loaded (and sized for planning) at this dtype.")
     trust_remote_code: StrictBool = Field(
         False, description="Run Python code shipped with the checkpoint. Strictly true or false.")
+    allow_pickle: StrictBool = Field(
+        False, description="Accept pickle weights (*.bin, *.pt), read with torch.load(weights_only=True). "
+                           "Off: unpickling can run code.")
 
 
 class KVCache(_Strict):
@@ -254,6 +257,28 @@ class LoadedManifest:
     @property
     def model_path(self) -> Path:
         return self.resolve(self.manifest.spec.model.path)
+
+    @property
+    def digest(self) -> str:
+        """What the manifest asks for, independent of comments, formatting and how paths are written."""
+        import hashlib
+
+        return "sha256:" + hashlib.sha256(self.text.encode()).hexdigest()
+
+    @property
+    def text(self) -> str:
+        """This manifest as YAML, for the record of a revision (re-applied by rollback)."""
+        import yaml
+
+        data = self.manifest.model_dump(mode="json", by_alias=True)
+        for section, key in (("model", "path"), ("sharding", "path")):
+            value = data["spec"][section].get(key)
+            if value is not None:
+                data["spec"][section][key] = str(self.resolve(Path(value)).resolve())
+        disk = data["spec"]["offload"].get("disk")
+        if disk:
+            disk["path"] = str(self.resolve(Path(disk["path"])).resolve())
+        return yaml.safe_dump(data, sort_keys=False)
 
     def locate(self, field: str) -> tuple[int, int]:
         parts: tuple[str | int, ...] = tuple(int(p) if p.isdigit() else p for p in field.split("."))

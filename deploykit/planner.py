@@ -86,6 +86,11 @@ class Plan:
     def device_of(self, module: str) -> Device:
         return self.device_map[module]
 
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> Plan:
+        devices = tuple(DevicePlan(**{**d, "blocks": tuple(d["blocks"])}) for d in data["devices"])
+        return cls(**{**data, "devices": devices, "notes": tuple(data.get("notes", ()))})
+
 
 def _digest(name: str, architecture: str, dtype: str, device_map: dict[str, Device]) -> str:
     payload = json.dumps({"name": name, "architecture": architecture, "dtype": dtype,

@@ -154,6 +154,29 @@ def plan_layout(checkpoint: Checkpoint, *, max_shard_size: int, dtype: str | Non
                   "sha256:" + hashlib.sha256(payload.encode()).hexdigest())
 
 
+def fits_layout(checkpoint: Checkpoint, *, max_shard_size: int, dtype: str | None,
+                device_map: dict[str, Any] | None) -> bool:
+    """Whether the checkpoint on disk already has the wanted layout, so no resharding is needed:
+    safetensors files within the size limit (or holding one tensor), at the wanted dtype, each read by
+    one device only."""
+    if checkpoint.format != "safetensors":
+        return False
+    target = DTYPES[dtype] if dtype else None
+    if target and any(t.dtype in FLOAT_DTYPES and t.dtype != target for t in checkpoint.tensors):
+        return False
+    modules = {m: i for i, m in enumerate(device_map or {})}
+    devices = list((device_map or {}).values())
+    for file in checkpoint.weight_files:
+        tensors = [t for t in checkpoint.tensors if t.file == file]
+        if len(tensors) > 1 and sum(t.nbytes for t in tensors) > max_shard_size:
+            return False
+        if device_map:
+            owners = {_module_of(t.name, modules) for t in tensors}
+            if len({None if o is None else str(devices[o]) for o in owners}) > 1:
+                return False
+    return True
+
+
 # ---------------------------------------------------------------------------------------------------
 # Copying bytes.
 

@@ -1,0 +1,165 @@
+"""Materialise a Plan into a model on its devices. The only module that moves tensors.
+
+Two paths, both through transformers' ``from_pretrained`` on the (resharded) checkpoint:
+
+- **A plan with GPUs** is handed to ``from_pretrained(device_map=plan.device_map, offload_folder=...)``
+  as is: transformers and accelerate place GPU blocks, and attach accelerate's offload hooks to CPU
+  and disk blocks (disk blocks are read in place from the safetensors files, nothing is copied).
+  Those hooks are not safe for concurrent forwards, so such a model reports ``serialize_forward``.
+- **A plan without GPUs** (everything executes on the CPU) needs no hooks: transformers already maps
+  safetensors weights into memory on CPU. The disk tier's blocks stay memory-mapped from their shard
+  files (read on demand, evictable by the kernel under memory pressure, never copied), and the CPU
+  tier's blocks are read into RAM at load time. Forwards are then as fast as all-CPU once pages are
+  warm, and safe to run concurrently. (accelerate's disk hooks copy every offloaded weight on every
+  forward: 1.26x the all-CPU latency here, and unsafe under threads.)
+
+Missing weights, shape mismatches and a plan that names GPUs this host does not have are errors here,
+before the model is returned.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from .errors import ApplyError
+from .planner import Plan
+
+log = logging.getLogger(__name__)
+_TORCH_DTYPES = {"float32": "float32", "float16": "float16", "bfloat16": "bfloat16"}
+
+
+@dataclass
+class LoadedModel:
+    model: Any  # torch.nn.Module
+    plan: Plan
+    source: Path
+    input_device: str  # where inputs go: the device of the input embeddings
+    serialize_forward: bool  # accelerate offload hooks present: one forward at a time
+    tokenizer: Any | None = None
+
+
+def gpus_of(plan: Plan) -> list[int]:
+    return sorted({d for d in plan.device_map.values() if isinstance(d, int)})
+
+
+def check_fits_host(plan: Plan) -> None:
+    """A plan made for GPUs this host lacks (a simulated inventory) cannot be loaded here."""
+    gpus = gpus_of(plan)
+    if not gpus:
+        return
+    import torch
+
+    available = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    missing = [g for g in gpus if g >= available]
+    if missing:
+        raise ApplyError(f"the plan places blocks on GPU {', '.join(map(str, missing))} but this host has "
+                         f"{available} CUDA device(s); plan against this host (no --devices), or apply on "
+                         "the host the plan was made for")
+
+
+@contextlib.contextmanager
+def _quiet() -> Iterator[None]:
+    import transformers
+
+    previous = transformers.logging.get_verbosity()
+    transformers.logging.set_verbosity_error()
+    transformers.logging.disable_progress_bar()
+    try:
+        yield
+    finally:
+        transformers.logging.set_verbosity(previous)
+        transformers.logging.enable_progress_bar()
+
+
+def _auto(task: str) -> Any:
+    import transformers
+
+    return {"causal-lm": transformers.AutoModelForCausalLM,
+            "seq2seq-lm": transformers.AutoModelForSeq2SeqLM,
+            "feature-extraction": transformers.AutoModel}[task]
+
+
+def _check_loading_info(info: dict[str, Any], source: Path) -> None:
+    missing = sorted(info.get("missing_keys") or [])
+    mismatched = info.get("mismatched_keys") or []
+    if missing:
+        raise ApplyError(f"{source}: {len(missing)} weight(s) the model needs are not in the checkpoint "
+                         f"(first: {missing[0]!r}); the checkpoint does not match its config.json")
+    if mismatched:
+        first = mismatched[0]
+        raise ApplyError(f"{source}: {len(mismatched)} weight(s) have the wrong shape (first: {first})")
+
+
+def _materialise(model: Any, modules: list[str]) -> None:
+    """Read the weights of ``modules`` into RAM (out of their file mapping): the CPU tier."""
+    seen: set[int] = set()
+    for name in modules:
+        module = model.get_submodule(name)
+        for p in [*module.parameters(), *module.buffers()]:
+            if id(p) not in seen:
+                seen.add(id(p))
+                p.data = p.data.clone()
+
+
+def load(plan: Plan, checkpoint_dir: Path, *, task: str, dtype: str, trust_remote_code: bool = False,
+         offload_dir: Path | None = None) -> LoadedModel:
+    """Load the checkpoint at ``checkpoint_dir`` placed as ``plan`` says."""
+    import torch
+
+    check_fits_host(plan)
+    torch_dtype = getattr(torch, _TORCH_DTYPES[dtype])
+    gpus = gpus_of(plan)
+    kwargs: dict[str, Any] = {"dtype": torch_dtype, "trust_remote_code": trust_remote_code,
+                              "output_loading_info": True}
+    if gpus:
+        kwargs["device_map"] = plan.device_map
+        if "disk" in plan.device_map.values():
+            if offload_dir is None:
+                raise ApplyError("the plan uses the disk tier but offload.disk.path is not set")
+            offload_dir.mkdir(parents=True, exist_ok=True)
+            kwargs["offload_folder"] = str(offload_dir)
+    else:
+        kwargs["device_map"] = "cpu"
+    try:
+        with _quiet():
+            model, info = _auto(task).from_pretrained(str(checkpoint_dir), **kwargs)
+    except (OSError, ValueError, RuntimeError, KeyError) as exc:
+        raise ApplyError(f"loading {checkpoint_dir} failed: {str(exc).strip().splitlines()[0]}") from None
+    _check_loading_info(info, checkpoint_dir)
+    model.eval()
+    if not gpus:
+        _materialise(model, [m for m, d in plan.device_map.items() if d == "cpu"])
+    embeddings = next(n for n, m in model.named_modules() if m is model.get_input_embeddings())
+    device = _device_of(embeddings, plan.device_map)
+    serialize = bool(gpus) and any(d in ("cpu", "disk") for d in plan.device_map.values())
+    return LoadedModel(model, plan, checkpoint_dir,
+                       f"cuda:{device}" if isinstance(device, int) else "cpu", serialize,
+                       _tokenizer(checkpoint_dir))
+
+
+def _device_of(module: str, device_map: dict[str, Any]) -> Any:
+    parts = module.split(".")
+    for i in range(len(parts), -1, -1):
+        key = ".".join(parts[:i])
+        if key in device_map:
+            return device_map[key]
+    return "cpu"
+
+
+def _tokenizer(directory: Path) -> Any | None:
+    if not any((directory / f).exists() for f in ("tokenizer.json", "tokenizer_config.json", "vocab.txt",
+                                                   "tokenizer.model")):
+        return None
+    from transformers import AutoTokenizer
+
+    try:
+        with _quiet():
+            return AutoTokenizer.from_pretrained(str(directory))
+    except (OSError, ValueError) as exc:
+        log.warning("tokenizer in %s not usable: %s", directory, exc)
+        return None
