@@ -95,6 +95,29 @@ def _check_loading_info(info: dict[str, Any], source: Path) -> None:
         raise ApplyError(f"{source}: {len(mismatched)} weight(s) have the wrong shape (first: {first})")
 
 
+def check_shapes(checkpoint_dir: Path, *, task: str, trust_remote_code: bool = False) -> None:
+    """Every checkpoint tensor the model has must have the shape its config.json implies.
+
+    transformers reports a mismatch only as "ignore_mismatched_sizes is False" after logging the
+    details; deploykit names the tensors and both shapes, before anything is loaded.
+    """
+    from .checkpoint import open_checkpoint
+    from .structure import build_meta_model, load_config
+
+    model = build_meta_model(load_config(checkpoint_dir, trust_remote_code=trust_remote_code),
+                             task=task, trust_remote_code=trust_remote_code)  # type: ignore[arg-type]
+    expected = {n: tuple(t.shape) for n, t in model.state_dict().items()}
+    prefix = getattr(model, "base_model_prefix", "")
+    wrong = []
+    for t in open_checkpoint(checkpoint_dir, allow_pickle=True).tensors:
+        name = t.name if t.name in expected else t.name.removeprefix(f"{prefix}.")
+        if name in expected and expected[name] != t.shape:
+            wrong.append(f"{t.name} is {list(t.shape)} in the checkpoint, {list(expected[name])} by config.json")
+    if wrong:
+        raise ApplyError(f"{checkpoint_dir}: {len(wrong)} weight(s) do not match config.json: "
+                         + "; ".join(wrong[:3]) + ("; ..." if len(wrong) > 3 else ""))
+
+
 def _materialise(model: Any, modules: list[str]) -> None:
     """Read the weights of ``modules`` into RAM (out of their file mapping): the CPU tier."""
     seen: set[int] = set()
@@ -125,6 +148,7 @@ def load(plan: Plan, checkpoint_dir: Path, *, task: str, dtype: str, trust_remot
             kwargs["offload_folder"] = str(offload_dir)
     else:
         kwargs["device_map"] = "cpu"
+    check_shapes(checkpoint_dir, task=task, trust_remote_code=trust_remote_code)
     try:
         with _quiet():
             model, info = _auto(task).from_pretrained(str(checkpoint_dir), **kwargs)

