@@ -34,7 +34,7 @@ def field_changes(old_text: str, new_text: str) -> list[tuple[str, Any, Any]]:
 
 def diff_manifest(loaded: LoadedManifest, *, store: StateStore, devices: str | None = None) -> list[str]:
     from .planning import plan_manifest
-    from .reconciler import shards_root
+    from .reconciler import shards_dir
 
     current = store.current(loaded.name)
     lines = [f"{loaded.name} ({loaded.source}):"]
@@ -68,7 +68,7 @@ def diff_manifest(loaded: LoadedManifest, *, store: StateStore, devices: str | N
         lines.append("  reshard: not needed (the checkpoint's own layout fits)")
     else:
         layout = plan_layout(checkpoint, dtype=DTYPES[spec.model.dtype], **kwargs)
-        target = shards_root(loaded, store) / layout.digest.removeprefix("sha256:")[:16]
+        target = shards_dir(loaded, store, checkpoint.fingerprint, layout.digest)
         lock = read_lock(target)
         if lock and lock["source"]["fingerprint"] == checkpoint.fingerprint:
             lines.append(f"  reshard: not needed ({target} already holds this layout)")

@@ -107,6 +107,15 @@ def shards_root(loaded: LoadedManifest, store: StateStore) -> Path:
     return (loaded.resolve(configured) if configured else store.directory / "shards" / loaded.name).resolve()
 
 
+def shards_dir(loaded: LoadedManifest, store: StateStore, fingerprint: str, layout_digest: str) -> Path:
+    """One directory per (source content, layout): a new revision never writes over the shards of
+    another, so a failed apply leaves the current revision's files intact."""
+    import hashlib
+
+    key = hashlib.sha256(f"{fingerprint}\0{layout_digest}".encode()).hexdigest()[:16]
+    return shards_root(loaded, store) / key
+
+
 def _shards_present(revision: Revision | None) -> bool:
     if revision is None or not revision.shards_path:
         return False
@@ -220,7 +229,7 @@ def _run(loaded: LoadedManifest, store: StateStore, revision: int, checkpoint: o
 
             layout = plan_layout(checkpoint, max_shard_size=spec.sharding.max_shard_size,
                                  dtype=DTYPES[spec.model.dtype], device_map=plan.device_map)
-            shards = shards_root(loaded, store) / layout.digest.removeprefix("sha256:")[:16]
+            shards = shards_dir(loaded, store, checkpoint.fingerprint, layout.digest)
             shards.parent.mkdir(parents=True, exist_ok=True)
             result = reshard(checkpoint.path, shards, allow_pickle=spec.model.allow_pickle,
                              progress=progress, **layout_kwargs)

@@ -20,32 +20,7 @@ from deploykit.reconciler import apply
 from deploykit.reshard import verify
 from deploykit.state import StateStore
 
-MANIFEST = """\
-apiVersion: deploykit/v1
-kind: ModelDeployment
-metadata:
-  name: {name}
-spec:
-  model:
-    path: {path}
-    task: {task}
-    dtype: float32
-  placement:
-    gpus: []
-  sharding:
-    max_shard_size: {shard}
-    path: shards
-  offload:
-    cpu: {{max_memory: {cpu}}}
-    disk: {{path: offload, max_size: 1GiB}}
-"""
-
-
-def write_manifest(directory: Path, model: Path, *, name: str = "tiny", cpu: int | str = "1GiB",
-                   shard: str = "200KiB", task: str = "causal-lm") -> Path:
-    path = directory / f"{name}.yaml"
-    path.write_text(MANIFEST.format(name=name, path=model, cpu=cpu, shard=shard, task=task))
-    return path
+from manifests import write_manifest
 
 
 def deploykit(*args: str, state: Path, **kw) -> subprocess.CompletedProcess:
@@ -246,3 +221,18 @@ def test_cli_status_diff_and_errors(model, tmp_path):
     bad.write_text(manifest.read_text().replace("dtype: float32", "dtype: fp32"))
     invalid = deploykit("apply", str(bad), state=state)
     assert invalid.returncode == 2 and "spec.model.dtype" in invalid.stderr
+
+
+def test_new_content_with_the_same_layout_never_touches_the_current_shards(model, store, tmp_path):
+    [good] = load_manifests(write_manifest(tmp_path, model))
+    first = apply(good, store=store)
+    before = {p.name: p.read_bytes() for p in first.shards.glob("*.safetensors")}
+    poisoned = Path(shutil.copytree(model, tmp_path / "poisoned"))
+    state = load_file(poisoned / "model.safetensors")
+    state["model.norm.weight"][:] = float("nan")  # same names and shapes: the same layout
+    save_file(state, poisoned / "model.safetensors", metadata={"format": "pt"})
+    [bad] = load_manifests(write_manifest(tmp_path, poisoned))
+    with pytest.raises(ApplyError, match="not finite"):
+        apply(bad, store=store)
+    assert {p.name: p.read_bytes() for p in first.shards.glob("*.safetensors")} == before
+    assert Path(store.current("tiny").shards_path) == first.shards
