@@ -29,6 +29,8 @@ docs: $(STAMP)
 bench: $(STAMP)
 	$(PY) bench/balance.py
 	$(PY) bench/reshard.py
+	$(PY) bench/load.py
+	$(PY) bench/reload.py
 
 clean:
 	rm -rf $(VENV) .demo .pytest_cache .hypothesis

@@ -7,9 +7,9 @@ Two paths, both through transformers' ``from_pretrained`` on the (resharded) che
   and disk blocks (disk blocks are read in place from the safetensors files, nothing is copied).
   Those hooks are not safe for concurrent forwards, so such a model reports ``serialize_forward``.
 - **A plan without GPUs** (everything executes on the CPU) needs no hooks: transformers already maps
-  safetensors weights into memory on CPU. The disk tier's blocks stay memory-mapped from their shard
-  files (read on demand, evictable by the kernel under memory pressure, never copied), and the CPU
-  tier's blocks are read into RAM at load time. Forwards are then as fast as all-CPU once pages are
+  safetensors weights into memory on CPU. The CPU tier's blocks are faulted into memory at load time;
+  the disk tier's blocks are read from their shard files on demand (and can be evicted by the kernel
+  under memory pressure). Nothing is copied. Forwards are then as fast as all-CPU once pages are
   warm, and safe to run concurrently. (accelerate's disk hooks copy every offloaded weight on every
   forward: 1.26x the all-CPU latency here, and unsafe under threads.)
 
@@ -118,15 +118,33 @@ def check_shapes(checkpoint_dir: Path, *, task: str, trust_remote_code: bool = F
                          + "; ".join(wrong[:3]) + ("; ..." if len(wrong) > 3 else ""))
 
 
-def _materialise(model: Any, modules: list[str]) -> None:
-    """Read the weights of ``modules`` into RAM (out of their file mapping): the CPU tier."""
+_MADV_WILLNEED, _MADV_POPULATE_READ = 3, 22
+
+
+def _prefetch(model: Any, modules: list[str]) -> None:
+    """Bring the weights of ``modules`` into memory now (the CPU tier), without copying them.
+
+    transformers maps safetensors weights on CPU; the pages are read on first use. For the CPU tier
+    deploykit faults them in at load time (``madvise(MADV_POPULATE_READ)``, or ``MADV_WILLNEED`` on
+    kernels before 5.14), so the first request does not wait on the disk. The disk tier's pages are
+    left to be read on demand.
+    """
+    import ctypes
+    import mmap
+
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+    page = mmap.PAGESIZE
     seen: set[int] = set()
     for name in modules:
-        module = model.get_submodule(name)
-        for p in [*module.parameters(), *module.buffers()]:
-            if id(p) not in seen:
-                seen.add(id(p))
-                p.data = p.data.clone()
+        for t in [*model.get_submodule(name).parameters(), *model.get_submodule(name).buffers()]:
+            if t.device.type != "cpu" or id(t) in seen or t.numel() == 0:
+                continue
+            seen.add(id(t))
+            start = t.data_ptr() // page * page
+            length = t.data_ptr() + t.numel() * t.element_size() - start
+            if libc.madvise(start, length, _MADV_POPULATE_READ) != 0:
+                libc.madvise(start, length, _MADV_WILLNEED)
 
 
 def load(plan: Plan, checkpoint_dir: Path, *, task: str, dtype: str, trust_remote_code: bool = False,
@@ -157,7 +175,7 @@ def load(plan: Plan, checkpoint_dir: Path, *, task: str, dtype: str, trust_remot
     _check_loading_info(info, checkpoint_dir)
     model.eval()
     if not gpus:
-        _materialise(model, [m for m, d in plan.device_map.items() if d == "cpu"])
+        _prefetch(model, [m for m, d in plan.device_map.items() if d == "cpu"])
     embeddings = next(n for n, m in model.named_modules() if m is model.get_input_embeddings())
     device = _device_of(embeddings, plan.device_map)
     serialize = bool(gpus) and any(d in ("cpu", "disk") for d in plan.device_map.values())

@@ -113,8 +113,24 @@ def _quiet_transformers() -> Iterator[None]:
         transformers.logging.set_verbosity(previous)
 
 
+_META_CACHE: dict[tuple[str, str, bool], Any] = {}
+
+
 def build_meta_model(config: Any, *, task: Task, trust_remote_code: bool = False) -> torch.nn.Module:
-    """The model for ``task`` on the meta device: real structure and names, no memory, no weights."""
+    """The model for ``task`` on the meta device: real structure and names, no memory, no weights.
+
+    Cached by config content (meta models hold no data and are only read), so planning and the
+    pre-load shape check of one apply build it once.
+    """
+    key = (config.to_json_string(), task, trust_remote_code)
+    if key not in _META_CACHE:
+        if len(_META_CACHE) > 8:
+            _META_CACHE.clear()
+        _META_CACHE[key] = _build_meta_model(config, task=task, trust_remote_code=trust_remote_code)
+    return _META_CACHE[key]
+
+
+def _build_meta_model(config: Any, *, task: Task, trust_remote_code: bool = False) -> torch.nn.Module:
     import torch
 
     auto = _auto_class(task)
