@@ -6,7 +6,7 @@
 A Llama-shaped checkpoint (hidden 2048, 12 layers, vocab 32000: 1.5 GB at float16, random weights) is
 generated once into .bench/. Each contender runs in its own process, from a warm page cache (the
 source is read once before every run), into a fresh directory, and ends with `sync` so that every
-byte is on disk; wall time and the process's peak RSS (wait4) are recorded, and the median run shown:
+byte is on disk; wall time and the command's peak RSS (/usr/bin/time) are recorded, median run shown:
 
 - cp:           cp -r SRC OUT && sync
 - deploykit:    deploykit reshard SRC OUT --max-shard-size 256MiB -q && sync
@@ -23,12 +23,10 @@ import shutil
 import statistics
 import subprocess
 import sys
-import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
-WORK = ROOT / ".bench"
-PY = sys.executable
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from common import PY, WORK, checkpoint, timed, warm  # noqa: E402
 
 LOAD = ("import torch, sys; from transformers import AutoModelForCausalLM; "
         "m = AutoModelForCausalLM.from_pretrained(sys.argv[1], dtype=torch.float16); ")
@@ -47,62 +45,20 @@ CONTENDERS = {
 }
 
 
-GENERATE = """
-import shutil, sys, torch
-from pathlib import Path
-from transformers import AutoModelForCausalLM, LlamaConfig
-src = Path(sys.argv[1])
-config = LlamaConfig(hidden_size=2048, intermediate_size=5632, num_hidden_layers=12,
-                     num_attention_heads=16, num_key_value_heads=16, vocab_size=32000)
-torch.manual_seed(0)
-model = AutoModelForCausalLM.from_config(config, dtype=torch.float16)
-tmp = src.with_name(src.name + ".tmp")
-shutil.rmtree(tmp, ignore_errors=True)
-model.save_pretrained(tmp, max_shard_size="1GB")
-tmp.rename(src)
-"""
-
-
-def make_checkpoint() -> Path:
-    """Generated in a child process: this one must stay small, since children forked from it
-    inherit its peak RSS in their own accounting."""
-    src = WORK / "llama-1.5g"
-    if not (src / "config.json").exists():
-        print("generating the 1.5 GB checkpoint once (random weights)...", flush=True)
-        WORK.mkdir(exist_ok=True)
-        subprocess.run([PY, "-c", GENERATE, str(src)], check=True, stderr=subprocess.DEVNULL)
-    return src
-
-
-def warm(src: Path) -> None:
-    for f in src.iterdir():
-        with open(f, "rb") as fh:
-            while fh.read(64 * 2**20):
-                pass
-
-
 def measure(cmd: list[str], src: Path, out: Path, *, fresh: bool = True) -> tuple[float, int]:
     if fresh:
         shutil.rmtree(out, ignore_errors=True)
     subprocess.run(["sync"], check=True)
     warm(src)
-    report = WORK / "time.txt"
-    start = time.perf_counter()
-    # /usr/bin/time reports the peak RSS of the command itself (children of this process would
-    # also count this process's memory from before their exec).
-    proc = subprocess.run(["/usr/bin/time", "-f", "%M", "-o", str(report), *cmd, str(src), str(out)],
-                          cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
-    elapsed = time.perf_counter() - start
-    if proc.returncode != 0:
-        raise SystemExit(f"{cmd} failed: {proc.stderr.decode()}")
-    return elapsed, int(report.read_text().split()[-1]) * 1024
+    seconds, rss, _ = timed([*cmd, str(src), str(out)])
+    return seconds, rss
 
 
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--runs", type=int, default=3)
     args = parser.parse_args()
-    src = make_checkpoint()
+    src = checkpoint("llama-1.5g")
     size = sum(f.stat().st_size for f in src.iterdir())
     results = {}
     for name, cmd in CONTENDERS.items():

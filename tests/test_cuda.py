@@ -1,0 +1,48 @@
+"""GPU code paths. They run only where CUDA exists (skipped otherwise, see conftest)."""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+
+from deploykit.manifest import load_manifests
+from deploykit.reconciler import apply
+from deploykit.state import StateStore
+from manifests import manifest_text
+
+pytestmark = pytest.mark.cuda
+
+
+def test_gpu_plan_with_cpu_and_disk_tiers_loads_and_matches(tiny_model, tmp_path):
+    from transformers import AutoModelForCausalLM
+
+    model = Path(shutil.copytree(tiny_model("llama"), tmp_path / "model"))
+    text = manifest_text(model, cpu=150_000).replace("gpus: []", "gpus: [0]\n    reserve: 0")
+    path = tmp_path / "gpu.yaml"
+    path.write_text(text)
+    [loaded] = load_manifests(path)
+    free, _ = torch.cuda.mem_get_info(0)
+    size = sum(p.stat().st_size for p in model.glob("*.safetensors"))
+    # a GPU budget of a third of the model: the rest goes to CPU, then disk
+    outcome = apply(loaded, store=StateStore(tmp_path / "state"), keep_model=True,
+                    devices=f"1x{size // 3}")
+    assert {0, "cpu", "disk"} <= set(outcome.plan.device_map.values())
+    assert outcome.loaded.serialize_forward and outcome.loaded.input_device == "cuda:0"
+    ids = torch.tensor([[1, 7, 42, 100, 3]])
+    reference = AutoModelForCausalLM.from_pretrained(model, dtype=torch.float32)
+    with torch.no_grad():
+        expected = reference(ids).logits
+        got = outcome.loaded.model(ids.to("cuda:0")).logits.cpu()
+    assert torch.allclose(expected, got, atol=1e-4)
+    assert free > 0
+
+
+def test_real_inventory_probe_sees_the_gpus():
+    from deploykit.inventory import probe
+
+    inventory = probe()
+    assert len(inventory.gpus) == torch.cuda.device_count()
+    assert all(g.memory > 0 for g in inventory.gpus)
