@@ -157,22 +157,15 @@ class Deployment:
     @contextmanager
     def acquire(self, timeout: float | None = None) -> Iterator[Any]:
         """Pin the current generation and yield its model (``torch.nn.Module``)."""
-        gen = self._pin(self.acquire_timeout if timeout is None else timeout)
-        try:
-            if gen.forward_lock is not None:
-                with gen.forward_lock:
-                    yield gen.loaded.model
-            else:
-                yield gen.loaded.model
-        finally:
-            self._unpin(gen)
+        with self.acquire_loaded(timeout) as loaded:
+            yield loaded.model
 
     @contextmanager
     def acquire_loaded(self, timeout: float | None = None) -> Iterator[Any]:
         """Like ``acquire`` but yields the LoadedModel (model, tokenizer, input device, plan)."""
         gen = self._pin(self.acquire_timeout if timeout is None else timeout)
         try:
-            if gen.forward_lock is not None:
+            if gen.forward_lock is not None:  # accelerate offload hooks: one forward at a time
                 with gen.forward_lock:
                     yield gen.loaded
             else:
