@@ -112,9 +112,13 @@ def validate(files: tuple[str, ...], schema_only: bool) -> None:
 
 
 def _plan_table(plan: Any) -> Table:
-    table = Table(title=f"{plan.name}: {plan.architecture} at {plan.dtype}, balance by {plan.balance}",
+    table = Table(title=f"{plan.name}: {plan.architecture} at {plan.dtype}, balance by {plan.balance}"
+                        + (f", KV cache for {plan.kv_cache_tokens} tokens" if plan.kv_cache_tokens else ""),
                   title_justify="left")
-    for column in ("device", "blocks", "bytes", "budget", "% budget", "target", "actual"):
+    columns = ["device", "blocks", "bytes", "budget", "% budget", "target", "actual"]
+    if plan.kv_cache_tokens:
+        columns.insert(3, "of which KV+logits")
+    for column in columns:
         if column == "blocks":
             table.add_column(column, min_width=24, ratio=1, overflow="fold")
         else:
@@ -123,9 +127,12 @@ def _plan_table(plan: Any) -> Table:
         device = f"cuda:{d.device}" if isinstance(d.device, int) else str(d.device)
         budget = "unlimited" if d.budget is None else format_size(d.budget)
         pct = f"{100 * d.bytes / d.budget:.1f}%" if d.budget else "-"
-        table.add_row(device, ", ".join(d.blocks) or "-", format_size(d.bytes), budget, pct,
-                      f"{100 * d.target_share:.1f}%" if d.target_share is not None else "-",
-                      f"{100 * d.actual_share:.1f}%" if d.actual_share is not None else "-")
+        row = [device, ", ".join(d.blocks) or "-", format_size(d.bytes), budget, pct,
+               f"{100 * d.target_share:.1f}%" if d.target_share is not None else "-",
+               f"{100 * d.actual_share:.1f}%" if d.actual_share is not None else "-"]
+        if plan.kv_cache_tokens:
+            row.insert(3, format_size(d.bytes - d.weight_bytes))
+        table.add_row(*row)
     return table
 
 

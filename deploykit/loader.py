@@ -63,12 +63,14 @@ def check_fits_host(plan: Plan) -> None:
 
 
 @contextlib.contextmanager
-def _quiet() -> Iterator[None]:
+def _quiet(progress: bool = False) -> Iterator[None]:
+    """transformers' warnings off; its loading progress bar only where a person watches (the CLI)."""
     import transformers
 
     previous = transformers.logging.get_verbosity()
     transformers.logging.set_verbosity_error()
-    transformers.logging.disable_progress_bar()
+    if not progress:
+        transformers.logging.disable_progress_bar()
     try:
         yield
     finally:
@@ -148,7 +150,7 @@ def _prefetch(model: Any, modules: list[str]) -> None:
 
 
 def load(plan: Plan, checkpoint_dir: Path, *, task: str, dtype: str, trust_remote_code: bool = False,
-         offload_dir: Path | None = None) -> LoadedModel:
+         offload_dir: Path | None = None, show_progress: bool = False) -> LoadedModel:
     """Load the checkpoint at ``checkpoint_dir`` placed as ``plan`` says."""
     import torch
 
@@ -168,7 +170,7 @@ def load(plan: Plan, checkpoint_dir: Path, *, task: str, dtype: str, trust_remot
         kwargs["device_map"] = "cpu"
     check_shapes(checkpoint_dir, task=task, trust_remote_code=trust_remote_code)
     try:
-        with _quiet():
+        with _quiet(show_progress):
             model, info = _auto(task).from_pretrained(str(checkpoint_dir), **kwargs)
     except (OSError, ValueError, RuntimeError, KeyError) as exc:
         raise ApplyError(f"loading {checkpoint_dir} failed: {str(exc).strip().splitlines()[0]}") from None

@@ -239,7 +239,7 @@ def _run(loaded: LoadedManifest, store: StateStore, revision: int, checkpoint: o
         with timer.step("drain"):
             before_load()
     with timer.step("load"):
-        model = _load(loaded, plan, shards)
+        model = _load(loaded, plan, shards, show_progress=progress is not None)
     with timer.step("health-check"):
         hc = spec.rollout.health_check
         health = check(model, task=spec.model.task, text=hc.input, timeout=hc.timeout)
@@ -249,14 +249,14 @@ def _run(loaded: LoadedManifest, store: StateStore, revision: int, checkpoint: o
                         reshard=result, loaded=model if keep_model else None, health=health.detail)
 
 
-def _load(loaded: LoadedManifest, plan: Plan, shards: Path) -> LoadedModel:
+def _load(loaded: LoadedManifest, plan: Plan, shards: Path, *, show_progress: bool = False) -> LoadedModel:
     from .loader import load
 
     spec = loaded.manifest.spec
     disk = spec.offload.disk
     return load(plan, shards, task=spec.model.task, dtype=spec.model.dtype,
                 trust_remote_code=spec.model.trust_remote_code,
-                offload_dir=loaded.resolve(disk.path) if disk else None)
+                offload_dir=loaded.resolve(disk.path) if disk else None, show_progress=show_progress)
 
 
 def _collect_old_shards(loaded: LoadedManifest, store: StateStore) -> None:

@@ -103,6 +103,8 @@ class Deployment:
         self._last_error: str | None = None
         self._callbacks: list[Callable[[Deployment], None]] = []
         self.reloads: list[ReloadRecord] = []
+        self.memory: list[tuple[int, int]] = []  # (generation freed, process RSS after)
+        self._baseline_rss: int | None = None
         self.name: str | None = None
         self._watcher: Any = None
         self._closed = False
@@ -147,6 +149,7 @@ class Deployment:
             raise
         self._install(outcome.loaded, outcome.plan, outcome.revision or 0, "initial")
         self._phase = "Ready"
+        self._baseline_rss = process_rss()
 
     # ---- serving --------------------------------------------------------------------------------
 
@@ -225,7 +228,23 @@ class Deployment:
                 torch.cuda.empty_cache()
         except ImportError:  # pragma: no cover
             pass
-        log.info("generation %d of %s freed", gen.number, self.name)
+        self._check_memory(gen)
+
+    def _check_memory(self, freed: Generation) -> None:
+        """Leak guard: after a generation is freed, RSS should be near the first generation's."""
+        rss = process_rss()
+        current = self._current
+        model_bytes = sum(d.bytes for d in current.plan.devices) if current and current.plan else 0
+        self.memory.append((freed.number, rss))
+        if self._baseline_rss is None or not model_bytes:
+            return
+        excess = rss - self._baseline_rss
+        if excess > 1.5 * model_bytes:
+            log.warning("%s: memory not reclaimed after freeing generation %d: RSS %d MiB is %d MiB above "
+                        "the first generation's (the model is %d MiB); is a model kept outside acquire()?",
+                        self.name, freed.number, rss >> 20, excess >> 20, model_bytes >> 20)
+        else:
+            log.info("generation %d of %s freed; RSS %d MiB", freed.number, self.name, rss >> 20)
 
     def _drain(self, timeout: float) -> None:
         """Recreate: stop handing out the current generation, wait for its callers, free it."""
@@ -395,6 +414,7 @@ class Deployment:
             "manifest": str(self.manifest_path),
             "serialize_forward": bool(gen and gen.forward_lock),
             "reloads": {"total": len(self.reloads), "failed": sum(not r.ok for r in self.reloads)},
+            "memory": {"rss": process_rss(), "baseline_rss": self._baseline_rss},
             "plan": _plan_summary(gen.plan) if gen and gen.plan else None,
         }
 

@@ -269,3 +269,28 @@ def test_memory_is_given_back_after_reloads(tiny_model, tmp_path):
     assert end - start < size, f"RSS grew {(end - start) / 2**20:.0f} MiB for a {size / 2**20:.0f} MiB model"
     assert all(r.rss_after is not None for r in dep.reloads)
     dep.close()
+
+
+def test_leak_guard_warns_when_old_models_are_kept(tmp_path, caplog):
+    """Keeping models past acquire() keeps their memory: the guard records RSS and warns."""
+    import logging
+
+    from transformers import AutoModelForCausalLM, LlamaConfig
+
+    big = tmp_path / "big"
+    config = LlamaConfig(hidden_size=256, intermediate_size=1024, num_hidden_layers=4, num_attention_heads=4,
+                         num_key_value_heads=4, vocab_size=32000)
+    AutoModelForCausalLM.from_config(config).save_pretrained(big)
+    path = write_manifest(tmp_path, big, shard="16MiB")
+    dep = Deployment.from_manifest(path, state_dir=tmp_path / "state")
+    kept = []
+    with caplog.at_level(logging.WARNING, logger="deploykit.runtime"):
+        for i in range(3):
+            with dep.acquire() as m, torch.no_grad():
+                m(IDS)
+                kept.append(m)  # the mistake: a reference that outlives the with block
+            replace_like_an_editor(path, manifest_text(big, shard="16MiB" if i % 2 else "8MiB"))
+            assert dep.reload()
+    assert len(dep.memory) == 3 and all(rss > 0 for _, rss in dep.memory)
+    assert any("memory not reclaimed" in r.message for r in caplog.records)
+    dep.close()
