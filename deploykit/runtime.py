@@ -296,7 +296,8 @@ class Deployment:
                                                  time.perf_counter() - started, strategy, self._last_error,
                                                  rss_before, process_rss()))
                 return False
-            if not swapped:
+            if not swapped:  # nothing changed that needs a new generation
+                self._phase = "Ready" if self._current is not None else self._phase
                 return False
             self._last_error = None
             self._phase = "Ready"

@@ -99,6 +99,7 @@ def test_reload_under_load_never_fails_a_request(model, tmp_path):
             replace_like_an_editor(path, text)
             assert dep.reload() is swaps
             generations.append(dep.generation)
+            assert dep.status()["phase"] == "Ready"
             if text.startswith("apiVersion: deploykit/v1\nkind: \"Model"):
                 assert f"{path}:2:7: invalid YAML" in dep.status()["last_error"]
                 assert dep.status()["phase"] == "Ready"  # still serving generation 3
