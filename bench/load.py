@@ -27,7 +27,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import PY, ROOT, WORK, checkpoint, size_of, timed, warm  # noqa: E402
+from common import PY, WORK, checkpoint, size_of, timed, warm  # noqa: E402
 
 MANIFEST = """\
 apiVersion: deploykit/v1

@@ -93,7 +93,7 @@ def embed_sentences() -> None:
 
     from deploykit import Deployment
 
-    print(f"$ python -c 'Deployment.from_manifest(\"manifests/minilm.yaml\")' ...", flush=True)
+    print("$ python -c 'Deployment.from_manifest(\"manifests/minilm.yaml\")' ...", flush=True)
     dep = Deployment.from_manifest(ROOT / "manifests" / "minilm.yaml", state_dir=STATE)
     try:
         with dep.acquire_loaded() as loaded, torch.no_grad():

@@ -236,5 +236,7 @@ def test_host_checks_find_missing_model_dir_and_config(tmp_path):
 
 def test_manifest_is_immutable():
     [loaded] = parse(VALID)
-    with pytest.raises(Exception):
+    from pydantic import ValidationError
+
+    with pytest.raises(ValidationError, match="frozen"):
         loaded.manifest.spec.model.dtype = "float32"  # type: ignore[misc]
