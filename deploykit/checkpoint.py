@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import Literal
 
 from .errors import CheckpointError
-from .safetensors_io import MAX_HEADER, TensorEntry, read_header
+from .safetensors_io import FROM_TORCH, MAX_HEADER, TensorEntry, read_header
 
 INDEX = "model.safetensors.index.json"
 PICKLE_INDEX = "pytorch_model.bin.index.json"
@@ -137,15 +137,13 @@ def load_pickle(path: Path) -> dict:
     return state
 
 
-_TORCH_TO_ST = {"float16": "F16", "bfloat16": "BF16", "float32": "F32", "float64": "F64",
-                "int64": "I64", "int32": "I32", "int16": "I16", "int8": "I8", "uint8": "U8", "bool": "BOOL"}
 
 
 def _pickle_tensors(files: list[Path]) -> list[Tensor]:
     out = []
     for file in files:
         for name, t in load_pickle(file).items():
-            dtype = _TORCH_TO_ST.get(str(t.dtype).removeprefix("torch."))
+            dtype = FROM_TORCH.get(str(t.dtype).removeprefix("torch."))
             if dtype is None:
                 raise CheckpointError(f"{file}: tensor {name!r} has unsupported dtype {t.dtype}")
             out.append(Tensor(name, dtype, tuple(t.shape), t.numel() * t.element_size(), file))

@@ -14,7 +14,7 @@ from .checkpoint import open_checkpoint
 from .errors import DeploykitError
 from .manifest import LoadedManifest
 from .planner import compress_names
-from .reshard import DTYPES, fits_layout, plan_layout, read_lock
+from .reshard import fits_layout, plan_layout, read_lock
 from .state import StateStore
 
 
@@ -63,11 +63,12 @@ def diff_manifest(loaded: LoadedManifest, *, store: StateStore, devices: str | N
             lines.append(f"  move {', '.join(compress_names(modules))}: {before} -> {after}")
     spec = loaded.manifest.spec
     checkpoint = open_checkpoint(loaded.model_path, allow_pickle=spec.model.allow_pickle)
-    kwargs: dict[str, Any] = {"max_shard_size": spec.sharding.max_shard_size, "device_map": plan.device_map}
-    if fits_layout(checkpoint, dtype=spec.model.dtype, **kwargs):
+    kwargs: dict[str, Any] = {"max_shard_size": spec.sharding.max_shard_size, "dtype": spec.model.dtype,
+                              "device_map": plan.device_map}
+    if fits_layout(checkpoint, **kwargs):
         lines.append("  reshard: not needed (the checkpoint's own layout fits)")
     else:
-        layout = plan_layout(checkpoint, dtype=DTYPES[spec.model.dtype], **kwargs)
+        layout = plan_layout(checkpoint, **kwargs)
         target = shards_dir(loaded, store, checkpoint.fingerprint, layout.digest)
         lock = read_lock(target)
         if lock and lock["source"]["fingerprint"] == checkpoint.fingerprint:

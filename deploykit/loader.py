@@ -30,7 +30,6 @@ from .errors import ApplyError
 from .planner import Plan
 
 log = logging.getLogger(__name__)
-_TORCH_DTYPES = {"float32": "float32", "float16": "float16", "bfloat16": "bfloat16"}
 
 
 @dataclass
@@ -155,7 +154,7 @@ def load(plan: Plan, checkpoint_dir: Path, *, task: str, dtype: str, trust_remot
     import torch
 
     check_fits_host(plan)
-    torch_dtype = getattr(torch, _TORCH_DTYPES[dtype])
+    torch_dtype = getattr(torch, dtype)  # the manifest's dtype names are torch's
     gpus = gpus_of(plan)
     kwargs: dict[str, Any] = {"dtype": torch_dtype, "trust_remote_code": trust_remote_code,
                               "output_loading_info": True}

@@ -225,10 +225,7 @@ def _run(loaded: LoadedManifest, store: StateStore, revision: int, checkpoint: o
         if fits_layout(checkpoint, **layout_kwargs):
             shards = checkpoint.path
         else:
-            from .reshard import DTYPES
-
-            layout = plan_layout(checkpoint, max_shard_size=spec.sharding.max_shard_size,
-                                 dtype=DTYPES[spec.model.dtype], device_map=plan.device_map)
+            layout = plan_layout(checkpoint, **layout_kwargs)
             shards = shards_dir(loaded, store, checkpoint.fingerprint, layout.digest)
             shards.parent.mkdir(parents=True, exist_ok=True)
             result = reshard(checkpoint.path, shards, allow_pickle=spec.model.allow_pickle,

@@ -41,12 +41,12 @@ import xxhash
 from .checkpoint import INDEX, LOCK, Checkpoint, Tensor, load_pickle, open_checkpoint
 from .errors import CheckpointError
 from .fsutil import copy_file_synced, exchange_dirs, fsync_dir, write_atomic
-from .safetensors_io import DTYPE_SIZES, FLOAT_DTYPES, encode_header, read_header
+from .safetensors_io import DTYPE_SIZES, FLOAT_DTYPES, FROM_TORCH, TORCH_NAMES, encode_header, read_header
 from .units import format_size
 
 log = logging.getLogger(__name__)
 LOCK_VERSION = 1
-DTYPES = {"float32": "F32", "float16": "F16", "bfloat16": "BF16"}
+DTYPES = ("float32", "float16", "bfloat16")  # what --dtype and a manifest's model.dtype may ask for
 _COPY_CHUNK = 64 * 2**20  # progress granularity for kernel copies
 _CONVERT_CHUNK = 16 * 2**20  # bytes decoded at a time for a dtype change
 
@@ -109,7 +109,8 @@ def _module_of(name: str, modules: dict[str, int]) -> int | None:
 
 def plan_layout(checkpoint: Checkpoint, *, max_shard_size: int, dtype: str | None = None,
                 device_map: dict[str, Any] | None = None) -> Layout:
-    """Cut the checkpoint's tensors into shards of at most ``max_shard_size`` bytes.
+    """Cut the checkpoint's tensors into shards of at most ``max_shard_size`` bytes, converting floating
+    tensors to ``dtype`` ("float32" | "float16" | "bfloat16") if given.
 
     Without a device_map, tensors go in natural name order. With one (a Plan's), they follow its
     module order (execution order) and a shard never mixes tensors of two devices or tiers, so each
@@ -118,6 +119,7 @@ def plan_layout(checkpoint: Checkpoint, *, max_shard_size: int, dtype: str | Non
     """
     if max_shard_size <= 0:
         raise ValueError("max_shard_size must be positive")
+    dtype = FROM_TORCH[dtype] if dtype else None  # from here on, the safetensors name
     tensors = list(checkpoint.tensors)
     device_of: dict[str, str | None] = {}
     if device_map:
@@ -161,7 +163,7 @@ def fits_layout(checkpoint: Checkpoint, *, max_shard_size: int, dtype: str | Non
     one device only."""
     if checkpoint.format != "safetensors":
         return False
-    target = DTYPES[dtype] if dtype else None
+    target = FROM_TORCH[dtype] if dtype else None
     if target and any(t.dtype in FLOAT_DTYPES and t.dtype != target for t in checkpoint.tensors):
         return False
     modules = {m: i for i, m in enumerate(device_map or {})}
@@ -248,9 +250,7 @@ class _Converter:
 def _torch_dtype(name: str) -> Any:
     import torch
 
-    return {"F16": torch.float16, "BF16": torch.bfloat16, "F32": torch.float32, "F64": torch.float64,
-            "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8,
-            "U8": torch.uint8, "BOOL": torch.bool}[name]
+    return getattr(torch, TORCH_NAMES[name])
 
 
 class _Sources:
@@ -509,8 +509,7 @@ def reshard(src: str | Path, dst: str | Path, *, max_shard_size: int, dtype: str
     _check_paths(src, dst)
     _recover_interrupted_swap(dst)
     checkpoint = open_checkpoint(src, allow_pickle=allow_pickle)
-    layout = plan_layout(checkpoint, max_shard_size=max_shard_size,
-                         dtype=DTYPES[dtype] if dtype else None, device_map=device_map)
+    layout = plan_layout(checkpoint, max_shard_size=max_shard_size, dtype=dtype, device_map=device_map)
     warnings = [f"tensor {name!r} is larger than max_shard_size ({format_size(max_shard_size)}): it gets "
                 "a shard of its own" for name in layout.oversized]
     for w in warnings:

@@ -28,6 +28,13 @@ DTYPE_SIZES = {
     "I32": 4, "U32": 4, "F32": 4, "I64": 8, "U64": 8, "F64": 8,
 }
 FLOAT_DTYPES = {"F16", "BF16", "F32", "F64"}
+# The one table of dtype names: safetensors' names and torch's (which manifests use, e.g. "bfloat16").
+TORCH_NAMES = {
+    "BOOL": "bool", "U8": "uint8", "I8": "int8", "I16": "int16", "U16": "uint16", "I32": "int32",
+    "U32": "uint32", "I64": "int64", "U64": "uint64", "F16": "float16", "BF16": "bfloat16", "F32": "float32",
+    "F64": "float64", "F8_E4M3": "float8_e4m3fn", "F8_E5M2": "float8_e5m2",
+}
+FROM_TORCH = {torch_name: name for name, torch_name in TORCH_NAMES.items()}
 MAX_HEADER = 100 * 2**20  # safetensors' own limit
 _ALIGN = 8
 

@@ -26,12 +26,12 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
 
 from .errors import CheckpointError
+from .safetensors_io import DTYPE_SIZES, FROM_TORCH
 
 if TYPE_CHECKING:
     import torch
 
 Task = Literal["causal-lm", "seq2seq-lm", "feature-extraction"]
-DTYPE_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2}
 log = logging.getLogger(__name__)
 
 
@@ -195,7 +195,7 @@ def structure_from_model(model: Any, *, task: Task, dtype: str) -> Structure:
     import torch
     from accelerate.utils import find_tied_parameters
 
-    dtype_bytes = DTYPE_BYTES[dtype]
+    dtype_bytes = DTYPE_SIZES[FROM_TORCH[dtype]]
     config = model.config
     no_split = set(getattr(model, "_no_split_modules", None) or ())
     leaves = _leaves(model, no_split)
