@@ -27,7 +27,7 @@ from pathlib import Path
 from typing import Any
 
 from .errors import ApplyError
-from .planner import Plan
+from .planner import Plan, placement_key
 
 log = logging.getLogger(__name__)
 
@@ -178,20 +178,12 @@ def load(plan: Plan, checkpoint_dir: Path, *, task: str, dtype: str, trust_remot
     if not gpus:
         _prefetch(model, [m for m, d in plan.device_map.items() if d == "cpu"])
     embeddings = next(n for n, m in model.named_modules() if m is model.get_input_embeddings())
-    device = _device_of(embeddings, plan.device_map)
+    key = placement_key(embeddings, plan.device_map)
+    device = plan.device_map[key] if key is not None else "cpu"
     serialize = bool(gpus) and any(d in ("cpu", "disk") for d in plan.device_map.values())
     return LoadedModel(model, plan, checkpoint_dir,
                        f"cuda:{device}" if isinstance(device, int) else "cpu", serialize,
                        _tokenizer(checkpoint_dir))
-
-
-def _device_of(module: str, device_map: dict[str, Any]) -> Any:
-    parts = module.split(".")
-    for i in range(len(parts), -1, -1):
-        key = ".".join(parts[:i])
-        if key in device_map:
-            return device_map[key]
-    return "cpu"
 
 
 def _tokenizer(directory: Path) -> Any | None:

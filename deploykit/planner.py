@@ -28,7 +28,8 @@ import hashlib
 import json
 import re
 from dataclasses import asdict, dataclass, field
-from typing import Any, Literal, Sequence
+from collections.abc import Mapping, Sequence
+from typing import Any, Literal
 
 from .errors import PlanInfeasible
 from .inventory import Inventory
@@ -201,6 +202,20 @@ def compress_names(names: Sequence[str]) -> tuple[str, ...]:
         run_prefix, run_start, run_end = (match.group(1), int(match.group(2)),
                                           int(match.group(2))) if match else (None, 0, 0)
     return tuple(out)
+
+
+def placement_key(name: str, device_map: Mapping[str, Any]) -> str | None:
+    """The device_map key that places module or tensor ``name``: the longest key equal to it or a dotted
+    prefix of it. Checkpoints saved from a base model may carry one extra leading component
+    (``bert.encoder...``), tried second."""
+    candidates = [name] + ([name.split(".", 1)[1]] if "." in name else [])
+    for candidate in candidates:
+        parts = candidate.split(".")
+        for i in range(len(parts), 0, -1):
+            key = ".".join(parts[:i])
+            if key in device_map:
+                return key
+    return "" if "" in device_map else None
 
 
 def _footprint(block: Block, tokens: int) -> int:

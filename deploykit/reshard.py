@@ -41,6 +41,7 @@ import xxhash
 from .checkpoint import INDEX, LOCK, Checkpoint, Tensor, load_pickle, open_checkpoint
 from .errors import CheckpointError
 from .fsutil import copy_file_synced, exchange_dirs, fsync_dir, write_atomic
+from .planner import placement_key
 from .safetensors_io import DTYPE_SIZES, FLOAT_DTYPES, FROM_TORCH, TORCH_NAMES, encode_header, read_header
 from .units import format_size
 
@@ -97,14 +98,8 @@ def output_nbytes(tensor: Tensor, dtype: str | None) -> int:
 
 def _module_of(name: str, modules: dict[str, int]) -> int | None:
     """Index (in execution order) of the device_map module that owns tensor ``name``."""
-    candidates = [name, name.split(".", 1)[1] if "." in name else name]  # checkpoints may carry a prefix
-    for candidate in candidates:
-        parts = candidate.split(".")
-        for i in range(len(parts) - 1, 0, -1):
-            index = modules.get(".".join(parts[:i]))
-            if index is not None:
-                return index
-    return modules.get("")
+    key = placement_key(name, modules)
+    return None if key is None else modules[key]
 
 
 def plan_layout(checkpoint: Checkpoint, *, max_shard_size: int, dtype: str | None = None,
