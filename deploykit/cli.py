@@ -137,10 +137,7 @@ def _plan_table(plan: Any) -> Table:
 
 
 def _located(loaded: LoadedManifest, exc: PlanInfeasible) -> str:
-    if exc.field is None:
-        return f"{loaded.source}: error: {exc}"
-    line, column = loaded.locate(exc.field)
-    return f"{loaded.source}:{line}:{column}: {exc.field}: {exc}"
+    return loaded.located(exc.field, str(exc))
 
 
 @main.command()

@@ -284,6 +284,13 @@ class LoadedManifest:
         parts: tuple[str | int, ...] = tuple(int(p) if p.isdigit() else p for p in field.split("."))
         return self.document.locate(parts)
 
+    def located(self, field: str | None, message: str) -> str:
+        """``message`` as ``FILE:LINE:COL: field: message``, or ``FILE: error: message`` without a field."""
+        if field is None:
+            return f"{self.source}: error: {message}"
+        line, column = self.locate(field)
+        return f"{self.source}:{line}:{column}: {field}: {message}"
+
     def issue(self, field: str, message: str, hint: str | None = None) -> Issue:
         line, column = self.locate(field)
         return Issue(message, self.source, line, column, field, hint)

@@ -273,10 +273,16 @@ def apply_recorded(revision: Revision, *, store: StateStore, devices: str | None
                    progress: ProgressSink | None = None,
                    on_step: Callable[[str], None] | None = None) -> ApplyOutcome:
     """Re-apply a recorded revision's manifest (rollback): a new revision with the old content."""
+    return apply(recorded_manifest(revision), store=store, devices=devices, force=True, progress=progress,
+                 on_step=on_step)
+
+
+def recorded_manifest(revision: Revision) -> LoadedManifest:
+    """The manifest a revision recorded (normalised, absolute paths), loaded again."""
     from .manifest import parse_manifests
 
     [loaded] = parse_manifests(revision.manifest_text.encode(), source=revision.manifest_path,
                                base_dir=Path(revision.manifest_path).parent)
     if loaded.name != revision.name:
         raise ApplyError(f"revision {revision.revision} of {revision.name!r} records another name")
-    return apply(loaded, store=store, devices=devices, force=True, progress=progress, on_step=on_step)
+    return loaded

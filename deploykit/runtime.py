@@ -357,23 +357,15 @@ class Deployment:
     def _restore_current_revision(self) -> None:
         """After a failed recreate: load the last Ready revision again, so something serves."""
         from .planner import Plan
-        from .reconciler import _load
+        from .reconciler import _load, recorded_manifest
 
         current = self.store.current(self.name or "")
         if current is None or current.plan is None:
             return
-        loaded = self._manifest_for(current)
+        loaded = recorded_manifest(current)
         model = _load(loaded, Plan.from_dict(current.plan), Path(current.shards_path or ""))
         self._install(model, Plan.from_dict(current.plan), current.revision, "restore")
         log.warning("%s: restored revision %d after a failed recreate", self.name, current.revision)
-
-    @staticmethod
-    def _manifest_for(revision: Any) -> LoadedManifest:
-        from .manifest import parse_manifests
-
-        [loaded] = parse_manifests(revision.manifest_text.encode(), source=revision.manifest_path,
-                                   base_dir=Path(revision.manifest_path).parent)
-        return loaded
 
     def _inventory_beside_current(self, loaded: LoadedManifest) -> Inventory:
         """The inventory minus what the serving generation holds, for planning a blue-green load."""
@@ -447,6 +439,5 @@ def _describe(exc: Exception, loaded: LoadedManifest | None) -> str:
     if isinstance(exc, ManifestError):
         return "\n".join(str(i) for i in exc.issues)
     if isinstance(exc, PlanInfeasible) and exc.field and loaded is not None:
-        line, column = loaded.locate(exc.field)
-        return f"{loaded.source}:{line}:{column}: {exc.field}: {exc}"
+        return loaded.located(exc.field, str(exc))
     return str(exc)
