@@ -88,14 +88,27 @@ def parse_devices(spec: str) -> Inventory:
     return Inventory(gpus=tuple(gpus), cpu=cpu, disk=disk, simulated=True)
 
 
-def _available_ram() -> int | None:
+def _proc_bytes(path: str, field: str) -> int | None:
+    """A ``Field:  N kB`` line of a /proc file, in bytes."""
     try:
-        with open("/proc/meminfo", encoding="ascii") as fh:
+        with open(path, encoding="ascii") as fh:
             for line in fh:
-                if line.startswith("MemAvailable:"):
+                if line.startswith(f"{field}:"):
                     return int(line.split()[1]) * 1024
     except OSError:
         pass
+    return None
+
+
+def process_rss() -> int:
+    """Resident set of this process in bytes (0 where /proc is missing)."""
+    return _proc_bytes("/proc/self/status", "VmRSS") or 0
+
+
+def _available_ram() -> int | None:
+    available = _proc_bytes("/proc/meminfo", "MemAvailable")
+    if available is not None:
+        return available
     try:
         return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
     except (ValueError, OSError, AttributeError):

@@ -40,7 +40,7 @@ from pathlib import Path
 from typing import Any
 
 from .errors import ApplyError, DeploykitError, ManifestError, PlanInfeasible
-from .inventory import Gpu, Inventory
+from .inventory import Gpu, Inventory, process_rss
 from .manifest import LoadedManifest, load_manifests
 from .state import StateStore
 
@@ -71,18 +71,6 @@ class ReloadRecord:
     error: str | None = None
     rss_before: int | None = None
     rss_after: int | None = None
-
-
-def process_rss() -> int:
-    """Resident set of this process in bytes (from /proc)."""
-    try:
-        with open("/proc/self/status", encoding="ascii") as fh:
-            for line in fh:
-                if line.startswith("VmRSS:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return 0
 
 
 class Deployment:

@@ -11,7 +11,8 @@ import pytest
 import torch
 
 from deploykit.errors import ApplyError
-from deploykit.runtime import Deployment, process_rss
+from deploykit.inventory import process_rss
+from deploykit.runtime import Deployment
 from manifests import manifest_text, replace_like_an_editor, write_manifest
 
 IDS = torch.tensor([[1, 7, 42, 100, 3, 9]])
