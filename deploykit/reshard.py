@@ -422,11 +422,11 @@ def _check_space(staging: Path, needed: int) -> None:
                               f"{format_size(needed)} more, {format_size(free)} free at {staging.parent}")
 
 
-def _lock_document(src: Path, checkpoint: Checkpoint, layout: Layout, done: dict[str, dict],
+def _lock_document(checkpoint: Checkpoint, layout: Layout, done: dict[str, dict],
                    files: list[dict]) -> dict:
     return {
         "version": LOCK_VERSION,
-        "source": {"path": str(src.resolve()), "fingerprint": checkpoint.fingerprint},
+        "source": {"path": str(checkpoint.path.resolve()), "fingerprint": checkpoint.fingerprint},
         "layout": {"digest": layout.digest, "max_shard_size": layout.max_shard_size,
                    "dtype": layout.dtype, "device_aligned": layout.device_aligned},
         "total_size": layout.total_size,
@@ -437,7 +437,7 @@ def _lock_document(src: Path, checkpoint: Checkpoint, layout: Layout, done: dict
     }
 
 
-def _finish_staging(src: Path, checkpoint: Checkpoint, layout: Layout, staging: Path,
+def _finish_staging(checkpoint: Checkpoint, layout: Layout, staging: Path,
                     done: dict[str, dict]) -> None:
     weight_map = {name: s.file for s in layout.shards for name in s.tensors}
     index = {"metadata": {"total_size": layout.total_size}, "weight_map": weight_map}
@@ -449,7 +449,7 @@ def _finish_staging(src: Path, checkpoint: Checkpoint, layout: Layout, staging: 
                       "hash": file_hash(staging / rel)})
     for directory in {(staging / rel).parent for rel in checkpoint.other_files}:
         fsync_dir(directory)
-    lock = _lock_document(src, checkpoint, layout, done, files)
+    lock = _lock_document(checkpoint, layout, done, files)
     write_atomic(staging / LOCK, json.dumps(lock, indent=2).encode())
     (staging / "journal.json").unlink(missing_ok=True)
     fsync_dir(staging)
@@ -517,7 +517,7 @@ def reshard(src: str | Path, dst: str | Path, *, max_shard_size: int, dtype: str
     key = hashlib.sha256(f"{checkpoint.fingerprint}\0{layout.digest}".encode()).hexdigest()[:16]
     staging = _staging_dir(dst, key)
     try:
-        written, resumed = _write_all(src, checkpoint, layout, staging, key, progress)
+        written, resumed = _write_all(checkpoint, layout, staging, key, progress)
     except OSError as exc:
         if exc.errno in (errno.ENOSPC, errno.EDQUOT):
             shutil.rmtree(staging, ignore_errors=True)
@@ -529,7 +529,7 @@ def reshard(src: str | Path, dst: str | Path, *, max_shard_size: int, dtype: str
     return ReshardResult("written", dst, layout, written, time.perf_counter() - started, resumed, warnings)
 
 
-def _write_all(src: Path, checkpoint: Checkpoint, layout: Layout, staging: Path, key: str,
+def _write_all(checkpoint: Checkpoint, layout: Layout, staging: Path, key: str,
                progress: ProgressSink | None) -> tuple[int, int]:
     done = _load_journal(staging, key, layout)
     todo = [s for s in layout.shards if s.file not in done]
@@ -553,8 +553,8 @@ def _write_all(src: Path, checkpoint: Checkpoint, layout: Layout, staging: Path,
             done[spec.file] = {"size": (staging / spec.file).stat().st_size, "hash": digest}
         write_atomic(staging / "journal.json", json.dumps({"key": key, "done": done}).encode())
 
-    # Finishing a shard (hash, fsync, rename) overlaps with copying the next one: the copy is in the
-    # kernel and hashlib releases the GIL, so the two cores both work.
+    # Finishing a shard (hash, fsync, rename) overlaps with copying the next one: the copy runs in the
+    # kernel, so the finisher thread has the other core.
     with ThreadPoolExecutor(max_workers=1, thread_name_prefix="deploykit-finish") as finisher:
         try:
             for number, spec in enumerate(todo, 1):
@@ -569,7 +569,7 @@ def _write_all(src: Path, checkpoint: Checkpoint, layout: Layout, staging: Path,
                 record(pending)
         finally:
             sources.close()
-    _finish_staging(src, checkpoint, layout, staging, done)
+    _finish_staging(checkpoint, layout, staging, done)
     return sum(s.nbytes for s in todo), len(layout.shards) - len(todo)
 
 
