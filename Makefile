@@ -19,6 +19,7 @@ demo: $(STAMP)
 	$(PY) examples/demo.py
 
 test: $(STAMP)
+	$(VENV)/bin/lint-imports --no-cache
 	$(PY) -m mypy deploykit
 	$(PY) -m pytest -q
 

@@ -167,10 +167,10 @@ def main() -> None:
     from rich.console import Console
     from rich.table import Table
 
-    from deploykit.inventory import parse_devices
-    from deploykit.manifest import Spec
-    from deploykit.planner import plan
-    from deploykit.structure import build_meta_model, load_config, structure_from_model
+    from deploykit.placement.inventory import parse_devices
+    from deploykit.spec.manifest import Spec
+    from deploykit.placement.planner import plan
+    from deploykit.model.structure import build_meta_model, load_config, structure_from_model
 
     transformers.logging.set_verbosity_error()
     table = Table(title="Bottleneck factor (1.0 = perfect; lower is better) and plan time")

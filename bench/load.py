@@ -91,9 +91,9 @@ def forward_latency(repeats: int = 15) -> list[tuple[str, float]]:
     import torch
     from transformers import AutoModelForCausalLM
 
-    from deploykit.manifest import load_manifests
-    from deploykit.reconciler import apply
-    from deploykit.state import StateStore
+    from deploykit.spec.manifest import load_manifests
+    from deploykit.control.reconciler import ApplyOptions, apply
+    from deploykit.control.state import StateStore
 
     src = checkpoint("llama-fp32-600m")
     size = size_of(src)
@@ -104,7 +104,7 @@ def forward_latency(repeats: int = 15) -> list[tuple[str, float]]:
         manifest = write(WORK / f"latency-{i}.yaml", path=src, dtype="float32", shard="64MiB",
                          shards=WORK / f"latency-shards-{i}", cpu=cpu, offload=WORK / "latency-offload")
         [loaded] = load_manifests(manifest)
-        outcome = apply(loaded, store=StateStore(WORK / f"latency-state-{i}"), keep_model=True, force=True)
+        outcome = apply(loaded, store=StateStore(WORK / f"latency-state-{i}"), options=ApplyOptions(keep_model=True, force=True))
         models[name] = outcome.loaded.model
         device_map = outcome.plan.device_map
     offload = WORK / "latency-hf-offload"

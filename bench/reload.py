@@ -85,7 +85,7 @@ def warm_up(dep) -> None:
 
 def run_strategy(strategy: str, reloads: int) -> dict[str, float]:
     from deploykit import Deployment
-    from deploykit.inventory import process_rss
+    from deploykit.placement.inventory import process_rss
 
     src = checkpoint("llama-fp32-600m")
     size = size_of(src)

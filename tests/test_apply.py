@@ -15,10 +15,11 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from deploykit.errors import ApplyError
-from deploykit.manifest import load_manifests
-from deploykit.reconciler import apply
-from deploykit.reshard import verify
-from deploykit.state import StateStore
+from deploykit.spec.manifest import load_manifests
+from deploykit.control.reconciler import ApplyOptions, apply
+from deploykit.artifacts.verify import verify
+from deploykit.control.report import status_report
+from deploykit.control.state import StateStore
 
 from manifests import write_manifest
 
@@ -51,7 +52,7 @@ def test_outputs_equal_plain_from_pretrained_whatever_the_split(model, store, tm
     total = sum(t.numel() * 4 for t in load_file(model / "model.safetensors").values())
     cpu = max(1, int(total * fraction)) if fraction < 1 else "1GiB"
     [loaded] = load_manifests(write_manifest(tmp_path, model, cpu=cpu))
-    outcome = apply(loaded, store=store, keep_model=True)
+    outcome = apply(loaded, store=store, options=ApplyOptions(keep_model=True))
     devices = set(outcome.plan.device_map.values())
     assert devices == ({"cpu"} if fraction == 1.0 else {"disk"} if fraction == 0 else {"cpu", "disk"})
     reference = AutoModelForCausalLM.from_pretrained(model, dtype=torch.float32)
@@ -85,7 +86,7 @@ def test_no_op_cli_apply_imports_no_torch(model, tmp_path):
 
 def test_dry_run_changes_nothing(model, store, tmp_path):
     [loaded] = load_manifests(write_manifest(tmp_path, model))
-    outcome = apply(loaded, store=store, dry_run=True)
+    outcome = apply(loaded, store=store, options=ApplyOptions(dry_run=True))
     assert outcome.status == "dry-run" and outcome.plan is not None
     assert [a.step for a in outcome.actions][0] == "plan"
     assert store.history("tiny") == [] and not (tmp_path / "shards").exists()
@@ -104,7 +105,7 @@ def test_failed_apply_keeps_previous_revision_and_shards(model, store, tmp_path)
     assert store.current("tiny").revision == 1
     assert store.latest("tiny").phase == "Failed" and store.latest("tiny").revision == 2
     assert verify(first.shards) == []  # revision 1's shards are intact
-    status = store.status("tiny")
+    status = status_report(store, "tiny")
     assert status["phase"] == "Failed" and status["conditions"][0]["status"] is True
 
 
@@ -135,8 +136,8 @@ def test_gpu_plan_on_a_host_without_those_gpus(model, store, tmp_path):
     if torch.cuda.device_count() >= 2:
         pytest.skip("this host has the GPUs")
     with pytest.raises(ApplyError, match="CUDA device"):
-        apply(loaded, store=store, devices="2x4GiB")
-    assert store.latest("tiny").phase == "Failed" and store.current("tiny") is None
+        apply(loaded, store=store, options=ApplyOptions(devices="2x4GiB"))
+    assert store.latest("tiny") is None  # refused while deciding: nothing recorded, nothing touched
 
 
 def test_other_tasks_apply(tiny_model, store, tmp_path):
@@ -153,7 +154,7 @@ def test_kill_during_apply_then_next_apply_finishes(model, tmp_path):
     killed = deploykit("apply", str(manifest), "-q", state=state, env={"DEPLOYKIT_FAILPOINT": "after-shard-2"})
     assert killed.returncode == -signal.SIGKILL
     store = StateStore(state)
-    assert store.current("tiny") is None and store.status("tiny")["phase"] == "Failed"
+    assert store.current("tiny") is None and status_report(store, "tiny")["phase"] == "Failed"
     done = deploykit("apply", str(manifest), "-q", state=state)
     assert done.returncode == 0, done.stderr
     history = store.history("tiny")

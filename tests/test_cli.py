@@ -128,12 +128,12 @@ def test_schema_is_json_schema():
 
 
 def test_docs_manifest_reference_is_current():
-    from deploykit.reference import render
+    from deploykit.spec.reference import render
 
     on_disk = (REPO / "docs" / "manifest.md").read_text()
     assert on_disk == render(), "docs/manifest.md is stale: run `make docs`"
     schema_file = json.loads((REPO / "docs" / "deploykit-v1.schema.json").read_text())
-    from deploykit.manifest import json_schema
+    from deploykit.spec.manifest import json_schema
 
     assert schema_file == json_schema(), "docs/deploykit-v1.schema.json is stale: run `make docs`"
 

@@ -8,9 +8,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from deploykit.manifest import load_manifests
-from deploykit.reconciler import apply
-from deploykit.state import StateStore
+from deploykit.spec.manifest import load_manifests
+from deploykit.control.reconciler import ApplyOptions, apply
+from deploykit.control.state import StateStore
 from manifests import manifest_text
 
 pytestmark = pytest.mark.cuda
@@ -27,8 +27,7 @@ def test_gpu_plan_with_cpu_and_disk_tiers_loads_and_matches(tiny_model, tmp_path
     free, _ = torch.cuda.mem_get_info(0)
     size = sum(p.stat().st_size for p in model.glob("*.safetensors"))
     # a GPU budget of a third of the model: the rest goes to CPU, then disk
-    outcome = apply(loaded, store=StateStore(tmp_path / "state"), keep_model=True,
-                    devices=f"1x{size // 3}")
+    outcome = apply(loaded, store=StateStore(tmp_path / "state"), options=ApplyOptions(keep_model=True, devices=f"1x{size // 3}"))
     assert {0, "cpu", "disk"} <= set(outcome.plan.device_map.values())
     assert outcome.loaded.serialize_forward and outcome.loaded.input_device == "cuda:0"
     ids = torch.tensor([[1, 7, 42, 100, 3]])
@@ -41,7 +40,7 @@ def test_gpu_plan_with_cpu_and_disk_tiers_loads_and_matches(tiny_model, tmp_path
 
 
 def test_real_inventory_probe_sees_the_gpus():
-    from deploykit.inventory import probe
+    from deploykit.placement.inventory import probe
 
     inventory = probe()
     assert len(inventory.gpus) == torch.cuda.device_count()

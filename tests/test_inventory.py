@@ -1,7 +1,7 @@
 import pytest
 
 from deploykit.errors import InventoryError
-from deploykit.inventory import ENV_VAR, parse_devices, probe, resolve
+from deploykit.placement.inventory import ENV_VAR, parse_devices, probe, resolve
 
 GiB = 2**30
 

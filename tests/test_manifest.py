@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from deploykit.errors import ManifestError
-from deploykit.manifest import check_on_host, load_manifests, parse_manifests
+from deploykit.spec.manifest import check_on_host, load_manifests, parse_manifests
 
 VALID = """\
 apiVersion: deploykit/v1

@@ -10,10 +10,10 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from deploykit.errors import PlanInfeasible
-from deploykit.inventory import Inventory, parse_devices
-from deploykit.manifest import Spec
-from deploykit.planner import compress_names, longest_prefix, min_max_partition, plan
-from deploykit.structure import Block, Structure
+from deploykit.placement.inventory import Inventory, parse_devices
+from deploykit.spec.manifest import Spec
+from deploykit.placement.planner import compress_names, longest_prefix, min_max_partition, plan
+from deploykit.model.structure import Block, Structure
 
 
 def structure(sizes, *, embedding=0, flops=None, kv=0, logits=0, head=False) -> Structure:
@@ -41,7 +41,7 @@ def spec(**placement) -> Spec:
 
 
 def gpus(*memory: int, cpu=None, disk=None) -> Inventory:
-    from deploykit.inventory import Gpu
+    from deploykit.placement.inventory import Gpu
 
     return Inventory(gpus=tuple(Gpu(i, m) for i, m in enumerate(memory)), cpu=cpu, disk=disk)
 

@@ -15,9 +15,10 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
-from deploykit.checkpoint import LOCK, open_checkpoint
+from deploykit.model.checkpoint import LOCK, open_checkpoint
 from deploykit.errors import CheckpointError
-from deploykit.reshard import plan_layout, reshard, verify
+from deploykit.artifacts.reshard import plan_layout, reshard
+from deploykit.artifacts.verify import verify
 
 KiB = 1024
 

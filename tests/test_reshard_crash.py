@@ -15,8 +15,8 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from deploykit.checkpoint import LOCK
-from deploykit.reshard import verify
+from deploykit.model.checkpoint import LOCK
+from deploykit.artifacts.verify import verify
 
 MiB = 2**20
 

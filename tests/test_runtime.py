@@ -11,8 +11,8 @@ import pytest
 import torch
 
 from deploykit.errors import ApplyError
-from deploykit.inventory import process_rss
-from deploykit.runtime import Deployment
+from deploykit.placement.inventory import process_rss
+from deploykit.control.deployment import Deployment
 from manifests import manifest_text, replace_like_an_editor, write_manifest
 
 IDS = torch.tensor([[1, 7, 42, 100, 3, 9]])
@@ -210,7 +210,7 @@ def test_offload_hooks_are_serialised_under_threads(model, tmp_path):
     """accelerate's disk-offload hooks break under concurrent forwards; deploykit runs one at a time."""
     from transformers import AutoModelForCausalLM
 
-    from deploykit.loader import LoadedModel
+    from deploykit.engine.loader import LoadedModel
 
     path = write_manifest(tmp_path, model)
     dep = Deployment.from_manifest(path, state_dir=tmp_path / "state")
@@ -219,8 +219,8 @@ def test_offload_hooks_are_serialised_under_threads(model, tmp_path):
                   "model.rotary_emb": "disk", "lm_head": "disk"}
     hooked = AutoModelForCausalLM.from_pretrained(model, dtype=torch.float32, device_map=device_map,
                                                   offload_folder=str(tmp_path / "off"))
-    loaded = LoadedModel(hooked, dep._current.plan, model, "cpu", serialize_forward=True)
-    dep._install(loaded, dep._current.plan, 1, "test")
+    loaded = LoadedModel(hooked, dep.pool.current.plan, model, "cpu", serialize_forward=True)
+    dep.pool.install(loaded, dep.pool.current.plan, 1, "test")
     assert dep.status()["serialize_forward"]
     active, peak = [0], [0]
     lock = threading.Lock()
@@ -286,7 +286,7 @@ def test_leak_guard_warns_when_old_models_are_kept(tmp_path, caplog):
     path = write_manifest(tmp_path, big, shard="16MiB")
     dep = Deployment.from_manifest(path, state_dir=tmp_path / "state")
     kept = []
-    with caplog.at_level(logging.WARNING, logger="deploykit.runtime"):
+    with caplog.at_level(logging.WARNING, logger="deploykit.control.pool"):
         for i in range(3):
             with dep.acquire() as m, torch.no_grad():
                 m(IDS)

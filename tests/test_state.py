@@ -8,18 +8,18 @@ import time
 import pytest
 
 from deploykit.errors import ApplyError
-from deploykit.state import StateStore
+from deploykit.control.report import status_report
+from deploykit.control.state import StateStore
 
 
 def begin(store: StateStore, name: str = "m") -> int:
     return store.begin_revision(name=name, manifest_path="/x/m.yaml", manifest_text="a: 1\n",
-                                manifest_digest="sha256:m", plan_json=None, plan_digest=None,
-                                checkpoint_fingerprint="sha256:c", shards_path=None, git_commit=None)
+                                manifest_digest="sha256:m", checkpoint_fingerprint="sha256:c", git_commit=None)
 
 
 def test_revision_lifecycle(tmp_path):
     store = StateStore(tmp_path)
-    assert store.status("m")["phase"] == "Pending"
+    assert status_report(store, "m")["phase"] == "Pending"
     r1 = begin(store)
     assert store.current("m") is None and store.latest("m").phase == "Progressing"
     store.finish_revision("m", r1, ready=True, reason="ok", timings={"load": 1.5})
@@ -27,7 +27,7 @@ def test_revision_lifecycle(tmp_path):
     r2 = begin(store)
     store.finish_revision("m", r2, ready=False, reason="health check failed")
     assert store.current("m").revision == 1  # the failure changed nothing
-    status = store.status("m")
+    status = status_report(store, "m")
     assert status["phase"] == "Failed" and status["revision"] == 1
     assert "health check failed" in status["last_error"]
     assert [e.kind for e in store.events("m")] == ["Progressing", "Ready", "Progressing", "Failed"]
@@ -37,7 +37,7 @@ def test_revision_lifecycle(tmp_path):
 def test_a_dead_applier_is_reported_and_superseded(tmp_path):
     store = StateStore(tmp_path)
     begin(store)  # a process recorded Progressing, then died: no lock is held
-    status = store.status("m")
+    status = status_report(store, "m")
     assert status["phase"] == "Failed" and "interrupted" in status["last_error"]
     with store.deployment_lock("m"):
         r2 = begin(store)
@@ -49,7 +49,7 @@ def test_running_apply_is_progressing(tmp_path):
     store = StateStore(tmp_path)
     with store.deployment_lock("m"):
         begin(store)
-        assert StateStore(tmp_path).status("m")["phase"] == "Progressing"
+        assert status_report(StateStore(tmp_path), "m")["phase"] == "Progressing"
 
 
 def test_lock_serialises_and_non_blocking_refuses(tmp_path):

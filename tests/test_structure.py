@@ -8,10 +8,10 @@ import pytest
 import torch
 
 from deploykit.errors import CheckpointError
-from deploykit.inventory import Inventory, parse_devices
-from deploykit.manifest import Spec
-from deploykit.planner import plan
-from deploykit.structure import build_meta_model, load_config, load_structure
+from deploykit.placement.inventory import Inventory, parse_devices
+from deploykit.spec.manifest import Spec
+from deploykit.placement.planner import plan
+from deploykit.model.structure import build_meta_model, load_config, load_structure
 from tiny import TINY
 
 GiB = 2**30

@@ -1,0 +1,69 @@
+"""`deploykit status` and `deploykit history`: what is deployed, and how it got there."""
+
+from __future__ import annotations
+
+import time
+
+import click
+from rich.table import Table
+
+from ..errors import DeploykitError
+from ..units import format_size
+from .console import OUTPUT_OPTION, STATE_OPTION, handle_errors, out, print_json, store
+
+
+@click.command()
+@click.argument("name", required=False)
+@OUTPUT_OPTION
+@STATE_OPTION
+@handle_errors
+def status(name: str | None, output: str, state_dir: str | None) -> None:
+    """Phase, serving revision, conditions, plan summary and last error of NAME (default: all)."""
+    from ..control.report import status_report
+
+    states = store(state_dir)
+    names = [name] if name else states.names()
+    if name and states.latest(name) is None:
+        raise DeploykitError(f"no deployment named {name!r} (known: {', '.join(states.names()) or 'none'})")
+    reports = [status_report(states, n) for n in names]
+    if output == "json":
+        print_json(reports[0] if name else reports)
+        return
+    if not reports:
+        out.print("no deployments")
+    for r in reports:
+        colour = {"Ready": "green", "Failed": "red", "Progressing": "yellow"}.get(r["phase"], "white")
+        out.print(f"[bold]{r['name']}[/]  phase [{colour}]{r['phase']}[/]  revision {r['revision']}")
+        for c in r["conditions"]:
+            if c["status"] or c["type"] == "Ready":
+                out.print(f"  {c['type']}={c['status']} ({c['reason']}) {c['message']}", markup=False)
+        if r["plan"]:
+            for d in r["plan"]["devices"]:
+                device = f"cuda:{d['device']}" if isinstance(d["device"], int) else d["device"]
+                out.print(f"  {device}: {', '.join(d['blocks'])} ({format_size(d['bytes'])})", markup=False)
+        if r["last_error"]:
+            out.print(f"  last error: {r['last_error']}", markup=False)
+
+
+@click.command()
+@click.argument("name")
+@OUTPUT_OPTION
+@STATE_OPTION
+@handle_errors
+def history(name: str, output: str, state_dir: str | None) -> None:
+    """Every revision of NAME with its outcome."""
+    from ..control.report import history_rows
+
+    rows = history_rows(store(state_dir), name)
+    if output == "json":
+        print_json(rows)
+        return
+    table = Table(title=f"{name}: revisions", title_justify="left")
+    for col in ("rev", "phase", "created", "manifest", "plan", "git", "reason"):
+        table.add_column(col, overflow="fold")
+    for row in rows:
+        created = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(row["created_at"]))
+        table.add_row(f"{row['revision']}{' *' if row['current'] else ''}", row["phase"], created,
+                      row["manifest_digest"][7:19], (row["plan_digest"] or "")[7:19],
+                      (row["git_commit"] or "")[:10], row["reason"] or "")
+    out.print(table)

@@ -1,0 +1,308 @@
+"""``Deployment``: a live model inside a long-running Python process, swapped atomically on reload.
+
+    dep = Deployment.from_manifest("manifests/minilm.yaml", watch=True)
+    with dep.acquire() as model:        # pins the current generation for the duration
+        model(**inputs)
+    dep.generation, dep.status()
+    dep.close()
+
+A thin facade over a ``GenerationPool`` (pin, swap, drain, free, leak guard), a ``Rollout`` (blue-green,
+recreate, auto) and a ``ManifestWatcher``. Each successful (re)load makes a new generation; a caller
+that acquired generation N keeps it until its ``with`` block ends.
+
+A reload that fails at any step (bad manifest, missing file, plan infeasible, load error, failed
+health check) leaves the serving generation untouched; the error appears in ``status()`` (with the
+manifest's file:line where it applies), in the state store (so ``deploykit status`` shows it too) and
+in its events. A later reload that succeeds, or finds nothing to change, clears it.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections import deque
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from ..errors import ApplyError, DeploykitError, ManifestError, PlanInfeasible
+from ..placement.inventory import process_rss
+from ..spec.manifest import LoadedManifest, load_manifests
+from .pool import GenerationPool
+from .reconciler import ApplyOptions, apply
+from .rollout import Rollout
+from .state import StateStore, open_store
+
+if TYPE_CHECKING:
+    from ..engine.loader import LoadedModel
+    from .watcher import ManifestWatcher
+
+log = logging.getLogger(__name__)
+DEFAULT_ACQUIRE_TIMEOUT = 300.0  # seconds acquire() waits while a recreate rollout reloads
+RELOAD_HISTORY = 100  # reload records kept in memory
+
+
+@dataclass(frozen=True)
+class ReloadRecord:
+    generation: int
+    revision: int | None
+    ok: bool
+    seconds: float
+    strategy: str
+    error: str | None = None
+    rss_before: int | None = None
+    rss_after: int | None = None
+
+
+class Deployment:
+    """A deployed model held by this process. Thread-safe. See the module docstring."""
+
+    def __init__(self, manifest_path: Path, *, name: str | None = None, devices: str | None = None,
+                 store: StateStore | None = None, acquire_timeout: float = DEFAULT_ACQUIRE_TIMEOUT) -> None:
+        self.manifest_path = Path(manifest_path)
+        self._wanted_name = name
+        self.devices = devices
+        self.store = store or open_store()
+        self.acquire_timeout = acquire_timeout
+        self.name: str = name or ""
+        self.pool = GenerationPool(self.name)
+        self._reload_lock = threading.Lock()  # one reload at a time
+        self._phase = "Pending"
+        self._last_error: str | None = None
+        self._callbacks: list[Callable[[Deployment], None]] = []
+        self.reloads: deque[ReloadRecord] = deque(maxlen=RELOAD_HISTORY)
+        self.reload_count = 0
+        self.reload_failures = 0
+        self._watcher: ManifestWatcher | None = None
+        self._worker: _ReloadWorker | None = None
+        self._closed = False
+
+    @classmethod
+    def from_manifest(cls, path: str | Path, *, watch: bool = False, name: str | None = None,
+                      devices: str | None = None, state_dir: str | Path | None = None,
+                      store: StateStore | None = None, acquire_timeout: float = DEFAULT_ACQUIRE_TIMEOUT,
+                      debounce: float = 0.3) -> Deployment:
+        """Apply the manifest at ``path`` and hold its model. ``watch=True`` reloads on changes."""
+        store = store or open_store(Path(state_dir) if state_dir is not None else None)
+        dep = cls(Path(path), name=name, devices=devices, store=store, acquire_timeout=acquire_timeout)
+        dep.start()
+        if watch:
+            dep.watch(debounce=debounce)
+        return dep
+
+    def _manifest(self) -> LoadedManifest:
+        manifests = load_manifests(self.manifest_path)
+        if self._wanted_name is not None:
+            chosen = [m for m in manifests if m.name == self._wanted_name]
+            if not chosen:
+                raise ApplyError(f"{self.manifest_path}: no manifest named {self._wanted_name!r}")
+            return chosen[0]
+        if len(manifests) != 1:
+            raise ApplyError(f"{self.manifest_path} holds {len(manifests)} manifests; pass name=")
+        return manifests[0]
+
+    def start(self) -> None:
+        """Apply the manifest (or load the current revision, verified and health-checked)."""
+        loaded = self._manifest()
+        self.name = self.pool.name = loaded.name
+        self._phase = "Progressing"
+        try:
+            outcome = apply(loaded, store=self.store, options=ApplyOptions(
+                devices=self.devices, keep_model=True, load_if_unchanged=True))
+        except DeploykitError as exc:
+            self._phase, self._last_error = "Failed", describe(exc, loaded)
+            raise
+        assert outcome.loaded is not None
+        self.pool.install(outcome.loaded, outcome.plan, outcome.revision or 0, "initial")
+        self._phase = "Ready"
+
+    # ---- serving --------------------------------------------------------------------------------
+
+    @property
+    def generation(self) -> int:
+        return self.pool.number
+
+    @property
+    def memory(self) -> list[tuple[int, int]]:
+        return list(self.pool.memory)
+
+    @contextmanager
+    def acquire(self, timeout: float | None = None) -> Iterator[Any]:
+        """Pin the current generation and yield its model (``torch.nn.Module``)."""
+        with self.acquire_loaded(timeout) as loaded:
+            yield loaded.model
+
+    @contextmanager
+    def acquire_loaded(self, timeout: float | None = None) -> Iterator[LoadedModel]:
+        """Like ``acquire`` but yields the LoadedModel (model, tokenizer, input device, plan)."""
+        gen = self.pool.pin(self.acquire_timeout if timeout is None else timeout)
+        try:
+            assert gen.loaded is not None  # pinned generations are never freed
+            if gen.forward_lock is not None:  # accelerate offload hooks: one forward at a time
+                with gen.forward_lock:
+                    yield gen.loaded
+            else:
+                yield gen.loaded
+        finally:
+            self.pool.unpin(gen)
+
+    # ---- reloading ------------------------------------------------------------------------------
+
+    def on_reload(self, callback: Callable[[Deployment], None]) -> None:
+        """Call ``callback(deployment)`` after every successful swap."""
+        self._callbacks.append(callback)
+
+    def reload(self) -> bool:
+        """Re-read the manifest and roll out what changed. True when a new generation serves.
+
+        Never raises for a bad manifest or a failed rollout: the error goes to ``status()``.
+        """
+        with self._reload_lock:
+            if self._closed:
+                return False
+            swapped = self._reload_once()
+        if swapped:
+            for callback in list(self._callbacks):
+                try:
+                    callback(self)
+                except Exception:  # a callback's bug must not break serving
+                    log.exception("on_reload callback failed")
+        return swapped
+
+    def _reload_once(self) -> bool:
+        started, rss_before = time.perf_counter(), process_rss()
+        loaded: LoadedManifest | None = None
+        strategy = "none"
+        self._phase = "Progressing"
+        try:
+            loaded = self._manifest()
+            if loaded.name != self.name:
+                raise ApplyError(f"the manifest now names {loaded.name!r}, this deployment is "
+                                 f"{self.name!r}; a rename is a new deployment")
+            result = Rollout(self.pool, self.store, devices=self.devices,
+                             acquire_timeout=self.acquire_timeout).run(loaded)
+            strategy = result.strategy
+        except DeploykitError as exc:
+            self._record_failure(exc, loaded, strategy, started, rss_before)
+            return False
+        self._last_error = None
+        self._phase = "Ready" if self.pool.current is not None else "Failed"
+        if not result.swapped:  # nothing changed that needs a new generation
+            return False
+        current = self.pool.current
+        self._record(ReloadRecord(self.generation, current.revision if current else None, True,
+                                  time.perf_counter() - started, strategy, None, rss_before, process_rss()))
+        return True
+
+    def _record_failure(self, exc: DeploykitError, loaded: LoadedManifest | None, strategy: str,
+                        started: float, rss_before: int) -> None:
+        self._last_error = describe(exc, loaded)
+        self._phase = "Ready" if self.pool.current is not None else "Failed"
+        log.warning("reload of %s failed; generation %d keeps serving: %s", self.name, self.generation,
+                    self._last_error)
+        if self.name and self.store.deployment(self.name) is not None:
+            if isinstance(exc, (ManifestError, PlanInfeasible)) or loaded is None:  # no revision recorded
+                self.store.set_pending_error(self.name, self._last_error)
+            else:
+                self.store.record_event(self.name, "ReloadFailed", self._last_error)
+        self.reload_failures += 1
+        self._record(ReloadRecord(self.generation, None, False, time.perf_counter() - started, strategy,
+                                  self._last_error, rss_before, process_rss()))
+
+    def _record(self, record: ReloadRecord) -> None:
+        self.reload_count += 1
+        self.reloads.append(record)
+
+    def request_reload(self) -> None:
+        """Reload on this deployment's own worker thread (returns at once; bursts coalesce), so one
+        deployment's slow reload never delays another's."""
+        if self._worker is None:
+            self._worker = _ReloadWorker(self)
+        self._worker.request()
+
+    def watch(self, *, debounce: float = 0.3) -> None:
+        """Reload in a background thread whenever the manifest's content changes."""
+        from .watcher import ManifestWatcher
+
+        if self._watcher is None:
+            self._watcher = ManifestWatcher([self.manifest_path], lambda paths: self.reload(),
+                                            debounce=debounce)
+            self._watcher.start()
+
+    # ---- status and shutdown --------------------------------------------------------------------
+
+    def status(self) -> dict[str, Any]:
+        gen = self.pool.current
+        return {
+            "name": self.name,
+            "phase": self._phase,
+            "generation": self.generation,
+            "revision": gen.revision if gen else None,
+            "serving": gen is not None,
+            "in_flight": gen.refs if gen else 0,
+            "last_error": self._last_error,
+            "manifest": str(self.manifest_path),
+            "serialize_forward": bool(gen and gen.forward_lock),
+            "reloads": {"total": self.reload_count, "failed": self.reload_failures},
+            "memory": {"rss": process_rss(), "baseline_rss": self.pool.baseline_rss},
+            "plan": [{"device": d.device, "blocks": list(d.blocks), "bytes": d.bytes}
+                     for d in gen.plan.devices if d.blocks] if gen and gen.plan else None,
+        }
+
+    def close(self, timeout: float = 30.0) -> None:
+        """Stop watching, let in-flight calls finish (up to ``timeout``), free the model."""
+        if self._watcher is not None:
+            self._watcher.stop()
+            self._watcher = None
+        if self._worker is not None:
+            self._worker.stop()
+        with self._reload_lock:
+            self._closed = True
+            self.pool.close(timeout)
+            self._phase = "Closed"
+
+    def __enter__(self) -> Deployment:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+class _ReloadWorker:
+    """One thread per deployment that runs requested reloads; requests during a reload coalesce
+    into one more reload after it."""
+
+    def __init__(self, deployment: Deployment) -> None:
+        self.deployment = deployment
+        self._wanted = threading.Event()
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._loop, name=f"deploykit-reload-{deployment.name}",
+                                        daemon=True)
+        self._thread.start()
+
+    def request(self) -> None:
+        self._wanted.set()
+
+    def _loop(self) -> None:
+        while True:
+            self._wanted.wait()
+            if self._stop.is_set():
+                return
+            self._wanted.clear()
+            self.deployment.reload()
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._wanted.set()
+
+
+def describe(exc: Exception, loaded: LoadedManifest | None) -> str:
+    """An error as the user should read it: with file:line:column where the manifest is to blame."""
+    if isinstance(exc, ManifestError):
+        return "\n".join(str(i) for i in exc.issues)
+    if isinstance(exc, PlanInfeasible) and exc.field and loaded is not None:
+        return loaded.located(exc.field, str(exc))
+    return str(exc)

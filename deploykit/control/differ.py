@@ -1,0 +1,78 @@
+"""`deploykit diff`: what applying a manifest would change against its current revision.
+
+Three answers: which manifest fields change (old -> new), which modules move to another device, and
+whether the checkpoint must be resharded. Reads config.json and safetensors headers only.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import yaml
+
+from ..model.checkpoint import open_checkpoint
+from ..errors import DeploykitError
+from ..spec.manifest import LoadedManifest
+from ..placement.planner import compress_names
+from ..artifacts.reshard import fits_layout, plan_layout, read_lock
+from .state import StateStore
+
+
+def _flatten(data: Any, prefix: str = "") -> dict[str, Any]:
+    if isinstance(data, dict):
+        out: dict[str, Any] = {}
+        for k, v in data.items():
+            out.update(_flatten(v, f"{prefix}.{k}" if prefix else str(k)))
+        return out
+    return {prefix: data}
+
+
+def field_changes(old_text: str, new_text: str) -> list[tuple[str, Any, Any]]:
+    old, new = _flatten(yaml.safe_load(old_text)), _flatten(yaml.safe_load(new_text))
+    return [(k, old.get(k), new.get(k)) for k in sorted(set(old) | set(new)) if old.get(k) != new.get(k)]
+
+
+def diff_manifest(loaded: LoadedManifest, *, store: StateStore, devices: str | None = None) -> list[str]:
+    from ..placement.planning import plan_manifest
+    from .reconciler import shards_dir
+
+    current = store.current(loaded.name)
+    lines = [f"{loaded.name} ({loaded.source}):"]
+    if current is None:
+        lines.append("  not deployed yet: apply creates revision 1")
+    else:
+        changes = field_changes(current.manifest_text, loaded.text)
+        lines.append(f"  against revision {current.revision}: "
+                     + (f"{len(changes)} field(s) change" if changes else "manifest unchanged"))
+        lines += [f"    {k}: {old!r} -> {new!r}" for k, old, new in changes]
+    try:
+        plan = plan_manifest(loaded, devices=devices)
+    except DeploykitError as exc:
+        lines.append(f"  the new manifest does not plan: {exc}")
+        return lines
+    old_map = (current.plan or {}).get("device_map", {}) if current else {}
+    moves: dict[tuple[Any, Any], list[str]] = {}
+    for module, device in plan.device_map.items():
+        before = old_map.get(module)
+        if current is not None and before != device:
+            moves.setdefault((before, device), []).append(module)
+    if current is not None:
+        if not moves:
+            lines.append("  placement: no module moves")
+        for (before, after), modules in moves.items():
+            lines.append(f"  move {', '.join(compress_names(modules))}: {before} -> {after}")
+    spec = loaded.manifest.spec
+    checkpoint = open_checkpoint(loaded.model_path, allow_pickle=spec.model.allow_pickle)
+    kwargs: dict[str, Any] = {"max_shard_size": spec.sharding.max_shard_size, "dtype": spec.model.dtype,
+                              "device_map": plan.device_map}
+    if fits_layout(checkpoint, **kwargs):
+        lines.append("  reshard: not needed (the checkpoint's own layout fits)")
+    else:
+        layout = plan_layout(checkpoint, **kwargs)
+        target = shards_dir(loaded, store, checkpoint.fingerprint, layout.digest)
+        lock = read_lock(target)
+        if lock and lock["source"]["fingerprint"] == checkpoint.fingerprint:
+            lines.append(f"  reshard: not needed ({target} already holds this layout)")
+        else:
+            lines.append(f"  reshard: needed, {len(layout.shards)} shard(s) into {target}")
+    return lines

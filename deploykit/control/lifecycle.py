@@ -1,0 +1,76 @@
+"""Whole-deployment operations beyond one apply: roll back, delete, prune a directory's leftovers.
+
+The CLI and the server call these; they hold the rules (which revision a rollback targets, what a
+delete removes) so that no front end re-implements them.
+"""
+
+from __future__ import annotations
+
+import logging
+import shutil
+from collections.abc import Callable
+from pathlib import Path
+
+from ..errors import DeploykitError
+from .reconciler import ApplyOptions, ApplyOutcome, apply, recorded_manifest
+from .state import Revision, StateStore
+
+log = logging.getLogger(__name__)
+
+
+def rollback_target(store: StateStore, name: str, *, to_revision: int | None = None) -> Revision:
+    """The revision a rollback re-applies: ``to_revision``, else the Ready one before the current."""
+    if to_revision is not None:
+        found = store.get(name, to_revision)
+        if found is None:
+            raise DeploykitError(f"{name!r} has no revision {to_revision}")
+        return found
+    current = store.current(name)
+    ready = [r for r in store.history(name)
+             if r.phase == "Ready" and (current is None or r.revision < current.revision)]
+    if not ready:
+        raise DeploykitError(f"{name!r} has no Ready revision before the current one to roll back to")
+    return ready[-1]
+
+
+def rollback(store: StateStore, name: str, *, to_revision: int | None = None,
+             on_step: Callable[[str], None] | None = None) -> tuple[Revision, ApplyOutcome]:
+    """Re-apply a recorded revision's manifest: a new revision with the old content."""
+    target = rollback_target(store, name, to_revision=to_revision)
+    outcome = apply(recorded_manifest(target), store=store, options=ApplyOptions(force=True), on_step=on_step)
+    return target, outcome
+
+
+def remove_shards(store: StateStore, name: str) -> list[Path]:
+    """Remove every shard directory deploykit wrote for ``name`` (never a checkpoint used in place)."""
+    from ..artifacts.verify import read_lock
+
+    removed = []
+    for revision in store.history(name):
+        path = Path(revision.shards_path) if revision.shards_path else None
+        if path is not None and path.is_dir() and read_lock(path) is not None:
+            shutil.rmtree(path, ignore_errors=True)
+            removed.append(path)
+    return removed
+
+
+def delete(store: StateStore, name: str, *, keep_shards: bool = False, reason: str = "deleted") -> None:
+    """Forget ``name`` (its history stays in the store) and remove its shards unless ``keep_shards``."""
+    if store.latest(name) is None:
+        raise DeploykitError(f"no deployment named {name!r}")
+    with store.deployment_lock(name):
+        if not keep_shards:
+            for path in remove_shards(store, name):
+                log.info("%s: removed shards %s", name, path)
+        store.forget(name, reason=reason)
+
+
+def prune_directory(store: StateStore, directory: Path, *, keep: set[str]) -> list[str]:
+    """Delete the deployments whose manifests lived in ``directory`` and are no longer among ``keep``."""
+    pruned = []
+    for name in store.names():
+        manifest = store.deployment_manifest(name) or ""
+        if name not in keep and Path(manifest).parent == directory.resolve():
+            delete(store, name, reason="manifest removed; deployment pruned")
+            pruned.append(name)
+    return pruned

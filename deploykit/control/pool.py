@@ -1,0 +1,159 @@
+"""The generations of one deployment held in memory: pin, swap, drain, free, and the leak guard.
+
+A caller pins the current generation for the duration of its work; a swap makes a new generation
+current at once, and the old one is freed (references dropped, ``gc.collect()``, the CUDA cache
+emptied where CUDA exists) when its last caller unpins it. A recreate drains first: no generation is
+current, new pins wait, and the old one is freed once its callers leave.
+
+Generations whose model carries accelerate offload hooks (GPU plans with CPU/disk blocks) run one
+forward at a time (``forward_lock``): those hooks move weights around each forward and are not
+thread-safe. CPU-only plans (disk blocks memory-mapped, no hooks) run concurrent forwards.
+"""
+
+from __future__ import annotations
+
+import gc
+import logging
+import threading
+import time
+from collections import deque
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+from ..errors import ApplyError
+from ..placement.inventory import process_rss
+from ..placement.planner import Plan
+
+if TYPE_CHECKING:
+    from ..engine.loader import LoadedModel
+
+log = logging.getLogger(__name__)
+MEMORY_HISTORY = 64  # leak-guard samples kept
+
+
+@dataclass
+class Generation:
+    number: int
+    revision: int
+    loaded: LoadedModel | None  # None once freed
+    plan: Plan | None
+    strategy: str = ""
+    refs: int = 0
+    retired: bool = False
+    forward_lock: threading.Lock | None = None
+    created: float = field(default_factory=time.time)
+
+
+class GenerationPool:
+    """Thread-safe holder of the current generation and the retiring ones of one deployment."""
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+        self._cond = threading.Condition()
+        self._current: Generation | None = None
+        self._number = 0
+        self._closed = False
+        self.baseline_rss: int | None = None
+        self.memory: deque[tuple[int, int]] = deque(maxlen=MEMORY_HISTORY)  # (generation freed, RSS after)
+
+    @property
+    def current(self) -> Generation | None:
+        return self._current
+
+    @property
+    def number(self) -> int:
+        return self._number
+
+    def pin(self, timeout: float) -> Generation:
+        """The current generation, pinned; waits up to ``timeout`` while a recreate has none."""
+        deadline = time.monotonic() + timeout
+        with self._cond:
+            while self._current is None:
+                if self._closed:
+                    raise ApplyError(f"deployment {self.name!r} is closed")
+                remaining = deadline - time.monotonic()
+                if remaining <= 0:
+                    raise ApplyError(f"deployment {self.name!r} has no model ready after {timeout:g}s "
+                                     "(a recreate rollout is reloading it)")
+                self._cond.wait(remaining)
+            gen = self._current
+            gen.refs += 1
+            return gen
+
+    def unpin(self, gen: Generation) -> None:
+        with self._cond:
+            gen.refs -= 1
+            free = gen.retired and gen.refs == 0 and gen.loaded is not None
+            self._cond.notify_all()
+        if free:
+            self._free(gen)
+
+    def install(self, loaded: LoadedModel, plan: Plan | None, revision: int, strategy: str) -> Generation:
+        """Make ``loaded`` the current generation; the previous one is freed once unpinned."""
+        with self._cond:
+            self._number += 1
+            gen = Generation(self._number, revision, loaded, plan, strategy,
+                             forward_lock=threading.Lock() if loaded.serialize_forward else None)
+            old, self._current = self._current, gen
+            if old is not None:
+                old.retired = True
+            free_old = old is not None and old.refs == 0
+            self._cond.notify_all()
+        if self.baseline_rss is None:
+            self.baseline_rss = process_rss()
+        if free_old and old is not None:
+            self._free(old)
+        return gen
+
+    def drain(self, timeout: float) -> None:
+        """Stop handing out the current generation, wait up to ``timeout`` for its callers, free it."""
+        with self._cond:
+            old, self._current = self._current, None
+            if old is None:
+                return
+            old.retired = True
+            deadline = time.monotonic() + timeout
+            while old.refs > 0 and time.monotonic() < deadline:
+                self._cond.wait(deadline - time.monotonic())
+            if old.refs > 0:
+                log.warning("%s: %d request(s) still in flight after %gs; freeing when they end",
+                            self.name, old.refs, timeout)
+                return
+        self._free(old)
+
+    def close(self, timeout: float) -> None:
+        self.drain(timeout)
+        with self._cond:
+            self._closed = True
+            self._cond.notify_all()
+
+    def _free(self, gen: Generation) -> None:
+        with self._cond:
+            if gen.loaded is None:
+                return
+            gen.loaded = None
+        gc.collect()
+        try:
+            import torch
+
+            if torch.cuda.is_available():
+                torch.cuda.empty_cache()
+        except ImportError:  # pragma: no cover
+            pass
+        self._check_memory(gen)
+
+    def _check_memory(self, freed: Generation) -> None:
+        """Leak guard: after a generation is freed, RSS should be near the first generation's."""
+        rss = process_rss()
+        current = self._current
+        model_bytes = sum(d.bytes for d in current.plan.devices) if current and current.plan else 0
+        self.memory.append((freed.number, rss))
+        if self.baseline_rss is None or not model_bytes:
+            return
+        excess = rss - self.baseline_rss
+        if excess > 1.5 * model_bytes:
+            log.warning("%s: memory not reclaimed after freeing generation %d: RSS %d MiB is %d MiB above "
+                        "the first generation's (the model is %d MiB); is a model kept outside acquire()?",
+                        self.name, freed.number, rss >> 20, excess >> 20, model_bytes >> 20)
+        else:
+            log.info("generation %d of %s freed; RSS %d MiB", freed.number, self.name, rss >> 20)

@@ -1,0 +1,358 @@
+"""Desired (a manifest) against actual (the state store and the files) -> a Decision, then acting on it.
+
+``decide(desired, actual)`` is a plain function over small values and returns only the steps that will
+run, so a table of cases tests it. ``apply`` observes, decides, and then acts in this order:
+
+    validate -> observe -> decide -> plan (fits or PlanInfeasible: nothing recorded yet)
+             -> record the revision as Progressing -> reshard (only if the layout on disk differs)
+             -> load -> health check -> Ready
+
+Planning comes before recording: a plan that does not fit is an answer, not a failed revision (a
+rollout that falls back from blue-green to recreate never leaves a false Failed entry). Any failure
+after recording marks the revision Failed with its reason and leaves the previous revision current and
+its shards untouched (each layout lives in its own directory; old ones are removed only after a new
+revision is Ready). An unchanged manifest with an unchanged checkpoint is a no-op that reads no weights
+and imports no torch; when the caller needs the model (a process starting), the current revision's
+shards are verified against their checksums, loaded and health-checked: nothing unchecked serves.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import shutil
+import subprocess
+import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager, nullcontext
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from ..artifacts.reshard import ProgressSink, ReshardResult, fits_layout, plan_layout, reshard
+from ..artifacts.verify import checksums, read_lock, recorded_problem, shard_problem
+from ..errors import ApplyError, CheckpointError, DeploykitError, ManifestError
+from ..model.checkpoint import Checkpoint, open_checkpoint
+from ..placement.inventory import Inventory
+from ..placement.planner import Plan
+from ..spec.manifest import LoadedManifest, check_on_host
+from .state import Revision, StateStore
+
+if TYPE_CHECKING:
+    from ..engine.loader import LoadedModel
+
+log = logging.getLogger(__name__)
+FULL = ("plan", "reshard", "load", "health-check", "record")
+RELOAD = ("load", "health-check")
+
+
+@dataclass(frozen=True)
+class Desired:
+    name: str
+    manifest_digest: str
+    checkpoint_fingerprint: str
+    load: bool = False  # the caller needs the model in memory (a process starting)
+
+
+@dataclass(frozen=True)
+class Actual:
+    revision: int | None  # the current (last Ready) revision
+    manifest_digest: str | None = None
+    checkpoint_fingerprint: str | None = None
+    shards_problem: str | None = "no shards recorded"  # None: the recorded shards are intact
+
+
+@dataclass(frozen=True)
+class Action:
+    step: str
+    reason: str
+
+
+@dataclass(frozen=True)
+class Decision:
+    name: str
+    actions: tuple[Action, ...]  # only the steps that will run; empty: nothing to do
+
+    @property
+    def steps(self) -> tuple[str, ...]:
+        return tuple(a.step for a in self.actions)
+
+    @property
+    def new_revision(self) -> bool:
+        return "record" in self.steps
+
+
+def decide(desired: Desired, actual: Actual, *, force: bool = False) -> Decision:
+    """The steps that bring ``actual`` to ``desired``. Pure: no I/O, no clock."""
+    if actual.revision is None:
+        reason = "no revision is deployed yet"
+    elif force:
+        reason = "forced"
+    elif actual.manifest_digest != desired.manifest_digest:
+        reason = "the manifest changed"
+    elif actual.checkpoint_fingerprint != desired.checkpoint_fingerprint:
+        reason = "the checkpoint changed"
+    elif actual.shards_problem is not None:
+        reason = (f"the shards of revision {actual.revision} are not intact ({actual.shards_problem}); "
+                  "laying them out again from the source")
+    elif desired.load:
+        reason = f"revision {actual.revision} is current; loading it (health-checked)"
+        return Decision(desired.name, tuple(Action(s, reason) for s in RELOAD))
+    else:
+        return Decision(desired.name, ())
+    return Decision(desired.name, tuple(Action(s, reason) for s in FULL))
+
+
+@dataclass(frozen=True)
+class ApplyOptions:
+    """How to apply, beyond the manifest itself."""
+
+    devices: str | None = None  # simulated inventory (``4x80GiB``); None: this host
+    inventory: Inventory | None = None  # overrides ``devices`` (a rollout plans around a held generation)
+    dry_run: bool = False
+    force: bool = False
+    keep_model: bool = False  # return the loaded model (a runtime serves it)
+    load_if_unchanged: bool = False  # also load the current revision when nothing changed
+    before_load: Callable[[], None] | None = None  # runs just before loading (recreate frees the old model)
+
+
+@dataclass
+class ApplyOutcome:
+    name: str
+    status: str  # "unchanged" | "applied" | "loaded" | "dry-run"
+    revision: int | None
+    plan: Plan | None
+    actions: tuple[Action, ...] = ()
+    timings: dict[str, float] = field(default_factory=dict)
+    shards: Path | None = None
+    reshard: ReshardResult | None = None
+    loaded: LoadedModel | None = None  # when the caller keeps the model
+    health: str | None = None
+
+
+def git_commit(path: Path) -> str | None:
+    """HEAD of the git work tree holding ``path``, if any."""
+    try:
+        out = subprocess.run(["git", "-C", str(path.parent), "rev-parse", "HEAD"], capture_output=True,
+                             text=True, timeout=5)
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return out.stdout.strip() or None if out.returncode == 0 else None
+
+
+def shards_root(loaded: LoadedManifest, store: StateStore) -> Path:
+    configured = loaded.manifest.spec.sharding.path
+    return (loaded.resolve(configured) if configured else store.directory / "shards" / loaded.name).resolve()
+
+
+def shards_dir(loaded: LoadedManifest, store: StateStore, fingerprint: str, layout_digest: str) -> Path:
+    """One directory per (source content, layout): a new revision never writes over the shards of
+    another, so a failed apply leaves the current revision's files intact."""
+    key = hashlib.sha256(f"{fingerprint}\0{layout_digest}".encode()).hexdigest()[:16]
+    return shards_root(loaded, store) / key
+
+
+def shards_problem(revision: Revision | None, *, hashes: bool) -> str | None:
+    """Why the shards ``revision`` recorded cannot be reused (None: they can). ``hashes`` reads every
+    byte and compares checksums (before a load); without it only presence and sizes are checked."""
+    if revision is None or not revision.shards_path:
+        return "no shards recorded"
+    path = Path(revision.shards_path)
+    lock = read_lock(path)
+    if lock is not None:
+        return shard_problem(path, lock, hashes=hashes)
+    if revision.checksums:  # the source itself, used in place: its files as recorded
+        recorded = revision.checksums if hashes else {f: {**e, "hash": None} for f, e in revision.checksums.items()}
+        return recorded_problem(path, recorded)
+    return None if (path / "config.json").is_file() else f"{path}: no config.json"
+
+
+class _Timer:
+    def __init__(self, on_step: Callable[[str], None] | None) -> None:
+        self.timings: dict[str, float] = {}
+        self.on_step = on_step
+
+    @contextmanager
+    def step(self, name: str) -> Iterator[None]:
+        if self.on_step:
+            self.on_step(name)
+        start = time.perf_counter()
+        try:
+            yield
+        finally:
+            self.timings[name] = round(time.perf_counter() - start, 4)
+
+
+def apply(loaded: LoadedManifest, *, store: StateStore, options: ApplyOptions = ApplyOptions(),
+          progress: ProgressSink | None = None, on_step: Callable[[str], None] | None = None) -> ApplyOutcome:
+    """Make ``loaded`` the deployed revision of its name. See the module docstring."""
+    timer = _Timer(on_step)
+    with timer.step("validate"):
+        issues = check_on_host(loaded)
+        if issues:
+            raise ManifestError(issues)
+        checkpoint = open_checkpoint(loaded.model_path, allow_pickle=loaded.manifest.spec.model.allow_pickle)
+    lock = nullcontext() if options.dry_run else store.deployment_lock(loaded.name)
+    with lock:
+        current = store.current(loaded.name)
+        desired = Desired(loaded.name, loaded.digest, checkpoint.fingerprint, load=options.load_if_unchanged)
+        unchanged = (current is not None and current.manifest_digest == loaded.digest
+                     and current.checkpoint_fingerprint == checkpoint.fingerprint and not options.force)
+        actual = Actual(current.revision if current else None,
+                        current.manifest_digest if current else None,
+                        current.checkpoint_fingerprint if current else None,
+                        shards_problem(current, hashes=desired.load and unchanged))
+        decision = decide(desired, actual, force=options.force)
+        if not decision.new_revision and current is not None:
+            if not options.dry_run:
+                store.settle(loaded.name)  # a no-op confirms what serves: earlier errors are over
+            return _reuse(loaded, current, decision, timer, options)
+        if options.dry_run:
+            return ApplyOutcome(loaded.name, "dry-run", None, _plan(loaded, options, timer), decision.actions,
+                                timer.timings)
+        return _act(loaded, store, checkpoint, decision, options, timer, progress)
+
+
+def _reuse(loaded: LoadedManifest, current: Revision, decision: Decision, timer: _Timer,
+           options: ApplyOptions) -> ApplyOutcome:
+    """Nothing to record: keep the current revision, loading it (health-checked) if asked."""
+    plan = Plan.from_dict(current.plan) if current.plan else None
+    outcome = ApplyOutcome(loaded.name, "unchanged", current.revision, plan, decision.actions, timer.timings,
+                           shards=Path(current.shards_path or ""))
+    if "load" in decision.steps and plan is not None:
+        model, health = _load_checked(loaded, plan, Path(current.shards_path or ""), timer)
+        outcome.status, outcome.loaded, outcome.health = "loaded", model, health
+    return outcome
+
+
+def _plan(loaded: LoadedManifest, options: ApplyOptions, timer: _Timer) -> Plan:
+    from ..placement.planning import plan_manifest
+
+    with timer.step("plan"):
+        return plan_manifest(loaded, devices=options.devices, inventory=options.inventory)
+
+
+def _act(loaded: LoadedManifest, store: StateStore, checkpoint: Checkpoint, decision: Decision,
+         options: ApplyOptions, timer: _Timer, progress: ProgressSink | None) -> ApplyOutcome:
+    """Plan (nothing recorded if it does not fit), record, then do the side effects."""
+    from ..engine.loader import check_fits_host
+
+    plan = _plan(loaded, options, timer)
+    check_fits_host(plan)
+    source = Path(loaded.source).resolve()
+    revision = store.begin_revision(
+        name=loaded.name, manifest_path=str(source), manifest_text=loaded.text, manifest_digest=loaded.digest,
+        checkpoint_fingerprint=checkpoint.fingerprint, git_commit=git_commit(source))
+    try:
+        with timer.step("reshard"):
+            shards, result = _lay_out(loaded, store, checkpoint, plan, progress)
+        store.set_plan(loaded.name, revision, plan_json=json.dumps(plan.to_dict()), plan_digest=plan.digest,
+                       shards_path=str(shards),
+                       checksums=None if result is not None else _in_place_checksums(checkpoint))
+        if options.before_load is not None:
+            with timer.step("drain"):
+                options.before_load()
+        model, health = _load_checked(loaded, plan, shards, timer, show_progress=progress is not None)
+    except BaseException as exc:
+        reason = str(exc) if isinstance(exc, DeploykitError) else f"{type(exc).__name__}: {exc}"
+        store.finish_revision(loaded.name, revision, ready=False, reason=reason or type(exc).__name__,
+                              timings=timer.timings)
+        raise
+    store.finish_revision(loaded.name, revision, ready=True, reason=health, timings=timer.timings)
+    collect_old_shards(loaded, store)
+    return ApplyOutcome(loaded.name, "applied", revision, plan, decision.actions, timer.timings, shards=shards,
+                        reshard=result, loaded=model if options.keep_model else None, health=health)
+
+
+def _lay_out(loaded: LoadedManifest, store: StateStore, checkpoint: Checkpoint, plan: Plan,
+             progress: ProgressSink | None) -> tuple[Path, ReshardResult | None]:
+    """The directory the plan loads from: the checkpoint itself when its layout fits, else shards
+    written for this (content, layout), laid out again if a previous copy is damaged."""
+    spec = loaded.manifest.spec
+    layout_args = {"max_shard_size": spec.sharding.max_shard_size, "dtype": spec.model.dtype,
+                   "device_map": plan.device_map}
+    if fits_layout(checkpoint, **layout_args):  # type: ignore[arg-type]
+        return checkpoint.path, None
+    layout = plan_layout(checkpoint, **layout_args)  # type: ignore[arg-type]
+    shards = shards_dir(loaded, store, checkpoint.fingerprint, layout.digest)
+    lock = read_lock(shards)
+    if lock is not None and (problem := shard_problem(shards, lock, hashes=True)) is not None:
+        log.warning("%s: %s; laying the shards out again from %s", loaded.name, problem, checkpoint.path)
+        _discard(shards)
+    shards.parent.mkdir(parents=True, exist_ok=True)
+    return shards, reshard(checkpoint, shards, progress=progress, **layout_args)  # type: ignore[arg-type]
+
+
+def _discard(directory: Path) -> None:
+    """Move a damaged shard directory aside and remove it (a serving generation that still maps its
+    files keeps its pages; the names are free for the new copy at once)."""
+    aside = directory.with_name(f".{directory.name}.damaged-{time.time_ns()}")
+    directory.rename(aside)
+    shutil.rmtree(aside, ignore_errors=True)
+
+
+def _in_place_checksums(checkpoint: Checkpoint) -> dict[str, dict]:
+    return checksums(checkpoint.path, sorted({str(t.file.relative_to(checkpoint.path)) for t in checkpoint.tensors}))
+
+
+def _load_checked(loaded: LoadedManifest, plan: Plan, shards: Path, timer: _Timer, *,
+                  show_progress: bool = False) -> tuple[LoadedModel, str]:
+    from ..engine.health import check
+
+    with timer.step("load"):
+        model = load_model(loaded, plan, shards, show_progress=show_progress)
+    with timer.step("health-check"):
+        hc = loaded.manifest.spec.rollout.health_check
+        health = check(model, task=loaded.manifest.spec.model.task, text=hc.input, timeout=hc.timeout)
+    return model, health.detail
+
+
+def load_model(loaded: LoadedManifest, plan: Plan, shards: Path, *, show_progress: bool = False) -> LoadedModel:
+    """Load ``shards`` as ``plan`` places them, with the manifest's model options (not health-checked:
+    callers go through ``load_revision`` or ``apply``)."""
+    from ..engine.loader import LoadOptions, load
+
+    spec = loaded.manifest.spec
+    disk = spec.offload.disk
+    options = LoadOptions(task=spec.model.task, dtype=spec.model.dtype, trust_remote_code=spec.model.trust_remote_code,
+                          allow_pickle=spec.model.allow_pickle,
+                          offload_dir=loaded.resolve(disk.path) if disk else None, show_progress=show_progress)
+    return load(plan, shards, options)
+
+
+def load_revision(revision: Revision) -> LoadedModel:
+    """Load a recorded Ready revision again (a failed recreate restores it): shards verified against
+    their checksums, then loaded and health-checked."""
+    if revision.plan is None:
+        raise ApplyError(f"revision {revision.revision} of {revision.name!r} has no plan")
+    problem = shards_problem(revision, hashes=True)
+    if problem is not None:
+        raise CheckpointError(f"revision {revision.revision} of {revision.name!r} cannot be loaded: {problem}")
+    model, _ = _load_checked(recorded_manifest(revision), Plan.from_dict(revision.plan),
+                             Path(revision.shards_path or ""), _Timer(None))
+    return model
+
+
+def collect_old_shards(loaded: LoadedManifest, store: StateStore) -> None:
+    """Keep the shards of the current and the previous Ready revision (for rollback); remove the rest."""
+    root = shards_root(loaded, store)
+    keep = [Path(r.shards_path) for r in store.history(loaded.name)
+            if r.phase == "Ready" and r.shards_path][-2:]
+    if not root.is_dir():
+        return
+    for child in root.iterdir():
+        if child.is_dir() and child not in keep and read_lock(child) is not None:
+            shutil.rmtree(child, ignore_errors=True)
+            log.info("removed old shards %s", child)
+
+
+def recorded_manifest(revision: Revision) -> LoadedManifest:
+    """The manifest a revision recorded (normalised, absolute paths), loaded again."""
+    from ..spec.manifest import parse_manifests
+
+    [loaded] = parse_manifests(revision.manifest_text.encode(), source=revision.manifest_path,
+                               base_dir=Path(revision.manifest_path).parent)
+    if loaded.name != revision.name:
+        raise ApplyError(f"revision {revision.revision} of {revision.name!r} records another name")
+    return loaded

@@ -1,0 +1,92 @@
+"""What ``deploykit status`` and ``history`` show, shaped from the state store's records.
+
+Kept apart from the store: the store records facts; this module decides what they mean for a reader
+(phase, conditions, the error that still matters).
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+from ..errors import DeploykitError
+from .state import Revision, StateStore
+
+
+def _open_failure(store: StateStore, name: str, latest: Revision | None, running: bool) -> str | None:
+    """The error a reader still needs to see: a pending (unrecordable) change, or the latest revision's
+    failure unless a later no-op apply settled it."""
+    row = store.deployment(name) or {}
+    if row.get("pending_error"):
+        return str(row["pending_error"])
+    if latest is None or latest.phase == "Ready" or running:
+        return None
+    if row.get("settled_revision") is not None and latest.revision <= row["settled_revision"]:
+        return None
+    if latest.phase == "Progressing":
+        return "interrupted: the applying process died (the next apply finishes the job)"
+    return latest.reason or "failed"
+
+
+def _plan_summary(plan: dict[str, Any] | None) -> dict[str, Any] | None:
+    if plan is None:
+        return None
+    return {"digest": plan["digest"], "bottleneck_factor": plan["bottleneck_factor"],
+            "devices": [{"device": d["device"], "blocks": d["blocks"], "bytes": d["bytes"]}
+                        for d in plan["devices"] if d["blocks"]]}
+
+
+def status_report(store: StateStore, name: str) -> dict[str, Any]:
+    """Phase (Pending | Progressing | Ready | Failed), conditions with reasons, the serving revision's
+    plan summary and the error that still matters: the shape of `deploykit status -o json`."""
+    current, latest = store.current(name), store.latest(name)
+    running = latest is not None and latest.phase == "Progressing" and store.apply_running(name)
+    last_error = _open_failure(store, name, latest, running)
+    if running:
+        phase = "Progressing"
+    elif last_error is not None:
+        phase = "Failed"
+    elif current is not None:
+        phase = "Ready"
+    else:
+        phase = "Pending"
+    failed = latest.revision if last_error and latest is not None and latest.phase != "Ready" else None
+    subject = f"revision {failed}" if failed else "the last change"
+    conditions = [
+        {"type": "Ready", "status": current is not None,
+         "reason": f"Revision{current.revision}Ready" if current else "NoReadyRevision",
+         "message": (f"revision {current.revision} is deployed" if current else "nothing deployed yet")},
+        {"type": "Progressing", "status": running,
+         "reason": "ApplyRunning" if running else "Idle",
+         "message": f"revision {latest.revision} is being applied" if running and latest else ""},
+        {"type": "Failed", "status": last_error is not None,
+         "reason": f"Revision{failed}Failed" if failed else ("ChangeRejected" if last_error else "None"),
+         "message": (f"{subject} failed: {last_error}"
+                     + (f"; revision {current.revision} stays current" if current else "")
+                     if last_error else "")},
+    ]
+    row = store.deployment(name) or {}
+    return {
+        "name": name,
+        "revision": current.revision if current else None,
+        "phase": phase,
+        "conditions": conditions,
+        "plan": _plan_summary(current.plan if current else None),
+        "shards": current.shards_path if current else None,
+        "git_commit": current.git_commit if current else None,
+        "last_error": last_error,
+        "manifest": row.get("manifest_path"),
+    }
+
+
+def history_rows(store: StateStore, name: str) -> list[dict[str, Any]]:
+    """Every revision of ``name`` with its outcome, oldest first."""
+    revisions = store.history(name)
+    if not revisions:
+        raise DeploykitError(f"no deployment named {name!r}")
+    current = store.current(name)
+    return [{"revision": r.revision, "phase": r.phase,
+             "current": current is not None and r.revision == current.revision,
+             "created": time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(r.created_at)),
+             "created_at": r.created_at, "manifest_digest": r.manifest_digest, "plan_digest": r.plan_digest,
+             "git_commit": r.git_commit, "reason": r.reason} for r in revisions]

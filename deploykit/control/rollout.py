@@ -1,0 +1,119 @@
+"""How a changed manifest replaces the generation that serves: blue-green, recreate, or auto.
+
+- ``blue-green``: the new generation is planned around the memory the old one still holds, loaded
+  and health-checked beside it, then swapped in; callers never wait.
+- ``recreate``: new pins wait (up to the deployment's ``acquire_timeout``), in-flight calls drain,
+  the old generation is freed, then the new one is loaded. If that fails, the last Ready revision is
+  loaded again (health-checked), so something serves.
+- ``auto``: blue-green when the plan fits beside the old generation, else recreate.
+
+The strategy is decided before anything is recorded (``choose_strategy``, pure): a fallback from
+blue-green to recreate is a decision, never a Failed revision.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, replace
+
+from ..errors import DeploykitError, PlanInfeasible
+from ..placement.inventory import Gpu, Inventory
+from ..placement.planner import Plan
+from ..spec.manifest import LoadedManifest
+from .pool import Generation, GenerationPool
+from .reconciler import ApplyOptions, apply, load_revision
+from .state import StateStore
+
+log = logging.getLogger(__name__)
+
+
+def choose_strategy(requested: str, *, fits_beside: bool) -> str | None:
+    """The strategy a rollout runs: None when blue-green was asked for and does not fit."""
+    if requested == "recreate":
+        return "recreate"
+    if fits_beside:
+        return "blue-green"
+    return "recreate" if requested == "auto" else None
+
+
+def inventory_beside(inventory: Inventory, gen: Generation | None) -> Inventory:
+    """The inventory minus what the serving generation holds, for planning a blue-green load."""
+    if gen is None or gen.plan is None or not inventory.simulated:
+        return inventory  # a probed host already reports the old generation's memory as used
+    held = {d.device: d.bytes for d in gen.plan.devices}
+    gpus = tuple(Gpu(g.index, max(0, g.memory - held.get(g.index, 0)), g.name) for g in inventory.gpus)
+    cpu = None if inventory.cpu is None else max(0, inventory.cpu - held.get("cpu", 0))
+    return replace(inventory, gpus=gpus, cpu=cpu)
+
+
+@dataclass(frozen=True)
+class RolloutResult:
+    swapped: bool  # a new generation serves
+    strategy: str  # "blue-green" | "recreate" | "none"
+
+
+class Rollout:
+    """Rolls a deployment's pool forward to a manifest. One rollout at a time per deployment (the
+    caller serialises)."""
+
+    def __init__(self, pool: GenerationPool, store: StateStore, *, devices: str | None,
+                 acquire_timeout: float) -> None:
+        self.pool = pool
+        self.store = store
+        self.devices = devices
+        self.acquire_timeout = acquire_timeout
+
+    def run(self, loaded: LoadedManifest) -> RolloutResult:
+        from ..placement.planning import inventory_for, plan_manifest
+
+        requested = loaded.manifest.spec.rollout.strategy
+        beside = inventory_beside(inventory_for(loaded, self.devices), self.pool.current)
+        infeasible: PlanInfeasible | None = None
+        if requested != "recreate":
+            try:
+                plan_manifest(loaded, inventory=beside)
+            except PlanInfeasible as exc:
+                infeasible = exc
+        strategy = choose_strategy(requested, fits_beside=infeasible is None)
+        if strategy is None:
+            assert infeasible is not None
+            raise infeasible
+        if strategy == "blue-green":
+            return self._blue_green(loaded, beside)
+        return self._recreate(loaded)
+
+    def _blue_green(self, loaded: LoadedManifest, beside: Inventory) -> RolloutResult:
+        outcome = apply(loaded, store=self.store, options=ApplyOptions(inventory=beside, keep_model=True))
+        if outcome.status == "unchanged" or outcome.loaded is None:
+            return RolloutResult(False, "none")
+        self.pool.install(outcome.loaded, outcome.plan, outcome.revision or 0, "blue-green")
+        return RolloutResult(True, "blue-green")
+
+    def _recreate(self, loaded: LoadedManifest) -> RolloutResult:
+        drained = False
+
+        def before_load() -> None:
+            nonlocal drained
+            self.pool.drain(self.acquire_timeout)
+            drained = True
+
+        options = ApplyOptions(devices=self.devices, keep_model=True, before_load=before_load)
+        try:
+            outcome = apply(loaded, store=self.store, options=options)
+        except DeploykitError:
+            if drained:
+                self.restore()
+            raise
+        if outcome.status == "unchanged" or outcome.loaded is None:
+            return RolloutResult(False, "none")
+        self.pool.install(outcome.loaded, outcome.plan, outcome.revision or 0, "recreate")
+        return RolloutResult(True, "recreate")
+
+    def restore(self) -> None:
+        """After a failed recreate: load the last Ready revision again (verified, health-checked)."""
+        current = self.store.current(self.pool.name)
+        if current is None or current.plan is None:
+            return
+        model = load_revision(current)
+        self.pool.install(model, Plan.from_dict(current.plan), current.revision, "restore")
+        log.warning("%s: restored revision %d after a failed recreate", self.pool.name, current.revision)

@@ -1,0 +1,348 @@
+"""The record of what is deployed: revisions, their plans and outcomes, and events. SQLite (stdlib).
+
+Location: ``$DEPLOYKIT_STATE`` (a directory), else ``$XDG_STATE_HOME/deploykit``, else
+``~/.local/state/deploykit``; the database is ``state.db`` inside it, in WAL mode. Reads are plain
+statements and never wait behind a writer (``/status`` during a long apply answers at once); every
+write is one ``BEGIN IMMEDIATE`` transaction. ``open_store`` gives one store per directory per process,
+shared by every deployment a server holds. Presentation (status reports, tables) lives in ``report``. A revision is recorded
+as Progressing *before* any side effect and gets its outcome after (Ray Serve's order: checkpoint,
+then act), so a crash never leaves a half-recorded revision: at worst a Progressing one, which the next
+apply marks Failed ("interrupted") and then supersedes.
+
+Applies of one deployment are serialised across processes by ``deployment_lock`` (an ``flock`` on a
+per-name file); the lock dies with its process, so ``kill -9`` never leaves it held.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import json
+import os
+import sqlite3
+import threading
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from ..errors import ApplyError
+
+SCHEMA_VERSION = 2
+# Columns added after schema 1, for databases created before them.
+_MIGRATIONS = (("revisions", "checksums_json", "TEXT"), ("deployments", "settled_revision", "INTEGER"),
+               ("deployments", "pending_error", "TEXT"))
+_SCHEMA = """
+CREATE TABLE IF NOT EXISTS meta (key TEXT PRIMARY KEY, value TEXT NOT NULL);
+CREATE TABLE IF NOT EXISTS revisions (
+    name TEXT NOT NULL,
+    revision INTEGER NOT NULL,
+    phase TEXT NOT NULL,               -- Progressing | Ready | Failed
+    reason TEXT,
+    manifest_path TEXT NOT NULL,
+    manifest_text TEXT NOT NULL,
+    manifest_digest TEXT NOT NULL,
+    plan_json TEXT,
+    plan_digest TEXT,
+    checkpoint_fingerprint TEXT,
+    shards_path TEXT,
+    git_commit TEXT,
+    created_at REAL NOT NULL,
+    finished_at REAL,
+    timings_json TEXT,
+    checksums_json TEXT,               -- size and hash of each weight file when used in place
+    PRIMARY KEY (name, revision)
+);
+CREATE TABLE IF NOT EXISTS deployments (
+    name TEXT PRIMARY KEY,
+    current_revision INTEGER,          -- the last Ready revision: what serves
+    manifest_path TEXT NOT NULL,
+    settled_revision INTEGER,          -- latest revision when a no-op apply confirmed the current one
+    pending_error TEXT                 -- a change that could not even be recorded (broken manifest)
+);
+CREATE TABLE IF NOT EXISTS events (
+    id INTEGER PRIMARY KEY AUTOINCREMENT,
+    name TEXT NOT NULL,
+    revision INTEGER,
+    at REAL NOT NULL,
+    kind TEXT NOT NULL,
+    message TEXT NOT NULL
+);
+CREATE INDEX IF NOT EXISTS events_by_name ON events (name, id);
+"""
+
+
+def default_state_dir() -> Path:
+    if os.environ.get("DEPLOYKIT_STATE"):
+        return Path(os.environ["DEPLOYKIT_STATE"])
+    base = os.environ.get("XDG_STATE_HOME") or str(Path.home() / ".local" / "state")
+    return Path(base) / "deploykit"
+
+
+@dataclass(frozen=True)
+class Revision:
+    name: str
+    revision: int
+    phase: str
+    reason: str | None
+    manifest_path: str
+    manifest_text: str
+    manifest_digest: str
+    plan_json: str | None
+    plan_digest: str | None
+    checkpoint_fingerprint: str | None
+    shards_path: str | None
+    git_commit: str | None
+    created_at: float
+    finished_at: float | None
+    timings_json: str | None
+    checksums_json: str | None = None
+
+    @property
+    def checksums(self) -> dict[str, dict] | None:
+        return json.loads(self.checksums_json) if self.checksums_json else None
+
+    @property
+    def plan(self) -> dict[str, Any] | None:
+        return json.loads(self.plan_json) if self.plan_json else None
+
+    @property
+    def timings(self) -> dict[str, float]:
+        return json.loads(self.timings_json) if self.timings_json else {}
+
+
+@dataclass(frozen=True)
+class Event:
+    name: str
+    revision: int | None
+    at: float
+    kind: str
+    message: str
+
+
+class StateStore:
+    """One SQLite database; safe to use from several threads (one connection per call)."""
+
+    def __init__(self, directory: Path | None = None) -> None:
+        self.directory = Path(directory) if directory is not None else default_state_dir()
+        try:
+            self.directory.mkdir(parents=True, exist_ok=True)
+        except OSError as exc:
+            raise ApplyError(f"cannot create the state directory {self.directory}: {exc.strerror} "
+                             "(set DEPLOYKIT_STATE to a writable directory)") from None
+        self.path = self.directory / "state.db"
+        setup = sqlite3.connect(self.path, timeout=30, isolation_level=None)
+        try:
+            setup.execute("PRAGMA journal_mode=WAL")
+            setup.executescript(_SCHEMA)  # idempotent (IF NOT EXISTS); executescript commits itself
+            for table, column, kind in _MIGRATIONS:
+                have = {row[1] for row in setup.execute(f"PRAGMA table_info({table})")}
+                if column not in have:
+                    setup.execute(f"ALTER TABLE {table} ADD COLUMN {column} {kind}")
+        finally:
+            setup.close()
+        with self._write() as db:
+            row = db.execute("SELECT value FROM meta WHERE key='schema_version'").fetchone()
+            if row is None:
+                db.execute("INSERT INTO meta VALUES ('schema_version', ?)", (str(SCHEMA_VERSION),))
+            elif int(row[0]) > SCHEMA_VERSION:
+                raise ApplyError(f"{self.path} was written by a newer deploykit (schema {row[0]})")
+
+    @contextlib.contextmanager
+    def _read(self) -> Iterator[sqlite3.Connection]:
+        """A plain connection: WAL readers see the last committed state and never wait for writers."""
+        db = sqlite3.connect(self.path, timeout=30, isolation_level=None)
+        try:
+            yield db
+        finally:
+            db.close()
+
+    @contextlib.contextmanager
+    def _write(self) -> Iterator[sqlite3.Connection]:
+        db = sqlite3.connect(self.path, timeout=30, isolation_level=None)
+        try:
+            db.execute("PRAGMA synchronous=FULL")
+            db.execute("BEGIN IMMEDIATE")
+            try:
+                yield db
+            except BaseException:
+                db.execute("ROLLBACK")
+                raise
+            db.execute("COMMIT")
+        finally:
+            db.close()
+
+    # ---- writes -----------------------------------------------------------------------------------
+
+    def begin_revision(self, *, name: str, manifest_path: str, manifest_text: str, manifest_digest: str,
+                       checkpoint_fingerprint: str | None, git_commit: str | None) -> int:
+        """Record a new revision as Progressing, before anything is done for it. Returns its number."""
+        now = time.time()
+        with self._write() as db:
+            self._interrupt_stale(db, name)
+            number = db.execute("SELECT COALESCE(MAX(revision), 0) + 1 FROM revisions WHERE name=?",
+                                (name,)).fetchone()[0]
+            db.execute("INSERT INTO revisions (name, revision, phase, manifest_path, manifest_text, "
+                       "manifest_digest, checkpoint_fingerprint, git_commit, created_at) "
+                       "VALUES (?, ?, 'Progressing', ?, ?, ?, ?, ?, ?)",
+                       (name, number, manifest_path, manifest_text, manifest_digest, checkpoint_fingerprint,
+                        git_commit, now))
+            db.execute("INSERT INTO deployments (name, current_revision, manifest_path) VALUES (?, NULL, ?) "
+                       "ON CONFLICT(name) DO UPDATE SET manifest_path=excluded.manifest_path",
+                       (name, manifest_path))
+            self._event(db, name, number, "Progressing", "apply started")
+        return number
+
+    def set_plan(self, name: str, revision: int, *, plan_json: str, plan_digest: str,
+                 shards_path: str, checksums: dict[str, dict] | None = None) -> None:
+        with self._write() as db:
+            db.execute("UPDATE revisions SET plan_json=?, plan_digest=?, shards_path=?, checksums_json=? "
+                       "WHERE name=? AND revision=?",
+                       (plan_json, plan_digest, shards_path, json.dumps(checksums) if checksums else None,
+                        name, revision))
+
+    def finish_revision(self, name: str, revision: int, *, ready: bool, reason: str | None = None,
+                        timings: dict[str, float] | None = None) -> None:
+        """Record the outcome. A Ready revision becomes current; a Failed one changes nothing else."""
+        with self._write() as db:
+            db.execute("UPDATE revisions SET phase=?, reason=?, finished_at=?, timings_json=? "
+                       "WHERE name=? AND revision=?",
+                       ("Ready" if ready else "Failed", reason, time.time(),
+                        json.dumps(timings) if timings else None, name, revision))
+            if ready:
+                db.execute("UPDATE deployments SET current_revision=?, pending_error=NULL WHERE name=?",
+                           (revision, name))
+            self._event(db, name, revision, "Ready" if ready else "Failed", reason or "ready")
+
+    def record_event(self, name: str, kind: str, message: str, revision: int | None = None) -> None:
+        with self._write() as db:
+            self._event(db, name, revision, kind, message)
+
+    def settle(self, name: str) -> None:
+        """A no-op apply confirmed the current revision: earlier failures and pending errors are over."""
+        with self._write() as db:
+            db.execute("UPDATE deployments SET settled_revision=(SELECT MAX(revision) FROM revisions WHERE "
+                       "name=?), pending_error=NULL WHERE name=?", (name, name))
+
+    def set_pending_error(self, name: str, message: str | None) -> None:
+        """A change that failed before any revision could be recorded (a broken manifest), or None."""
+        with self._write() as db:
+            db.execute("UPDATE deployments SET pending_error=? WHERE name=?", (message, name))
+            if message:
+                self._event(db, name, None, "ReloadFailed", message)
+
+    def forget(self, name: str, *, reason: str = "manifest removed; deployment pruned") -> None:
+        """Remove a deployment from the current set (its history stays)."""
+        with self._write() as db:
+            db.execute("DELETE FROM deployments WHERE name=?", (name,))
+            self._event(db, name, None, "Deleted", reason)
+
+    @staticmethod
+    def _event(db: sqlite3.Connection, name: str, revision: int | None, kind: str, message: str) -> None:
+        db.execute("INSERT INTO events (name, revision, at, kind, message) VALUES (?, ?, ?, ?, ?)",
+                   (name, revision, time.time(), kind, message))
+
+    @staticmethod
+    def _interrupt_stale(db: sqlite3.Connection, name: str) -> None:
+        # Called with the deployment lock held: a Progressing revision now belongs to a dead process.
+        stale = db.execute("SELECT revision FROM revisions WHERE name=? AND phase='Progressing'",
+                           (name,)).fetchall()
+        for (revision,) in stale:
+            db.execute("UPDATE revisions SET phase='Failed', reason=?, finished_at=? WHERE name=? "
+                       "AND revision=?", ("interrupted: the applying process died", time.time(), name,
+                                          revision))
+            StateStore._event(db, name, revision, "Failed", "interrupted: the applying process died")
+
+    # ---- reads ------------------------------------------------------------------------------------
+
+    def _revision(self, row: tuple | None) -> Revision | None:
+        return Revision(*row) if row else None
+
+    _COLUMNS = ("name, revision, phase, reason, manifest_path, manifest_text, manifest_digest, plan_json, "
+                "plan_digest, checkpoint_fingerprint, shards_path, git_commit, created_at, finished_at, "
+                "timings_json, checksums_json")
+
+    def current(self, name: str) -> Revision | None:
+        with self._read() as db:
+            row = db.execute(f"SELECT {self._COLUMNS} FROM revisions WHERE name=? AND revision=("
+                             "SELECT current_revision FROM deployments WHERE name=?)", (name, name)).fetchone()
+        return self._revision(row)
+
+    def latest(self, name: str) -> Revision | None:
+        with self._read() as db:
+            row = db.execute(f"SELECT {self._COLUMNS} FROM revisions WHERE name=? ORDER BY revision DESC "
+                             "LIMIT 1", (name,)).fetchone()
+        return self._revision(row)
+
+    def get(self, name: str, revision: int) -> Revision | None:
+        with self._read() as db:
+            row = db.execute(f"SELECT {self._COLUMNS} FROM revisions WHERE name=? AND revision=?",
+                             (name, revision)).fetchone()
+        return self._revision(row)
+
+    def history(self, name: str) -> list[Revision]:
+        with self._read() as db:
+            rows = db.execute(f"SELECT {self._COLUMNS} FROM revisions WHERE name=? ORDER BY revision",
+                              (name,)).fetchall()
+        return [Revision(*r) for r in rows]
+
+    def names(self) -> list[str]:
+        with self._read() as db:
+            rows = db.execute("SELECT name FROM deployments ORDER BY name").fetchall()
+        return [r[0] for r in rows]
+
+    def deployment_manifest(self, name: str) -> str | None:
+        with self._read() as db:
+            row = db.execute("SELECT manifest_path FROM deployments WHERE name=?", (name,)).fetchone()
+        return row[0] if row else None
+
+    def events(self, name: str, limit: int = 20) -> list[Event]:
+        with self._read() as db:
+            rows = db.execute("SELECT name, revision, at, kind, message FROM events WHERE name=? "
+                              "ORDER BY id DESC LIMIT ?", (name, limit)).fetchall()
+        return [Event(*r) for r in reversed(rows)]
+
+    def apply_running(self, name: str) -> bool:
+        """Whether some process holds the deployment's apply lock right now."""
+        try:
+            with self.deployment_lock(name, wait=False):
+                return False
+        except ApplyError:
+            return True
+
+    def deployment(self, name: str) -> dict[str, Any] | None:
+        """The deployment's row: manifest path, settled revision, pending error."""
+        with self._read() as db:
+            row = db.execute("SELECT manifest_path, settled_revision, pending_error FROM deployments WHERE name=?",
+                             (name,)).fetchone()
+        return None if row is None else {"manifest_path": row[0], "settled_revision": row[1],
+                                         "pending_error": row[2]}
+
+    @contextlib.contextmanager
+    def deployment_lock(self, name: str, *, wait: bool = True) -> Iterator[None]:
+        """Serialise applies of ``name`` across threads and processes."""
+        locks = self.directory / "locks"
+        locks.mkdir(exist_ok=True)
+        fd = os.open(locks / f"{name}.lock", os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | (0 if wait else fcntl.LOCK_NB))
+            except BlockingIOError:
+                raise ApplyError(f"another apply of {name!r} is running") from None
+            yield
+        finally:
+            os.close(fd)  # closing releases the flock
+
+
+_STORES: dict[Path, StateStore] = {}
+_STORES_LOCK = threading.Lock()
+
+
+def open_store(directory: Path | None = None) -> StateStore:
+    """The process's one store for ``directory`` (default: ``default_state_dir()``)."""
+    key = (Path(directory) if directory is not None else default_state_dir()).resolve()
+    with _STORES_LOCK:
+        if key not in _STORES:
+            _STORES[key] = StateStore(key)
+        return _STORES[key]

@@ -1,0 +1,41 @@
+"""The two things every module that touches transformers needs: the model class for a task, and
+transformers' own logging kept out of deploykit's output. Imports transformers only when called."""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+from collections.abc import Iterator
+from typing import Any
+
+log = logging.getLogger("deploykit")
+
+
+def auto_class(task: str) -> Any:
+    """The transformers Auto class that builds a model for ``task``."""
+    import transformers
+
+    return {
+        "causal-lm": transformers.AutoModelForCausalLM,
+        "seq2seq-lm": transformers.AutoModelForSeq2SeqLM,
+        "feature-extraction": transformers.AutoModel,
+    }[task]
+
+
+@contextlib.contextmanager
+def quiet_transformers(*, progress: bool = False) -> Iterator[None]:
+    """transformers' advice and warnings off (deploykit reports what matters itself; -vv shows them),
+    and its loading progress bar only where a person watches (``progress``)."""
+    import transformers
+
+    previous = transformers.logging.get_verbosity()
+    if not log.isEnabledFor(logging.DEBUG):
+        transformers.logging.set_verbosity_error()
+    if not progress:
+        transformers.logging.disable_progress_bar()
+    try:
+        yield
+    finally:
+        transformers.logging.set_verbosity(previous)
+        if not progress:
+            transformers.logging.enable_progress_bar()

@@ -1,0 +1,318 @@
+"""A model's placement blocks, in execution order, from its ``config.json`` alone.
+
+The planner places *blocks*: the smallest units that may go to different devices. They come from a
+meta-device model (no weights read, no memory used), built by transformers' own ``AutoModel*`` class for
+the task, so the module names are the model's own and a plan's device_map can be handed to
+``from_pretrained(device_map=...)`` unchanged.
+
+A block is a module that holds no layer list (``nn.ModuleList``) and is not split further, or one of the
+model's no-split classes (``_no_split_modules``), e.g. ``model.layers.3``. Modules tied to an earlier
+block (a tied ``lm_head``, T5's per-stack ``embed_tokens``) join that block, since tied weights must share
+a device; modules without weights join the block before them.
+
+The meta model is built under the ``torch.device("meta")`` context, not accelerate's
+``init_empty_weights``: the latter patches ``nn.Module.register_parameter`` for the whole process
+(diffusers#4296), which would hand meta tensors to any other thread building a module meanwhile.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+from collections.abc import Iterator
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Literal
+
+from ..errors import CheckpointError
+from ..names import DTYPE_SIZES, FROM_TORCH
+
+if TYPE_CHECKING:
+    import torch
+
+Task = Literal["causal-lm", "seq2seq-lm", "feature-extraction"]
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class Block:
+    """One unit of placement. ``modules`` are the device_map keys it covers (first is its own)."""
+
+    name: str
+    modules: tuple[str, ...]
+    kind: Literal["embedding", "layer", "norm", "head", "other"]
+    weight_bytes: int  # parameters and buffers at the deployment dtype, shared tensors counted once
+    flops_per_token: int  # ~2 x parameters of the matmuls it runs; embedding lookups cost ~0
+    kv_bytes_per_token: int = 0  # KV cache per cached token, for decoder layers
+    logits_bytes_per_token: int = 0  # for the block that computes the output logits
+
+
+@dataclass(frozen=True)
+class Structure:
+    """The blocks of a model in execution order, with what the planner must respect."""
+
+    architecture: str
+    model_type: str
+    dtype: str
+    blocks: tuple[Block, ...]
+    embedding_block: int  # index of the block holding the input embeddings
+    no_split: tuple[str, ...] = ()
+    tied: tuple[tuple[str, ...], ...] = ()
+    notes: tuple[str, ...] = field(default=(), compare=False)
+
+    @property
+    def weight_bytes(self) -> int:
+        return sum(b.weight_bytes for b in self.blocks)
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+def _auto_class(task: Task) -> Any:
+    import transformers
+
+    return {
+        "causal-lm": transformers.AutoModelForCausalLM,
+        "seq2seq-lm": transformers.AutoModelForSeq2SeqLM,
+        "feature-extraction": transformers.AutoModel,
+    }[task]
+
+
+def load_config(model_dir: Path, *, trust_remote_code: bool = False) -> Any:
+    """The transformers config of a checkpoint directory, with errors that say what to fix."""
+    config_file = Path(model_dir) / "config.json"
+    if not config_file.is_file():
+        raise CheckpointError(f"{model_dir}: no config.json; point spec.model.path at a Hugging Face "
+                              "checkpoint directory")
+    try:
+        json.loads(config_file.read_text(encoding="utf-8"))
+    except (ValueError, UnicodeDecodeError) as exc:
+        raise CheckpointError(f"{config_file}: not valid JSON: {exc}") from None
+    from transformers import AutoConfig
+
+    try:
+        with _quiet_transformers():
+            return AutoConfig.from_pretrained(str(model_dir), trust_remote_code=trust_remote_code)
+    except (ValueError, KeyError, OSError) as exc:
+        raise CheckpointError(f"{config_file}: transformers cannot read this config: {exc}") from None
+
+
+@contextlib.contextmanager
+def _quiet_transformers() -> Iterator[None]:
+    """transformers logs config advice and warnings at import-time levels; deploykit reports what
+    matters itself, so keep them out of its output (raise with -vv to see them)."""
+    import transformers
+
+    previous = transformers.logging.get_verbosity()
+    if not log.isEnabledFor(logging.DEBUG):
+        transformers.logging.set_verbosity_error()
+    try:
+        yield
+    finally:
+        transformers.logging.set_verbosity(previous)
+
+
+_META_CACHE: dict[tuple[str, str, bool], Any] = {}
+
+
+def build_meta_model(config: Any, *, task: Task, trust_remote_code: bool = False) -> torch.nn.Module:
+    """The model for ``task`` on the meta device: real structure and names, no memory, no weights.
+
+    Cached by config content (meta models hold no data and are only read), so planning and the
+    pre-load shape check of one apply build it once.
+    """
+    key = (config.to_json_string(), task, trust_remote_code)
+    if key not in _META_CACHE:
+        if len(_META_CACHE) > 8:
+            _META_CACHE.clear()
+        _META_CACHE[key] = _build_meta_model(config, task=task, trust_remote_code=trust_remote_code)
+    return _META_CACHE[key]
+
+
+def _build_meta_model(config: Any, *, task: Task, trust_remote_code: bool = False) -> torch.nn.Module:
+    import torch
+
+    auto = _auto_class(task)
+    try:
+        with _quiet_transformers(), torch.device("meta"):
+            model = auto.from_config(config, trust_remote_code=trust_remote_code)
+    except ValueError as exc:
+        raise CheckpointError(f"task {task!r} does not fit a {type(config).__name__} "
+                              f"({config.model_type}): {str(exc).splitlines()[0]}") from None
+    model.eval()
+    return model
+
+
+def _holds_layer_list(module: torch.nn.Module, cache: dict[int, bool]) -> bool:
+    import torch
+
+    key = id(module)
+    if key not in cache:
+        cache[key] = isinstance(module, torch.nn.ModuleList) or any(
+            _holds_layer_list(c, cache) for c in module.children())
+    return cache[key]
+
+
+def _leaves(model: torch.nn.Module, no_split: set[str]) -> list[tuple[str, torch.nn.Module, bool]]:
+    """(name, module, is_layer) for every placement leaf, in registration (= execution) order."""
+    import torch
+
+    cache: dict[int, bool] = {}
+    out: list[tuple[str, torch.nn.Module, bool]] = []
+
+    def walk(prefix: str, module: torch.nn.Module, parent_is_list: bool) -> None:
+        splittable = type(module).__name__ not in no_split and _holds_layer_list(module, cache)
+        if prefix and not splittable:
+            out.append((prefix, module, parent_is_list))
+            return
+        is_list = isinstance(module, torch.nn.ModuleList)
+        for name, child in module._modules.items():
+            if child is not None:
+                walk(f"{prefix}.{name}" if prefix else name, child, is_list)
+
+    walk("", model, False)
+    return out
+
+
+def _kv_bytes_per_token(config: Any, dtype_bytes: int) -> int:
+    cfg = config.get_text_config() if hasattr(config, "get_text_config") else config
+    heads = getattr(cfg, "num_attention_heads", None)
+    hidden = getattr(cfg, "hidden_size", None)
+    if not heads or not hidden:
+        return 0
+    kv_heads = getattr(cfg, "num_key_value_heads", None) or heads
+    head_dim = getattr(cfg, "head_dim", None) or getattr(cfg, "d_kv", None) or hidden // heads
+    return 2 * kv_heads * head_dim * dtype_bytes
+
+
+def _tensor_bytes(t: torch.Tensor, dtype_bytes: int) -> int:
+    return t.numel() * (dtype_bytes if t.is_floating_point() else t.element_size())
+
+
+def structure_from_model(model: Any, *, task: Task, dtype: str) -> Structure:
+    """Blocks of an already-built (meta or real) model. See the module docstring for the rules."""
+    import torch
+    from accelerate.utils import find_tied_parameters
+
+    dtype_bytes = DTYPE_SIZES[FROM_TORCH[dtype]]
+    config = model.config
+    no_split = set(getattr(model, "_no_split_modules", None) or ())
+    leaves = _leaves(model, no_split)
+
+    # Which leaf owns each tensor (first in execution order), so a shared tensor is counted once.
+    owner: dict[int, int] = {}
+    param_leaf: dict[str, int] = {}
+    sizes = [0] * len(leaves)
+    flops = [0] * len(leaves)
+    for i, (name, module, _) in enumerate(leaves):
+        for sub in module.modules():
+            if not isinstance(sub, torch.nn.Embedding):  # a lookup, not a matmul
+                flops[i] += sum(2 * p.numel() for p in sub.parameters(recurse=False))
+        for pname, p in module.named_parameters(prefix=name, remove_duplicate=False):
+            param_leaf[pname] = i
+            if id(p) not in owner:
+                owner[id(p)] = i
+                sizes[i] += _tensor_bytes(p, dtype_bytes)
+        for _, b in module.named_buffers(prefix=name, remove_duplicate=False):
+            if id(b) not in owner:
+                owner[id(b)] = i
+                sizes[i] += _tensor_bytes(b, dtype_bytes)
+
+    # Union leaves that share tensors: a tied group goes to the device of its first leaf.
+    leader = list(range(len(leaves)))
+
+    def find(i: int) -> int:
+        while leader[i] != i:
+            i = leader[i]
+        return i
+
+    tied_groups = [sorted(g) for g in find_tied_parameters(model)]
+    for group in tied_groups:
+        members = sorted({param_leaf[p] for p in group if p in param_leaf})
+        for m in members[1:]:
+            leader[find(m)] = find(members[0])
+    for i, (_, module, _) in enumerate(leaves):
+        for p in module.parameters():
+            if owner[id(p)] != i:
+                leader[find(i)] = find(owner[id(p)])
+
+    input_emb = model.get_input_embeddings()
+    output_emb = model.get_output_embeddings() if task != "feature-extraction" else None
+    emb_leaf = next(i for i, (_, m, _) in enumerate(leaves)
+                    if m is input_emb or any(s is input_emb for s in m.modules()))
+    kv = _kv_bytes_per_token(config, dtype_bytes)
+    vocab = getattr(config.get_text_config() if hasattr(config, "get_text_config") else config,
+                    "vocab_size", 0) or 0
+
+    groups: dict[int, list[int]] = {}
+    for i in range(len(leaves)):
+        groups.setdefault(find(i), []).append(i)
+    # Leaves with nothing to place (dropout, activations) ride along with the block before them.
+    order = sorted(groups)
+    merged: list[list[int]] = []
+    for lead in order:
+        members = groups[lead]
+        empty = all(sizes[m] == 0 and flops[m] == 0 for m in members)
+        if empty and merged:
+            merged[-1].extend(members)
+        else:
+            merged.append(list(members))
+    if len(merged) > 1 and all(sizes[m] == 0 and flops[m] == 0 for m in merged[0]):
+        merged[1] = merged[0] + merged[1]
+        merged.pop(0)
+
+    blocks: list[Block] = []
+    embedding_block = 0
+    for members in merged:
+        name, module, is_layer = leaves[members[0]]
+        in_decoder = task == "causal-lm" or (task == "seq2seq-lm" and ".decoder." in f".{name}.")
+        has_head = output_emb is not None and any(
+            m is output_emb or any(s is output_emb for s in m.modules())
+            for m in (leaves[j][1] for j in members))
+        if emb_leaf in members:
+            kind = "embedding"
+            embedding_block = len(blocks)
+        elif is_layer:
+            kind = "layer"
+        elif has_head:
+            kind = "head"
+        elif "norm" in type(module).__name__.lower():
+            kind = "norm"
+        else:
+            kind = "other"
+        blocks.append(Block(
+            name=name,
+            modules=tuple(leaves[j][0] for j in members),
+            kind=kind,  # type: ignore[arg-type]
+            weight_bytes=sum(sizes[j] for j in members),
+            flops_per_token=sum(flops[j] for j in members),
+            kv_bytes_per_token=kv if (is_layer and in_decoder) else 0,
+            logits_bytes_per_token=vocab * dtype_bytes if has_head else 0,
+        ))
+    notes = tuple(
+        f"{', '.join(leaves[j][0] for j in members[1:])} share weights with {leaves[lead][0]}: "
+        "placed on the same device"
+        for lead, members in groups.items() if len(members) > 1)
+    return Structure(
+        architecture=type(model).__name__,
+        model_type=str(getattr(config, "model_type", "")),
+        dtype=dtype,
+        blocks=tuple(blocks),
+        embedding_block=embedding_block,
+        no_split=tuple(sorted(no_split)),
+        tied=tuple(tuple(g) for g in tied_groups),
+        notes=notes,
+    )
+
+
+def structure_from_config(config: Any, *, task: Task, dtype: str,
+                          trust_remote_code: bool = False) -> Structure:
+    model = build_meta_model(config, task=task, trust_remote_code=trust_remote_code)
+    return structure_from_model(model, task=task, dtype=dtype)
+
+
+def load_structure(model_dir: Path, *, task: Task, dtype: str, trust_remote_code: bool = False) -> Structure:
+    """Blocks of the checkpoint at ``model_dir``, from its config.json alone (no weights read)."""
+    config = load_config(model_dir, trust_remote_code=trust_remote_code)
+    return structure_from_config(config, task=task, dtype=dtype, trust_remote_code=trust_remote_code)

@@ -1,0 +1,33 @@
+"""From a loaded manifest to a Plan: the glue between the manifest, the checkpoint's structure, the
+inventory and the pure planner. Reads only config.json (no weights); imports torch lazily through
+``structure``.
+"""
+
+from __future__ import annotations
+
+from ..errors import CheckpointError
+from .inventory import Inventory, resolve
+from ..spec.manifest import LoadedManifest
+from .planner import Plan, plan
+from ..model.structure import Structure, load_structure
+
+
+def structure_for(loaded: LoadedManifest) -> Structure:
+    model = loaded.manifest.spec.model
+    if not loaded.model_path.is_dir():
+        raise CheckpointError(f"{loaded.source}: spec.model.path: model directory "
+                              f"{str(loaded.model_path)!r} does not exist")
+    return load_structure(loaded.model_path, task=model.task, dtype=model.dtype,
+                          trust_remote_code=model.trust_remote_code)
+
+
+def inventory_for(loaded: LoadedManifest, devices: str | None) -> Inventory:
+    disk = loaded.manifest.spec.offload.disk
+    return resolve(devices, disk_path=loaded.resolve(disk.path) if disk else None)
+
+
+def plan_manifest(loaded: LoadedManifest, *, devices: str | None = None,
+                  inventory: Inventory | None = None) -> Plan:
+    """Plan one manifest against ``inventory``, or ``devices`` (a simulated spec), or this host."""
+    inv = inventory if inventory is not None else inventory_for(loaded, devices)
+    return plan(structure_for(loaded), loaded.manifest.spec, inv, name=loaded.name)

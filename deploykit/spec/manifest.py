@@ -1,0 +1,479 @@
+"""The manifest: its schema (pydantic), its loading from YAML, and errors located in the file.
+
+A manifest is the single source of truth for a deployment. This module turns a file into validated,
+immutable values, or into a ``ManifestError`` that lists *every* problem with its file, line, column,
+field path and, where one helps, a hint. It must never import torch or transformers: ``deploykit
+validate`` stays fast because of that.
+"""
+
+from __future__ import annotations
+
+import difflib
+import re
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Annotated, Any, Literal
+
+from pydantic import (
+    BaseModel,
+    BeforeValidator,
+    ConfigDict,
+    Field,
+    PlainSerializer,
+    StrictBool,
+    ValidationError,
+    ValidationInfo,
+    WithJsonSchema,
+    field_validator,
+)
+from pydantic_core import PydanticCustomError
+
+from ..errors import Issue, ManifestError
+from ..units import SIZE_UNITS_TEXT, format_duration, parse_duration, parse_size
+from .yamlsource import Document, load_documents
+
+API_VERSION = "deploykit/v1"
+KIND = "ModelDeployment"
+_NAME_RE = re.compile(r"^[a-z0-9]([a-z0-9-]{0,61}[a-z0-9])?$")
+
+
+def _size(value: object) -> int:
+    try:
+        return parse_size(value)
+    except ValueError as exc:
+        raise PydanticCustomError("size", str(exc)) from None
+
+
+def _duration(value: object) -> float:
+    try:
+        return parse_duration(value)
+    except ValueError as exc:
+        raise PydanticCustomError("duration", str(exc)) from None
+
+
+Size = Annotated[
+    int,
+    BeforeValidator(_size),
+    WithJsonSchema({
+        "anyOf": [
+            {"type": "integer", "minimum": 0},
+            {"type": "string", "pattern": r"^\s*\d+(\.\d+)?\s*([KMGT]i?B|[kK]i?B|B)?\s*$"},
+        ],
+        "description": f"A size: {SIZE_UNITS_TEXT}.",
+    }),
+]
+Duration = Annotated[
+    float,
+    BeforeValidator(_duration),
+    PlainSerializer(format_duration, return_type=str),
+    WithJsonSchema({
+        "anyOf": [{"type": "number", "exclusiveMinimum": 0},
+                  {"type": "string", "pattern": r"^\s*\d+(\.\d+)?\s*(ms|s|m|h)?\s*$"}],
+        "description": "A duration: '500ms', '120s', '2m', '1h', or a number of seconds.",
+    }),
+]
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True, populate_by_name=True)
+
+
+class ModelSpec(_Strict):
+    """The checkpoint to deploy."""
+
+    path: Path = Field(description="Checkpoint directory (config.json + *.safetensors). "
+                                   "A relative path resolves against the manifest's directory.")
+    task: Literal["causal-lm", "seq2seq-lm", "feature-extraction"] = Field(
+        "causal-lm", description="What the model is loaded for; picks the AutoModel class.")
+    dtype: Literal["float32", "float16", "bfloat16"] = Field(
+        "float16", description="Weights are loaded (and sized for planning) at this dtype.")
+    trust_remote_code: StrictBool = Field(
+        False, description="Run Python code shipped with the checkpoint. Strictly true or false.")
+    allow_pickle: StrictBool = Field(
+        False, description="Accept pickle weights (*.bin, *.pt), read with torch.load(weights_only=True). "
+                           "Off: unpickling can run code.")
+
+
+class KVCache(_Strict):
+    """Room reserved for the KV cache of each decoder layer, on the device holding that layer."""
+
+    tokens: int = Field(ge=1, description="Cached tokens to plan for (batch x sequence length).")
+
+
+class Placement(_Strict):
+    """Which GPUs hold the model, and in what proportion."""
+
+    gpus: list[Annotated[int, Field(ge=0)]] | Literal["all"] = Field(
+        default=[], description='CUDA device indices, "all", or [] for no GPU.')
+    ratios: list[Annotated[float, Field(ge=0)]] | None = Field(
+        None, description="Relative share of the model per GPU, same length as gpus; default equal.")
+    reserve: Size = Field(2 * 2**30, description="Per-GPU headroom kept free: CUDA context, "
+                                                 "activations, KV cache not planned with kv_cache.")
+    embeddings: Literal["first"] = Field(
+        "first", description="Input embeddings go on the first listed GPU.")
+    balance: Literal["memory", "compute"] = Field(
+        "memory", description="Balance bytes per GPU (memory) or estimated FLOPs per token (compute).")
+    kv_cache: KVCache | None = Field(None, description="Plan KV-cache and logits memory per layer.")
+
+    @field_validator("gpus")
+    @classmethod
+    def _distinct(cls, gpus: list[int] | str) -> list[int] | str:
+        if isinstance(gpus, list) and len(set(gpus)) != len(gpus):
+            dupes = sorted({g for g in gpus if gpus.count(g) > 1})
+            raise PydanticCustomError("duplicate_gpu", "GPU {gpus} listed more than once",
+                                      {"gpus": ", ".join(map(str, dupes))})
+        return gpus
+
+    @field_validator("ratios")
+    @classmethod
+    def _ratios_match_gpus(cls, ratios: list[float] | None, info: ValidationInfo) -> list[float] | None:
+        if ratios is None:
+            return None
+        if not any(r > 0 for r in ratios):
+            raise PydanticCustomError("ratios_zero", "at least one ratio must be greater than 0")
+        gpus = info.data.get("gpus")
+        if gpus == "all":
+            raise PydanticCustomError(
+                "ratios_all", 'ratios need an explicit GPU list; gpus is "all", which depends on the host')
+        if isinstance(gpus, list) and len(ratios) != len(gpus):
+            raise PydanticCustomError(
+                "ratios_length", "{n} ratios for {m} GPUs; give one ratio per GPU in gpus",
+                {"n": len(ratios), "m": len(gpus)})
+        if isinstance(gpus, list) and gpus and ratios[0] == 0:
+            raise PydanticCustomError(
+                "ratios_first", "the first GPU's ratio is 0, but embeddings: first puts the input "
+                                "embeddings on it; give it a ratio above 0")
+        return ratios
+
+
+class Sharding(_Strict):
+    """How the checkpoint is cut into files for this deployment."""
+
+    max_shard_size: Size = Field(2 * 2**30, description="Largest shard file.")
+    path: Path | None = Field(None, description="Where the resharded checkpoint lives "
+                                                "(relative to the manifest). Default: next to the model.")
+
+    @field_validator("max_shard_size")
+    @classmethod
+    def _positive(cls, v: int) -> int:
+        if v <= 0:
+            raise PydanticCustomError("size_zero", "max_shard_size must be greater than 0")
+        return v
+
+
+class CpuOffload(_Strict):
+    """CPU RAM tier: blocks the GPUs cannot hold."""
+
+    max_memory: Size | None = Field(None, description="CPU RAM the model may use; default: what is "
+                                                      "available on the host.")
+
+
+class DiskOffload(_Strict):
+    """Disk tier: read in place from the safetensors files when the CPU tier is full."""
+
+    path: Path = Field(description="Directory for offloaded weights (relative to the manifest).")
+    max_size: Size | None = Field(None, description="Disk the model may use; default: free space.")
+
+
+class Offload(_Strict):
+    """Tiers after the GPUs, in order: CPU RAM, then disk."""
+
+    cpu: CpuOffload | None = Field(default_factory=CpuOffload,
+                                   description="CPU tier; null disables it.")
+    disk: DiskOffload | None = Field(None, description="Disk tier; off unless given.")
+
+
+class HealthCheck(_Strict):
+    """A forward pass on a known input; the model serves only if it passes."""
+
+    input: str = Field("Hello", description="Text run through the model before it serves.")
+    timeout: Duration = Field(120.0, description="Longest the check may take.")
+
+
+class Rollout(_Strict):
+    """How a new revision replaces the running one."""
+
+    strategy: Literal["auto", "blue-green", "recreate"] = Field(
+        "auto", description="blue-green loads beside the old model; recreate unloads first; auto picks.")
+    health_check: HealthCheck = Field(default_factory=HealthCheck,
+                                      description="Run before a new model serves.")
+
+
+class Spec(_Strict):
+    """The desired state of one deployment."""
+
+    model: ModelSpec = Field(description="The checkpoint.")
+    placement: Placement = Field(default_factory=Placement, description="GPUs and their shares.")
+    sharding: Sharding = Field(default_factory=Sharding, description="Checkpoint file layout.")
+    offload: Offload = Field(default_factory=Offload, description="CPU and disk tiers after the GPUs.")
+    rollout: Rollout = Field(default_factory=Rollout, description="How a change goes live.")
+
+
+class Metadata(_Strict):
+    """Identity of the deployment."""
+
+    name: str = Field(description="DNS-1123 label: a-z, 0-9 and '-', 1 to 63 characters, "
+                                  "starting and ending with a letter or digit.")
+    labels: dict[str, str] = Field(default_factory=dict, description="Free-form labels.")
+
+    @field_validator("name")
+    @classmethod
+    def _dns_label(cls, name: str) -> str:
+        if not _NAME_RE.match(name):
+            raise PydanticCustomError(
+                "name", "not a valid name: use 1 to 63 of a-z, 0-9 and '-', starting and "
+                        "ending with a letter or digit")
+        return name
+
+
+class ModelDeployment(_Strict):
+    """A deploykit manifest: one model, where it runs, and how it is rolled out."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True, populate_by_name=True,
+                              title="deploykit ModelDeployment")
+
+    api_version: Literal["deploykit/v1"] = Field(alias="apiVersion", description="Always deploykit/v1.")
+    kind: Literal["ModelDeployment"] = Field(description="Always ModelDeployment.")
+    metadata: Metadata = Field(description="Name and labels.")
+    spec: Spec = Field(description="What to deploy and how.")
+
+
+@dataclass(frozen=True)
+class LoadedManifest:
+    """A validated manifest with where it came from, so later errors can point into the file."""
+
+    manifest: ModelDeployment
+    source: str  # the file as the user named it
+    base_dir: Path  # relative paths in the manifest resolve against this
+    document: Document
+
+    @property
+    def name(self) -> str:
+        return self.manifest.metadata.name
+
+    def resolve(self, path: Path) -> Path:
+        return path if path.is_absolute() else (self.base_dir / path)
+
+    @property
+    def model_path(self) -> Path:
+        return self.resolve(self.manifest.spec.model.path)
+
+    @property
+    def digest(self) -> str:
+        """What the manifest asks for, independent of comments, formatting and how paths are written."""
+        import hashlib
+
+        return "sha256:" + hashlib.sha256(self.text.encode()).hexdigest()
+
+    @property
+    def text(self) -> str:
+        """This manifest as YAML, for the record of a revision (re-applied by rollback)."""
+        import yaml
+
+        data = self.manifest.model_dump(mode="json", by_alias=True)
+        for section, key in (("model", "path"), ("sharding", "path")):
+            value = data["spec"][section].get(key)
+            if value is not None:
+                data["spec"][section][key] = str(self.resolve(Path(value)).resolve())
+        disk = data["spec"]["offload"].get("disk")
+        if disk:
+            disk["path"] = str(self.resolve(Path(disk["path"])).resolve())
+        return yaml.safe_dump(data, sort_keys=False)
+
+    def locate(self, field: str) -> tuple[int, int]:
+        parts: tuple[str | int, ...] = tuple(int(p) if p.isdigit() else p for p in field.split("."))
+        return self.document.locate(parts)
+
+    def located(self, field: str | None, message: str) -> str:
+        """``message`` as ``FILE:LINE:COL: field: message``, or ``FILE: error: message`` without a field."""
+        if field is None:
+            return f"{self.source}: error: {message}"
+        line, column = self.locate(field)
+        return f"{self.source}:{line}:{column}: {field}: {message}"
+
+    def issue(self, field: str, message: str, hint: str | None = None) -> Issue:
+        line, column = self.locate(field)
+        return Issue(message, self.source, line, column, field, hint)
+
+
+def _fields_of(model: type[BaseModel]) -> list[str]:
+    return [f.alias or name for name, f in model.model_fields.items()]
+
+
+def _submodel(path: tuple[str | int, ...]) -> type[BaseModel] | None:
+    """The pydantic model found at a field path, for 'did you mean' hints."""
+    model: Any = ModelDeployment
+    for part in path:
+        if isinstance(part, int) or model is None:
+            continue
+        fields = {(f.alias or n): f for n, f in model.model_fields.items()}
+        if part not in fields:
+            return None
+        annotation = fields[part].annotation
+        candidates = [annotation, *getattr(annotation, "__args__", ())]
+        model = next((c for c in candidates if isinstance(c, type) and issubclass(c, BaseModel)), None)
+    return model
+
+
+def _hint_for(err: Any, path: tuple[str | int, ...]) -> str | None:
+    if err["type"] == "extra_forbidden" and path:
+        parent = _submodel(path[:-1])
+        if parent is not None:
+            close = difflib.get_close_matches(str(path[-1]), _fields_of(parent), n=1, cutoff=0.6)
+            if close:
+                return f"did you mean {close[0]!r}?"
+            return "allowed keys here: " + ", ".join(_fields_of(parent))
+    if err["type"] == "literal_error" and isinstance(err.get("input"), str):
+        expected = re.findall(r"'([^']*)'", err.get("ctx", {}).get("expected", ""))
+        close = difflib.get_close_matches(err["input"], expected, n=1, cutoff=0.5)
+        if close:
+            return f"did you mean {close[0]!r}?"
+    return None
+
+
+def _clean_path(loc: tuple[Any, ...]) -> tuple[str | int, ...]:
+    # pydantic adds union-member tags ("list[...]", "literal['all']") and validator names to loc.
+    out: list[str | int] = []
+    for part in loc:
+        if isinstance(part, str) and ("[" in part or part.startswith("function-")):
+            continue
+        out.append(part)
+    return tuple(out)
+
+
+def _issues_from_validation(exc: ValidationError, doc: Document, source: str) -> list[Issue]:
+    issues: list[Issue] = []
+    for err in exc.errors():
+        path = _clean_path(err["loc"])
+        if err["type"] == "missing":
+            line, column = doc.locate(path[:-1], key=True) if path[:-1] else (doc.line, 1)
+            message = f"required field {path[-1]!r} is missing"
+        elif err["type"] == "extra_forbidden":
+            line, column = doc.locate(path, key=True)
+            message = f"unknown field {path[-1]!r}"
+        else:
+            line, column = doc.locate(path)
+            message = err["msg"]
+            given = err.get("input")
+            if (err["type"] != "literal_error" and given is not None
+                    and not isinstance(given, (dict, list)) and str(given) not in message):
+                message += f" (got {given!r})"
+        field = ".".join(str(p) for p in path)
+        previous = next((i for i, issue in enumerate(issues) if issue.field == (field or None)
+                         and (issue.line, issue.column) == (line, column)), None)
+        if previous is not None:  # one complaint per union member: say them as one
+            issues[previous] = _merge(issues[previous], message)
+            continue
+        issues.append(Issue(message, source, line, column, field or None, _hint_for(err, path)))
+    return issues
+
+
+def _merge(issue: Issue, message: str) -> Issue:
+    prefix = "Input should be "
+    got = re.search(r" \(got .*\)$", issue.message)
+    first = issue.message[: got.start()] if got else issue.message
+    second = re.sub(r" \(got .*\)$", "", message)
+    if first.startswith(prefix) and second.startswith(prefix):
+        merged = f"{first} or {second[len(prefix):]}"
+    else:
+        merged = f"{first}; or {second}"
+    return Issue(merged + (got.group(0) if got else ""), issue.path, issue.line, issue.column,
+                 issue.field, issue.hint)
+
+
+def _check_header(doc: Document, source: str) -> list[Issue]:
+    """apiVersion and kind first: if they are wrong, field errors below would only be noise."""
+    data = doc.data
+    if not isinstance(data, dict):
+        line, column = doc.values.get((), (doc.line, 1))
+        kind = type(data).__name__ if data is not None else "null"
+        return [Issue(f"a manifest must be a mapping, found {kind}", source, line, column,
+                      hint="start with 'apiVersion: deploykit/v1' and 'kind: ModelDeployment'")]
+    issues = []
+    for key, want in (("apiVersion", API_VERSION), ("kind", KIND)):
+        if key in data and data[key] != want:
+            line, column = doc.locate((key,))
+            issues.append(Issue(f"expected {want!r}, got {data[key]!r}", source, line, column, key,
+                                hint="this file may not be a deploykit manifest"))
+    return issues
+
+
+def parse_manifests(data: bytes, *, source: str, base_dir: Path) -> list[LoadedManifest]:
+    """Validate every document in ``data``. Raises ManifestError listing all issues of the file."""
+    documents, issues = load_documents(data, source)
+    documents = [d for d in documents if d.data is not None]
+    loaded: list[LoadedManifest] = []
+    names: dict[str, int] = {}
+    for doc in documents:
+        header = _check_header(doc, source)
+        if header:
+            issues.extend(header)
+            continue
+        try:
+            manifest = ModelDeployment.model_validate(doc.data)
+        except ValidationError as exc:
+            issues.extend(_issues_from_validation(exc, doc, source))
+            continue
+        if manifest.metadata.name in names:
+            line, column = doc.locate(("metadata", "name"))
+            issues.append(Issue(f"name {manifest.metadata.name!r} is already used by the manifest at "
+                                f"line {names[manifest.metadata.name]}", source, line, column,
+                                "metadata.name"))
+            continue
+        names[manifest.metadata.name] = doc.line
+        loaded.append(LoadedManifest(manifest, source, base_dir, doc))
+    if issues:
+        issues.sort(key=lambda i: (i.line or 0, i.column or 0))
+        raise ManifestError(issues)
+    return loaded
+
+
+MANIFEST_SUFFIXES = (".yaml", ".yml")
+
+
+def manifest_files(path: Path) -> list[Path]:
+    """The manifest files ``path`` stands for: itself, or a directory's ``*.yaml``/``*.yml`` files in
+    name order (not recursive). The one place that decides which files are manifests."""
+    if path.is_dir():
+        return sorted(p for p in path.iterdir() if p.suffix in MANIFEST_SUFFIXES and p.is_file())
+    return [path]
+
+
+def load_manifests(path: str | Path) -> list[LoadedManifest]:
+    """Read and validate a manifest file. Raises ManifestError (also for an unreadable file)."""
+    source = str(path)
+    file = Path(path)
+    try:
+        data = file.read_bytes()
+    except FileNotFoundError:
+        raise ManifestError.single("no such file", path=source) from None
+    except IsADirectoryError:
+        raise ManifestError.single("is a directory; give a manifest file", path=source) from None
+    except OSError as exc:
+        raise ManifestError.single(f"cannot read the file: {exc.strerror}", path=source) from None
+    return parse_manifests(data, source=source, base_dir=file.resolve().parent)
+
+
+def check_on_host(loaded: LoadedManifest) -> list[Issue]:
+    """What can be checked about a manifest on this machine without reading weights."""
+    issues: list[Issue] = []
+    model_dir = loaded.model_path
+    if not model_dir.is_dir():
+        issues.append(loaded.issue("spec.model.path", f"model directory {str(model_dir)!r} does not exist"))
+    elif not (model_dir / "config.json").is_file():
+        issues.append(loaded.issue("spec.model.path", f"{str(model_dir)!r} holds no config.json",
+                                   hint="point path at a Hugging Face checkpoint directory"))
+    disk = loaded.manifest.spec.offload.disk
+    if disk is not None:
+        disk_dir = loaded.resolve(disk.path)
+        if disk_dir.exists() and not disk_dir.is_dir():
+            issues.append(loaded.issue("spec.offload.disk.path", f"{str(disk_dir)!r} is not a directory"))
+    return issues
+
+
+def json_schema() -> dict[str, Any]:
+    """The JSON Schema of a manifest, for editors (yaml-language-server) and CI."""
+    schema = ModelDeployment.model_json_schema(by_alias=True, mode="validation")
+    schema["$schema"] = "https://json-schema.org/draft/2020-12/schema"
+    schema["$id"] = "https://deploykit.dev/schema/deploykit-v1.json"
+    return schema
