@@ -2,6 +2,7 @@ from __future__ import annotations
 
 import os
 import sys
+import tempfile
 from collections.abc import Callable
 from pathlib import Path
 
@@ -10,6 +11,8 @@ import pytest
 sys.path.insert(0, str(Path(__file__).parent))
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
+# The structure cache of this run (subprocesses inherit it): never the user's ~/.cache.
+os.environ["DEPLOYKIT_CACHE"] = tempfile.mkdtemp(prefix="deploykit-test-cache-")
 
 from tiny import build  # noqa: E402
 

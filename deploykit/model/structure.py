@@ -13,26 +13,54 @@ a device; modules without weights join the block before them.
 The meta model is built under the ``torch.device("meta")`` context, not accelerate's
 ``init_empty_weights``: the latter patches ``nn.Module.register_parameter`` for the whole process
 (diffusers#4296), which would hand meta tensors to any other thread building a module meanwhile.
+
+``load_structure`` caches its result in memory and on disk (``structure_cache``), so a known config is
+planned without importing torch or transformers. This module must never import either at module level.
 """
 
 from __future__ import annotations
 
-import contextlib
+
 import json
 import logging
-from collections.abc import Iterator
-from dataclasses import asdict, dataclass, field
+
+from collections.abc import Mapping
+from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Literal
+from typing import TYPE_CHECKING, Any, Literal, get_args
 
 from ..errors import CheckpointError
+from . import structure_cache
+from .hf import auto_class, quiet_transformers
 from ..names import DTYPE_SIZES, FROM_TORCH
 
 if TYPE_CHECKING:
     import torch
 
 Task = Literal["causal-lm", "seq2seq-lm", "feature-extraction"]
+BlockKind = Literal["embedding", "layer", "norm", "head", "other"]
 log = logging.getLogger(__name__)
+
+# Bump whenever what ``structure_from_model`` returns for a given config may change (the rules, the
+# fields of Block/Structure): it is part of the on-disk cache key, so old cache files stop matching.
+FORMAT_VERSION = 1
+
+
+def _expect(value: Any, kind: type) -> Any:
+    """``value`` if it is a ``kind`` (bool is not an int here), else TypeError: for strict decoding."""
+    if not isinstance(value, kind) or (kind is int and isinstance(value, bool)):
+        raise TypeError(f"expected {kind.__name__}, got {type(value).__name__}")
+    return value
+
+
+def _strings(value: Any) -> tuple[str, ...]:
+    return tuple(_expect(v, str) for v in _expect(value, list))
+
+
+def _exact_fields(cls: type, data: Mapping[str, Any]) -> None:
+    names = {f.name for f in fields(cls)}
+    if set(data) != names:
+        raise ValueError(f"{cls.__name__}: fields {sorted(set(data) ^ names)} missing or unknown")
 
 
 @dataclass(frozen=True)
@@ -41,11 +69,22 @@ class Block:
 
     name: str
     modules: tuple[str, ...]
-    kind: Literal["embedding", "layer", "norm", "head", "other"]
+    kind: BlockKind
     weight_bytes: int  # parameters and buffers at the deployment dtype, shared tensors counted once
     flops_per_token: int  # ~2 x parameters of the matmuls it runs; embedding lookups cost ~0
     kv_bytes_per_token: int = 0  # KV cache per cached token, for decoder layers
     logits_bytes_per_token: int = 0  # for the block that computes the output logits
+
+    @classmethod
+    def from_dict(cls, data: Any) -> Block:
+        """The inverse of ``asdict`` after a JSON round trip; TypeError/ValueError on anything else."""
+        _exact_fields(cls, _expect(data, dict))
+        kind = _expect(data["kind"], str)
+        if kind not in get_args(BlockKind):
+            raise ValueError(f"unknown block kind {kind!r}")
+        return cls(name=_expect(data["name"], str), modules=_strings(data["modules"]), kind=kind,
+                   **{k: _expect(data[k], int) for k in
+                      ("weight_bytes", "flops_per_token", "kv_bytes_per_token", "logits_bytes_per_token")})
 
 
 @dataclass(frozen=True)
@@ -68,49 +107,46 @@ class Structure:
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
 
+    @classmethod
+    def from_dict(cls, data: Any) -> Structure:
+        """The inverse of ``to_dict`` after a JSON round trip; TypeError/ValueError on anything else."""
+        _exact_fields(cls, _expect(data, dict))
+        blocks = tuple(Block.from_dict(b) for b in _expect(data["blocks"], list))
+        embedding_block = _expect(data["embedding_block"], int)
+        if not 0 <= embedding_block < len(blocks):
+            raise ValueError(f"embedding_block {embedding_block} out of range")
+        return cls(architecture=_expect(data["architecture"], str), model_type=_expect(data["model_type"], str),
+                   dtype=_expect(data["dtype"], str), blocks=blocks, embedding_block=embedding_block,
+                   no_split=_strings(data["no_split"]),
+                   tied=tuple(_strings(g) for g in _expect(data["tied"], list)),
+                   notes=_strings(data["notes"]))
 
-def _auto_class(task: Task) -> Any:
-    import transformers
 
-    return {
-        "causal-lm": transformers.AutoModelForCausalLM,
-        "seq2seq-lm": transformers.AutoModelForSeq2SeqLM,
-        "feature-extraction": transformers.AutoModel,
-    }[task]
+def read_config_json(model_dir: Path) -> bytes:
+    """The bytes of a checkpoint directory's config.json, checked to be JSON (no transformers needed)."""
+    config_file = Path(model_dir) / "config.json"
+    if not config_file.is_file():
+        raise CheckpointError(f"{model_dir}: no config.json; point spec.model.path at a Hugging Face "
+                              "checkpoint directory")
+    data = config_file.read_bytes()
+    try:
+        json.loads(data.decode("utf-8"))
+    except (ValueError, UnicodeDecodeError) as exc:
+        raise CheckpointError(f"{config_file}: not valid JSON: {exc}") from None
+    return data
 
 
 def load_config(model_dir: Path, *, trust_remote_code: bool = False) -> Any:
     """The transformers config of a checkpoint directory, with errors that say what to fix."""
     config_file = Path(model_dir) / "config.json"
-    if not config_file.is_file():
-        raise CheckpointError(f"{model_dir}: no config.json; point spec.model.path at a Hugging Face "
-                              "checkpoint directory")
-    try:
-        json.loads(config_file.read_text(encoding="utf-8"))
-    except (ValueError, UnicodeDecodeError) as exc:
-        raise CheckpointError(f"{config_file}: not valid JSON: {exc}") from None
+    read_config_json(model_dir)
     from transformers import AutoConfig
 
     try:
-        with _quiet_transformers():
+        with quiet_transformers():
             return AutoConfig.from_pretrained(str(model_dir), trust_remote_code=trust_remote_code)
     except (ValueError, KeyError, OSError) as exc:
         raise CheckpointError(f"{config_file}: transformers cannot read this config: {exc}") from None
-
-
-@contextlib.contextmanager
-def _quiet_transformers() -> Iterator[None]:
-    """transformers logs config advice and warnings at import-time levels; deploykit reports what
-    matters itself, so keep them out of its output (raise with -vv to see them)."""
-    import transformers
-
-    previous = transformers.logging.get_verbosity()
-    if not log.isEnabledFor(logging.DEBUG):
-        transformers.logging.set_verbosity_error()
-    try:
-        yield
-    finally:
-        transformers.logging.set_verbosity(previous)
 
 
 _META_CACHE: dict[tuple[str, str, bool], Any] = {}
@@ -133,9 +169,9 @@ def build_meta_model(config: Any, *, task: Task, trust_remote_code: bool = False
 def _build_meta_model(config: Any, *, task: Task, trust_remote_code: bool = False) -> torch.nn.Module:
     import torch
 
-    auto = _auto_class(task)
+    auto = auto_class(task)
     try:
-        with _quiet_transformers(), torch.device("meta"):
+        with quiet_transformers(), torch.device("meta"):
             model = auto.from_config(config, trust_remote_code=trust_remote_code)
     except ValueError as exc:
         raise CheckpointError(f"task {task!r} does not fit a {type(config).__name__} "
@@ -312,7 +348,36 @@ def structure_from_config(config: Any, *, task: Task, dtype: str,
     return structure_from_model(model, task=task, dtype=dtype)
 
 
+_STRUCTURES: dict[str, Structure] = {}  # in-process, by the same key as the on-disk cache
+
+
 def load_structure(model_dir: Path, *, task: Task, dtype: str, trust_remote_code: bool = False) -> Structure:
-    """Blocks of the checkpoint at ``model_dir``, from its config.json alone (no weights read)."""
-    config = load_config(model_dir, trust_remote_code=trust_remote_code)
-    return structure_from_config(config, task=task, dtype=dtype, trust_remote_code=trust_remote_code)
+    """Blocks of the checkpoint at ``model_dir``, from its config.json alone (no weights read).
+
+    Cached in this process and on disk (see ``structure_cache``): for a config seen before, neither
+    torch nor transformers is imported.
+    """
+    config_json = read_config_json(model_dir)
+    key = structure_cache.structure_key(config_json, model_dir=Path(model_dir), task=task, dtype=dtype,
+                                        trust_remote_code=trust_remote_code, format_version=FORMAT_VERSION)
+    structure = _STRUCTURES.get(key) or _from_disk(key)
+    if structure is None:
+        config = load_config(model_dir, trust_remote_code=trust_remote_code)
+        structure = structure_from_config(config, task=task, dtype=dtype, trust_remote_code=trust_remote_code)
+        if read_config_json(model_dir) == config_json:  # not edited while we built: the key still holds
+            structure_cache.store(key, structure.to_dict())
+    if len(_STRUCTURES) > 64:
+        _STRUCTURES.clear()
+    _STRUCTURES[key] = structure
+    return structure
+
+
+def _from_disk(key: str) -> Structure | None:
+    payload = structure_cache.load(key)
+    if payload is None:
+        return None
+    try:
+        return Structure.from_dict(payload)
+    except (KeyError, TypeError, ValueError) as exc:
+        log.debug("structure cache: ignoring malformed entry %s: %s", key, exc)
+        return None

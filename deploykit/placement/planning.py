@@ -1,6 +1,9 @@
 """From a loaded manifest to a Plan: the glue between the manifest, the checkpoint's structure, the
-inventory and the pure planner. Reads only config.json (no weights); imports torch lazily through
-``structure``.
+inventory and the pure planner. Reads only config.json (no weights).
+
+It must never import torch or transformers itself: ``load_structure`` imports them only for a config it
+has not seen before (its structure cache, in memory and on disk, answers the rest), so a warm
+``deploykit plan`` / ``deploykit diff`` starts as fast as ``deploykit validate``.
 """
 
 from __future__ import annotations
@@ -13,6 +16,7 @@ from ..model.structure import Structure, load_structure
 
 
 def structure_for(loaded: LoadedManifest) -> Structure:
+    """The manifest's model structure, from the structure cache when its config.json was seen before."""
     model = loaded.manifest.spec.model
     if not loaded.model_path.is_dir():
         raise CheckpointError(f"{loaded.source}: spec.model.path: model directory "
