@@ -191,6 +191,7 @@ def apply(loaded: LoadedManifest, *, store: StateStore, options: ApplyOptions = 
     with timer.step("validate"):
         issues = check_on_host(loaded)
         if issues:
+            _refuse_without_source(loaded, store, options)
             raise ManifestError(issues)
         checkpoint = open_checkpoint(loaded.model_path, allow_pickle=loaded.manifest.spec.model.allow_pickle)
     lock = nullcontext() if options.dry_run else store.deployment_lock(loaded.name)
@@ -203,6 +204,7 @@ def apply(loaded: LoadedManifest, *, store: StateStore, options: ApplyOptions = 
                         current.manifest_digest if current else None,
                         current.checkpoint_fingerprint if current else None,
                         shards_problem(current, hashes=desired.load and unchanged))
+        _refuse_changed_in_place(current, checkpoint, actual, options)
         decision = decide(desired, actual, force=options.force)
         if not decision.new_revision and current is not None:
             if not options.dry_run:
@@ -212,6 +214,29 @@ def apply(loaded: LoadedManifest, *, store: StateStore, options: ApplyOptions = 
             return ApplyOutcome(loaded.name, "dry-run", None, _plan(loaded, options, timer), decision.actions,
                                 timer.timings)
         return _act(loaded, store, checkpoint, decision, options, timer, progress)
+
+
+def _refuse_without_source(loaded: LoadedManifest, store: StateStore, options: ApplyOptions) -> None:
+    """The source is unusable: if the current shards are damaged too, say which one (they cannot be
+    laid out again)."""
+    current = store.current(loaded.name) if options.load_if_unchanged else None
+    problem = shards_problem(current, hashes=True) if current is not None else None
+    if problem is not None:
+        raise CheckpointError(f"revision {current.revision} of {loaded.name!r} cannot be served: {problem}; "  # type: ignore[union-attr]
+                              f"its source checkpoint {loaded.model_path} is gone, so the shards cannot be "
+                              "laid out again")
+
+
+def _refuse_changed_in_place(current: Revision | None, checkpoint: Checkpoint, actual: Actual,
+                             options: ApplyOptions) -> None:
+    """A checkpoint used in place whose files changed without a new fingerprint (same size and
+    modification time) cannot be laid out again from itself: name the file instead of serving it."""
+    if (current is None or actual.shards_problem is None or options.force or not current.checksums
+            or Path(current.shards_path or "") != checkpoint.path.resolve()):
+        return
+    raise CheckpointError(f"{actual.shards_problem}; revision {current.revision} of {current.name!r} uses this "
+                          "checkpoint in place, so it cannot be laid out again: restore the file, or apply "
+                          "with --force to accept its new content")
 
 
 def _reuse(loaded: LoadedManifest, current: Revision, decision: Decision, timer: _Timer,
