@@ -136,6 +136,10 @@ def test_apply_directory_and_prune(tiny_model, tmp_path):
     (manifests / "b-model.yaml").unlink()
     kept = deploykit("apply", str(manifests), "-q", state=state)
     assert "pruned" not in kept.stdout and StateStore(state).names() == ["a-model", "b-model"]
+    b_shards = Path(StateStore(state).current("b-model").shards_path)
+    assert b_shards.is_dir()
     pruned = deploykit("apply", str(manifests), "--prune", "-q", state=state)
     assert "pruned b-model" in pruned.stdout
     assert StateStore(state).names() == ["a-model"]
+    assert not b_shards.exists()  # its shards went with it; a-model's stay
+    assert Path(StateStore(state).current("a-model").shards_path).is_dir()

@@ -1,7 +1,8 @@
 """Crash-safe file-system steps: fsync'd writes, atomic replacement, atomic directory exchange.
 
 Every file deploykit writes goes to a temporary name, is fsynced, and is renamed into place; the
-directory is fsynced after. Nothing else in deploykit calls ``rename`` directly.
+directory is fsynced after. Directories are replaced whole (``exchange_dirs``) or set aside before
+removal (``discard_dir``), so no reader ever sees a half-written or half-removed tree.
 """
 
 from __future__ import annotations
@@ -66,3 +67,11 @@ def exchange_dirs(a: Path, b: Path) -> bool:
     if b.parent != a.parent:
         fsync_dir(b.parent)
     return True
+
+
+def discard_dir(path: Path) -> None:
+    """Rename ``path`` aside at once (its name is free for a new copy), then remove it. A process that
+    still maps its files keeps their pages until it lets go."""
+    aside = path.with_name(f".{path.name}.discarded-{os.getpid()}-{id(path)}")
+    path.rename(aside)
+    shutil.rmtree(aside, ignore_errors=True)

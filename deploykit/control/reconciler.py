@@ -30,6 +30,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from ..artifacts.fsutil import discard_dir
 from ..artifacts.reshard import ProgressSink, ReshardResult, fits_layout, plan_layout, reshard
 from ..artifacts.verify import checksums, read_lock, recorded_problem, shard_problem
 from ..errors import ApplyError, CheckpointError, DeploykitError, ManifestError
@@ -142,8 +143,10 @@ def git_commit(path: Path) -> str | None:
 
 
 def shards_root(loaded: LoadedManifest, store: StateStore) -> Path:
+    """``<sharding.path or <state>/shards>/<name>``: each deployment owns its own directory, so
+    collecting or deleting one deployment's shards never touches another's."""
     configured = loaded.manifest.spec.sharding.path
-    return (loaded.resolve(configured) if configured else store.directory / "shards" / loaded.name).resolve()
+    return ((loaded.resolve(configured) if configured else store.directory / "shards") / loaded.name).resolve()
 
 
 def shards_dir(loaded: LoadedManifest, store: StateStore, fingerprint: str, layout_digest: str) -> Path:
@@ -304,17 +307,9 @@ def _lay_out(loaded: LoadedManifest, store: StateStore, checkpoint: Checkpoint, 
     lock = read_lock(shards)
     if lock is not None and (problem := shard_problem(shards, lock, hashes=True)) is not None:
         log.warning("%s: %s; laying the shards out again from %s", loaded.name, problem, checkpoint.path)
-        _discard(shards)
+        discard_dir(shards)
     shards.parent.mkdir(parents=True, exist_ok=True)
     return shards, reshard(checkpoint, shards, progress=progress, **layout_args)  # type: ignore[arg-type]
-
-
-def _discard(directory: Path) -> None:
-    """Move a damaged shard directory aside and remove it (a serving generation that still maps its
-    files keeps its pages; the names are free for the new copy at once)."""
-    aside = directory.with_name(f".{directory.name}.damaged-{time.time_ns()}")
-    directory.rename(aside)
-    shutil.rmtree(aside, ignore_errors=True)
 
 
 def _in_place_checksums(checkpoint: Checkpoint) -> dict[str, dict]:

@@ -2,12 +2,16 @@
 weights.
 
 Understands Hugging Face layouts: one ``model.safetensors``, sharded safetensors with
-``model.safetensors.index.json``, and (only when explicitly allowed) pickle files (``*.bin``, ``*.pt``),
-because unpickling runs code. Every problem is a ``CheckpointError`` that names the file.
+``model.safetensors.index.json``, and (only when explicitly allowed, because unpickling runs code) pickle
+files (``*.bin``, ``*.pt``, ``*.pth``, ``*.ckpt``, ``*.pkl``), which must be unpickled to list their
+tensors (``torch.load(weights_only=True, mmap=True)``). Every problem is a ``CheckpointError`` that
+names the file.
 
 The fingerprint identifies the checkpoint's content cheaply: every weight file's header, size and
 modification time, and every other file's bytes. It changes when any file is rewritten (a fine-tune
-saved in place keeps headers and sizes but not mtimes), without reading gigabytes of weights.
+saved in place keeps headers and sizes but not mtimes), without reading gigabytes of weights. Bytes
+changed in place with the size and mtime kept are not seen here: the shard checksums
+(``artifacts.verify``) catch those before a load.
 """
 
 from __future__ import annotations
@@ -52,9 +56,6 @@ class Checkpoint:
     @property
     def total_size(self) -> int:
         return sum(t.nbytes for t in self.tensors)
-
-    def tensor(self, name: str) -> Tensor:
-        return next(t for t in self.tensors if t.name == name)
 
 
 def _is_weight(path: Path) -> bool:

@@ -43,7 +43,7 @@ log = logging.getLogger(__name__)
 
 # Bump whenever what ``structure_from_model`` returns for a given config may change (the rules, the
 # fields of Block/Structure): it is part of the on-disk cache key, so old cache files stop matching.
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2
 
 
 def _expect(value: Any, kind: type) -> Any:
@@ -97,7 +97,6 @@ class Structure:
     blocks: tuple[Block, ...]
     embedding_block: int  # index of the block holding the input embeddings
     no_split: tuple[str, ...] = ()
-    tied: tuple[tuple[str, ...], ...] = ()
     notes: tuple[str, ...] = field(default=(), compare=False)
 
     @property
@@ -118,7 +117,6 @@ class Structure:
         return cls(architecture=_expect(data["architecture"], str), model_type=_expect(data["model_type"], str),
                    dtype=_expect(data["dtype"], str), blocks=blocks, embedding_block=embedding_block,
                    no_split=_strings(data["no_split"]),
-                   tied=tuple(_strings(g) for g in _expect(data["tied"], list)),
                    notes=_strings(data["notes"]))
 
 
@@ -337,7 +335,6 @@ def structure_from_model(model: Any, *, task: Task, dtype: str) -> Structure:
         blocks=tuple(blocks),
         embedding_block=embedding_block,
         no_split=tuple(sorted(no_split)),
-        tied=tuple(tuple(g) for g in tied_groups),
         notes=notes,
     )
 

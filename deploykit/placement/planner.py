@@ -84,9 +84,6 @@ class Plan:
     def to_json(self) -> str:
         return json.dumps(self.to_dict(), indent=2)
 
-    def device_of(self, module: str) -> Device:
-        return self.device_map[module]
-
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> Plan:
         devices = tuple(DevicePlan(**{**d, "blocks": tuple(d["blocks"])}) for d in data["devices"])

@@ -150,8 +150,9 @@ class Sharding(_Strict):
     """How the checkpoint is cut into files for this deployment."""
 
     max_shard_size: Size = Field(2 * 2**30, description="Largest shard file.")
-    path: Path | None = Field(None, description="Where the resharded checkpoint lives "
-                                                "(relative to the manifest). Default: next to the model.")
+    path: Path | None = Field(None, description="Where resharded checkpoints live (relative to the "
+                              "manifest): each deployment writes <path>/<name>/<key>, one directory per "
+                              "content and layout. Default: <state dir>/shards.")
 
     @field_validator("max_shard_size")
     @classmethod
