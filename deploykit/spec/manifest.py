@@ -200,6 +200,32 @@ class Rollout(_Strict):
                                       description="Run before a new model serves.")
 
 
+class Serving(_Strict):
+    """Limits of the inference API for this model (``deploykit serve``, ``Deployment.generate``)."""
+
+    context_length: int | None = Field(
+        None, ge=8, description="Longest prompt plus generated tokens; default: the model's "
+                                "max_position_embeddings, at most 8192.")
+    max_tokens: int = Field(512, ge=1, description="Most tokens one request may generate; a request "
+                                                  "asking for more is refused (400).")
+    default_max_tokens: int = Field(256, ge=1, description="Tokens generated when a request names no "
+                                                          "max_tokens (capped by max_tokens).")
+    max_concurrent: int = Field(16, ge=1, le=1024, description="Requests decoded together in one batch.")
+    max_queued: int = Field(64, ge=0, description="Requests waiting for a batch slot beyond "
+                                                  "max_concurrent; more are refused (429 with Retry-After).")
+    max_input_items: int = Field(256, ge=1, description="Most prompts or embedding inputs in one request.")
+
+    @field_validator("max_tokens")
+    @classmethod
+    def _room_for_a_prompt(cls, max_tokens: int, info: ValidationInfo) -> int:
+        context = info.data.get("context_length")
+        if context is not None and max_tokens >= context:
+            raise PydanticCustomError(
+                "max_tokens_context", "max_tokens {m} leaves no room for a prompt in context_length {c}; "
+                                      "make it smaller than context_length", {"m": max_tokens, "c": context})
+        return max_tokens
+
+
 class Spec(_Strict):
     """The desired state of one deployment."""
 
@@ -208,6 +234,7 @@ class Spec(_Strict):
     sharding: Sharding = Field(default_factory=Sharding, description="Checkpoint file layout.")
     offload: Offload = Field(default_factory=Offload, description="CPU and disk tiers after the GPUs.")
     rollout: Rollout = Field(default_factory=Rollout, description="How a change goes live.")
+    serving: Serving = Field(default_factory=Serving, description="Limits of the inference API.")
 
 
 class Metadata(_Strict):
