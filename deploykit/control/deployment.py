@@ -116,7 +116,7 @@ class Deployment:
             self._phase, self._last_error = "Failed", describe(exc, loaded)
             raise
         assert outcome.loaded is not None
-        self.pool.install(outcome.loaded, outcome.plan, outcome.revision or 0, "initial")
+        self.pool.install(outcome.loaded, outcome.plan, outcome.revision or 0, "initial", loaded)
         self._phase = "Ready"
 
     # ---- serving --------------------------------------------------------------------------------

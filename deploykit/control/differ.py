@@ -11,6 +11,7 @@ from typing import Any
 import yaml
 
 from ..model.checkpoint import open_checkpoint
+from ..model.gguf import is_gguf
 from ..errors import DeploykitError
 from ..spec.manifest import LoadedManifest
 from ..placement.planner import compress_names
@@ -62,7 +63,18 @@ def diff_manifest(loaded: LoadedManifest, *, store: StateStore, devices: str | N
         for (before, after), modules in moves.items():
             lines.append(f"  move {', '.join(compress_names(modules))}: {before} -> {after}")
     spec = loaded.manifest.spec
-    checkpoint = open_checkpoint(loaded.model_path, allow_pickle=spec.model.allow_pickle)
+    if is_gguf(loaded.model_path):
+        from .reconciler import existing_import
+
+        directory, imported = existing_import(loaded, store)
+        if imported is None:
+            lines.append(f"  import: needed, {loaded.model_path.name} is converted to {spec.model.dtype} "
+                         f"into {directory} (the reshard is decided then)")
+            return lines
+        lines.append(f"  import: not needed ({directory} holds it)")
+        checkpoint = imported
+    else:
+        checkpoint = open_checkpoint(loaded.model_path, allow_pickle=spec.model.allow_pickle)
     kwargs: dict[str, Any] = {"max_shard_size": spec.sharding.max_shard_size, "dtype": spec.model.dtype,
                               "device_map": plan.device_map}
     if fits_layout(checkpoint, **kwargs):

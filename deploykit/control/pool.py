@@ -26,6 +26,8 @@ from ..placement.planner import Plan
 
 if TYPE_CHECKING:
     from ..engine.loader import LoadedModel
+    from ..engine.runtime import Runtime
+    from ..spec.manifest import LoadedManifest
 
 log = logging.getLogger(__name__)
 MEMORY_HISTORY = 64  # leak-guard samples kept
@@ -41,7 +43,35 @@ class Generation:
     refs: int = 0
     retired: bool = False
     forward_lock: threading.Lock | None = None
+    runtime: Runtime | None = None  # what serves requests on this generation (closed when freed)
+    task: str = "causal-lm"
     created: float = field(default_factory=time.time)
+
+
+def kv_cache_budget(plan: Plan | None) -> int:
+    """Bytes the KV cache may take: what the input device's tier has left after the weights (the
+    plan knows both), else 1 GiB. Sizing it here keeps a batching engine from guessing from host RAM."""
+    default = 1 << 30
+    if plan is None:
+        return default
+    first = next((d for d in plan.devices if d.blocks), None)
+    if first is None or first.budget is None:
+        return default
+    return max(64 << 20, first.budget - first.bytes)
+
+
+def new_generation(number: int, loaded: LoadedModel, plan: Plan | None, revision: int, strategy: str,
+                   manifest: LoadedManifest) -> Generation:
+    """A generation with its runtime (batching engine or embedder) built from the manifest's limits."""
+    from ..engine.runtime import Limits, build_runtime
+
+    serving = manifest.manifest.spec.serving
+    limits = Limits(serving.context_length, serving.max_tokens, serving.default_max_tokens,
+                    serving.max_concurrent, serving.max_queued, serving.max_input_items, serving.batching)
+    lock = threading.Lock() if loaded.serialize_forward else None
+    task = manifest.manifest.spec.model.task
+    runtime = build_runtime(loaded, limits, task=task, kv_cache_bytes=kv_cache_budget(plan), forward_lock=lock)
+    return Generation(number, revision, loaded, plan, strategy, forward_lock=lock, runtime=runtime, task=task)
 
 
 class GenerationPool:
@@ -88,12 +118,14 @@ class GenerationPool:
         if free:
             self._free(gen)
 
-    def install(self, loaded: LoadedModel, plan: Plan | None, revision: int, strategy: str) -> Generation:
+    def install(self, loaded: LoadedModel, plan: Plan | None, revision: int, strategy: str,
+                manifest: LoadedManifest) -> Generation:
         """Make ``loaded`` the current generation; the previous one is freed once unpinned."""
         with self._cond:
             self._number += 1
-            gen = Generation(self._number, revision, loaded, plan, strategy,
-                             forward_lock=threading.Lock() if loaded.serialize_forward else None)
+            number = self._number
+        gen = new_generation(number, loaded, plan, revision, strategy, manifest)
+        with self._cond:
             old, self._current = self._current, gen
             if old is not None:
                 old.retired = True
@@ -131,6 +163,10 @@ class GenerationPool:
         with self._cond:
             if gen.loaded is None:
                 return
+            runtime, gen.runtime = gen.runtime, None
+        if runtime is not None:
+            runtime.close()  # its in-flight requests held pins: none are left
+        with self._cond:
             gen.loaded = None
         gc.collect()
         try:

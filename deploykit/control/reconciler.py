@@ -3,9 +3,14 @@
 ``decide(desired, actual)`` is a plain function over small values and returns only the steps that will
 run, so a table of cases tests it. ``apply`` observes, decides, and then acts in this order:
 
-    validate -> observe -> decide -> plan (fits or PlanInfeasible: nothing recorded yet)
-             -> record the revision as Progressing -> reshard (only if the layout on disk differs)
-             -> load -> health check -> Ready
+    validate -> observe -> decide -> [import a GGUF source] -> plan (fits or PlanInfeasible: nothing
+             recorded yet) -> record the revision as Progressing -> reshard (only if the layout on disk
+             differs) -> load -> health check -> Ready
+
+A GGUF file as ``spec.model.path`` is identified by ``artifacts.gguf.source_fingerprint`` (metadata only)
+for deciding, and converted into a checkpoint directory under ``<state>/imports/`` (``imports_root``)
+only once a new revision needs its weights; from there on that directory is the checkpoint, exactly as
+a Hugging Face directory would be. The revision records the manifest as written (the ``.gguf`` path).
 
 Planning comes before recording: a plan that does not fit is an answer, not a failed revision (a
 rollout that falls back from blue-green to recreate never leaves a false Failed entry). Any failure
@@ -26,15 +31,17 @@ import subprocess
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager, nullcontext
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 from ..artifacts.fsutil import discard_dir
+from ..artifacts.gguf import import_dir, import_gguf, import_problem, source_fingerprint
 from ..artifacts.reshard import ProgressSink, ReshardResult, fits_layout, plan_layout, reshard
 from ..artifacts.verify import checksums, read_lock, recorded_problem, shard_problem
 from ..errors import ApplyError, CheckpointError, DeploykitError, ManifestError
 from ..model.checkpoint import Checkpoint, open_checkpoint
+from ..model.gguf import is_gguf
 from ..placement.inventory import Inventory
 from ..placement.planner import Plan
 from ..spec.manifest import LoadedManifest, check_on_host
@@ -196,18 +203,19 @@ def apply(loaded: LoadedManifest, *, store: StateStore, options: ApplyOptions = 
         if issues:
             _refuse_without_source(loaded, store, options)
             raise ManifestError(issues)
-        checkpoint = open_checkpoint(loaded.model_path, allow_pickle=loaded.manifest.spec.model.allow_pickle)
+        checkpoint, fingerprint = _open_source(loaded)
     lock = nullcontext() if options.dry_run else store.deployment_lock(loaded.name)
     with lock:
         current = store.current(loaded.name)
-        desired = Desired(loaded.name, loaded.digest, checkpoint.fingerprint, load=options.load_if_unchanged)
+        desired = Desired(loaded.name, loaded.digest, fingerprint, load=options.load_if_unchanged)
         unchanged = (current is not None and current.manifest_digest == loaded.digest
-                     and current.checkpoint_fingerprint == checkpoint.fingerprint and not options.force)
+                     and current.checkpoint_fingerprint == fingerprint and not options.force)
         actual = Actual(current.revision if current else None,
                         current.manifest_digest if current else None,
                         current.checkpoint_fingerprint if current else None,
                         shards_problem(current, hashes=desired.load and unchanged))
-        _refuse_changed_in_place(current, checkpoint, actual, options)
+        if checkpoint is not None:  # a GGUF import is never refused: it is converted again instead
+            _refuse_changed_in_place(current, checkpoint, actual, options)
         decision = decide(desired, actual, force=options.force)
         if not decision.new_revision and current is not None:
             if not options.dry_run:
@@ -216,7 +224,53 @@ def apply(loaded: LoadedManifest, *, store: StateStore, options: ApplyOptions = 
         if options.dry_run:
             return ApplyOutcome(loaded.name, "dry-run", None, _plan(loaded, options, timer), decision.actions,
                                 timer.timings)
+        if checkpoint is None:
+            checkpoint = _import(loaded, store, fingerprint, timer)
         return _act(loaded, store, checkpoint, decision, options, timer, progress)
+
+
+def imports_root(store: StateStore) -> Path:
+    """``<state>/imports``: GGUF files converted to checkpoint directories, one per (GGUF content, dtype,
+    shard size), shared by every deployment of this state directory (docs/gguf.md)."""
+    return store.directory / "imports"
+
+
+def _open_source(loaded: LoadedManifest) -> tuple[Checkpoint | None, str]:
+    """The manifest's checkpoint and its fingerprint; for a GGUF file, no checkpoint yet (it is imported
+    only when a new revision needs it) and the fingerprint of what its import holds."""
+    spec = loaded.manifest.spec
+    if is_gguf(loaded.model_path):
+        return None, source_fingerprint(loaded.model_path, dtype=spec.model.dtype,
+                                        max_shard_size=spec.sharding.max_shard_size)
+    checkpoint = open_checkpoint(loaded.model_path, allow_pickle=spec.model.allow_pickle)
+    return checkpoint, checkpoint.fingerprint
+
+
+def existing_import(loaded: LoadedManifest, store: StateStore) -> tuple[Path, Checkpoint | None]:
+    """For a GGUF manifest: where its import lives, and the import as the checkpoint an apply would use
+    if it is already there and intact by size (None: an apply converts it first). Converts nothing."""
+    spec = loaded.manifest.spec
+    fingerprint = source_fingerprint(loaded.model_path, dtype=spec.model.dtype,
+                                     max_shard_size=spec.sharding.max_shard_size)
+    directory = import_dir(imports_root(store), fingerprint)
+    if import_problem(directory, fingerprint, hashes=False) is not None:
+        return directory, None
+    return directory, replace(open_checkpoint(directory), fingerprint=fingerprint)
+
+
+def _import(loaded: LoadedManifest, store: StateStore, fingerprint: str, timer: _Timer) -> Checkpoint:
+    """The GGUF source as a checkpoint directory (converted now unless an intact import exists; its
+    contents are verified, as every load of existing files is). The checkpoint carries the GGUF's
+    fingerprint, so re-converting a damaged import is not a change of checkpoint."""
+    spec = loaded.manifest.spec
+    with timer.step("import"):
+        directory = import_gguf(loaded.model_path, imports_root(store), dtype=spec.model.dtype,
+                                max_shard_size=spec.sharding.max_shard_size)  # it logs each stage
+        checkpoint = open_checkpoint(directory)
+    if source_fingerprint(loaded.model_path, dtype=spec.model.dtype,
+                          max_shard_size=spec.sharding.max_shard_size) != fingerprint:
+        raise CheckpointError(f"{loaded.model_path}: changed during this apply; apply again")
+    return replace(checkpoint, fingerprint=fingerprint)
 
 
 def _refuse_without_source(loaded: LoadedManifest, store: StateStore, options: ApplyOptions) -> None:

@@ -21,7 +21,7 @@ from ..placement.inventory import Gpu, Inventory
 from ..placement.planner import Plan
 from ..spec.manifest import LoadedManifest
 from .pool import Generation, GenerationPool
-from .reconciler import ApplyOptions, apply, load_revision
+from .reconciler import ApplyOptions, apply, load_revision, recorded_manifest
 from .state import StateStore
 
 log = logging.getLogger(__name__)
@@ -86,7 +86,7 @@ class Rollout:
         outcome = apply(loaded, store=self.store, options=ApplyOptions(inventory=beside, keep_model=True))
         if outcome.status == "unchanged" or outcome.loaded is None:
             return RolloutResult(False, "none")
-        self.pool.install(outcome.loaded, outcome.plan, outcome.revision or 0, "blue-green")
+        self.pool.install(outcome.loaded, outcome.plan, outcome.revision or 0, "blue-green", loaded)
         return RolloutResult(True, "blue-green")
 
     def _recreate(self, loaded: LoadedManifest) -> RolloutResult:
@@ -106,7 +106,7 @@ class Rollout:
             raise
         if outcome.status == "unchanged" or outcome.loaded is None:
             return RolloutResult(False, "none")
-        self.pool.install(outcome.loaded, outcome.plan, outcome.revision or 0, "recreate")
+        self.pool.install(outcome.loaded, outcome.plan, outcome.revision or 0, "recreate", loaded)
         return RolloutResult(True, "recreate")
 
     def restore(self) -> None:
@@ -115,5 +115,6 @@ class Rollout:
         if current is None or current.plan is None:
             return
         model = load_revision(current)
-        self.pool.install(model, Plan.from_dict(current.plan), current.revision, "restore")
+        self.pool.install(model, Plan.from_dict(current.plan), current.revision, "restore",
+                          recorded_manifest(current))
         log.warning("%s: restored revision %d after a failed recreate", self.pool.name, current.revision)

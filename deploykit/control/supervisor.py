@@ -53,6 +53,10 @@ class Supervisor:
         declared = [(file, self._names(file)) for file in files]
         with self._lock:
             self.loading.update(name for _, names in declared for name in names)
+        if len(files) > 1:
+            from ..model.hf import preload
+
+            preload()  # before the loads run in parallel
         with ThreadPoolExecutor(max_workers=max(1, min(4, len(files))), thread_name_prefix="deploykit-load") as pool:
             for file, names in declared:
                 pool.submit(self._add, file, names)
@@ -78,6 +82,10 @@ class Supervisor:
             except DeploykitError as exc:
                 self.errors[str(file)] = f"{name}: {exc}"
                 log.error("%s: %s could not be deployed: %s", file, name, exc)
+                continue
+            except Exception as exc:  # a bug, or a library failing oddly: report it, keep the others
+                self.errors[str(file)] = f"{name}: internal error: {type(exc).__name__}: {exc}"
+                log.exception("%s: %s could not be deployed", file, name)
                 continue
             finally:
                 with self._lock:
@@ -120,6 +128,14 @@ class Supervisor:
         dep.close()
         delete(self.store, name, reason="manifest removed; deployment pruned")
         log.info("pruned %s", name)
+
+    def get(self, name: str) -> Deployment | None:
+        with self._lock:
+            return self.deployments.get(name)
+
+    def loading_names(self) -> list[str]:
+        with self._lock:
+            return sorted(self.loading)
 
     def items(self) -> list[tuple[str, Deployment]]:
         with self._lock:

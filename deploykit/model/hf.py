@@ -39,3 +39,13 @@ def quiet_transformers(*, progress: bool = False) -> Iterator[None]:
         transformers.logging.set_verbosity(previous)
         if not progress:
             transformers.logging.enable_progress_bar()
+
+
+def preload() -> None:
+    """Import transformers and its Auto classes now, on one thread. Its lazy module is not safe to
+    initialise from several threads at once ("cannot import name 'AutoConfig'"), which parallel
+    loads would otherwise do."""
+    import transformers
+
+    for name in ("AutoConfig", "AutoTokenizer", "AutoModel", "AutoModelForCausalLM", "AutoModelForSeq2SeqLM"):
+        getattr(transformers, name)

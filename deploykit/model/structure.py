@@ -30,7 +30,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal, get_args
 
 from ..errors import CheckpointError
-from . import structure_cache
+from . import gguf, structure_cache
 from .hf import auto_class, quiet_transformers
 from ..names import DTYPE_SIZES, FROM_TORCH
 
@@ -349,11 +349,14 @@ _STRUCTURES: dict[str, Structure] = {}  # in-process, by the same key as the on-
 
 
 def load_structure(model_dir: Path, *, task: Task, dtype: str, trust_remote_code: bool = False) -> Structure:
-    """Blocks of the checkpoint at ``model_dir``, from its config.json alone (no weights read).
+    """Blocks of the checkpoint at ``model_dir``, from its config.json alone (no weights read), or of
+    the GGUF file ``model_dir`` names, from its metadata alone (nothing dequantized).
 
     Cached in this process and on disk (see ``structure_cache``): for a config seen before, neither
     torch nor transformers is imported.
     """
+    if gguf.is_gguf(Path(model_dir)):
+        return _load_gguf_structure(Path(model_dir), task=task, dtype=dtype)
     config_json = read_config_json(model_dir)
     key = structure_cache.structure_key(config_json, model_dir=Path(model_dir), task=task, dtype=dtype,
                                         trust_remote_code=trust_remote_code, format_version=FORMAT_VERSION)
@@ -363,6 +366,26 @@ def load_structure(model_dir: Path, *, task: Task, dtype: str, trust_remote_code
         structure = structure_from_config(config, task=task, dtype=dtype, trust_remote_code=trust_remote_code)
         if read_config_json(model_dir) == config_json:  # not edited while we built: the key still holds
             structure_cache.store(key, structure.to_dict())
+    return _remember(key, structure)
+
+
+def _load_gguf_structure(gguf_file: Path, *, task: Task, dtype: str) -> Structure:
+    """Blocks of the model a GGUF file holds, from its metadata (never its tensors). Keyed by the
+    file's fingerprint; remote code does not apply (transformers builds GGUF models only from its own
+    architectures)."""
+    fingerprint = gguf.gguf_fingerprint(gguf_file)
+    key = structure_cache.structure_key(b"", model_dir=gguf_file.parent, task=task, dtype=dtype,
+                                        trust_remote_code=False, format_version=FORMAT_VERSION,
+                                        gguf_fingerprint=fingerprint)
+    structure = _STRUCTURES.get(key) or _from_disk(key)
+    if structure is None:
+        structure = structure_from_config(gguf.load_gguf_config(gguf_file), task=task, dtype=dtype)
+        if gguf.gguf_fingerprint(gguf_file) == fingerprint:  # not rewritten while we built
+            structure_cache.store(key, structure.to_dict())
+    return _remember(key, structure)
+
+
+def _remember(key: str, structure: Structure) -> Structure:
     if len(_STRUCTURES) > 64:
         _STRUCTURES.clear()
     _STRUCTURES[key] = structure

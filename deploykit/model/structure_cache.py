@@ -4,7 +4,9 @@ Building a structure means importing torch and transformers and building a meta 
 all of it imports. The result depends only on what the key covers, so it is stored once per key as a
 small JSON file and read back in milliseconds. The key is a SHA-256 over:
 
-- the bytes of ``config.json`` (any edit, even whitespace, is a new key);
+- the bytes of ``config.json`` (any edit, even whitespace, is a new key); for a GGUF file, which has
+  no config.json, its fingerprint instead (``model.gguf``: size, mtime in ns, and the header and
+  metadata bytes, so a rewritten file is a new key);
 - the task, the dtype and ``trust_remote_code``; with ``trust_remote_code``, also the bytes of every
   ``*.py`` file in the model directory (remote code on the Hub, outside the directory, is not covered);
 - ``structure.FORMAT_VERSION``, bumped whenever the rules that cut a model into blocks change;
@@ -75,8 +77,10 @@ def _file_digest(path: Path) -> str:
 
 
 def structure_key(config_json: bytes, *, model_dir: Path, task: str, dtype: str, trust_remote_code: bool,
-                  format_version: int) -> str:
-    """The cache key (hex SHA-256) of one structure. See the module docstring for what it covers."""
+                  format_version: int, gguf_fingerprint: str | None = None) -> str:
+    """The cache key (hex SHA-256) of one structure. See the module docstring for what it covers.
+    For a GGUF file (``gguf_fingerprint`` given), ``config_json`` is empty and the fingerprint stands
+    for it."""
     parts: dict[str, Any] = {
         "config": hashlib.sha256(config_json).hexdigest(),
         "task": task,
@@ -85,6 +89,8 @@ def structure_key(config_json: bytes, *, model_dir: Path, task: str, dtype: str,
         "format": format_version,
         "transformers": transformers_version(),
     }
+    if gguf_fingerprint is not None:
+        parts["gguf"] = gguf_fingerprint
     if trust_remote_code:
         parts["remote_code"] = _remote_code(Path(model_dir))
     return hashlib.sha256(json.dumps(parts, sort_keys=True).encode()).hexdigest()

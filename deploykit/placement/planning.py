@@ -1,5 +1,6 @@
 """From a loaded manifest to a Plan: the glue between the manifest, the checkpoint's structure, the
-inventory and the pure planner. Reads only config.json (no weights).
+inventory and the pure planner. Reads only config.json, or a GGUF file's metadata (no weights: a GGUF
+manifest is planned without dequantizing anything).
 
 It must never import torch or transformers itself: ``load_structure`` imports them only for a config it
 has not seen before (its structure cache, in memory and on disk, answers the rest), so a warm
@@ -12,15 +13,17 @@ from ..errors import CheckpointError
 from .inventory import Inventory, resolve
 from ..spec.manifest import LoadedManifest
 from .planner import Plan, plan
+from ..model.gguf import is_gguf
 from ..model.structure import Structure, load_structure
 
 
 def structure_for(loaded: LoadedManifest) -> Structure:
-    """The manifest's model structure, from the structure cache when its config.json was seen before."""
+    """The manifest's model structure, from the structure cache when its config.json (or GGUF file) was
+    seen before."""
     model = loaded.manifest.spec.model
-    if not loaded.model_path.is_dir():
-        raise CheckpointError(f"{loaded.source}: spec.model.path: model directory "
-                              f"{str(loaded.model_path)!r} does not exist")
+    if not loaded.model_path.is_dir() and not is_gguf(loaded.model_path):
+        raise CheckpointError(f"{loaded.source}: spec.model.path: {str(loaded.model_path)!r} is neither a "
+                              "model directory nor a GGUF file")
     return load_structure(loaded.model_path, task=model.task, dtype=model.dtype,
                           trust_remote_code=model.trust_remote_code)
 

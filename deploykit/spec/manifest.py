@@ -214,6 +214,9 @@ class Serving(_Strict):
     max_queued: int = Field(64, ge=0, description="Requests waiting for a batch slot beyond "
                                                   "max_concurrent; more are refused (429 with Retry-After).")
     max_input_items: int = Field(256, ge=1, description="Most prompts or embedding inputs in one request.")
+    batching: Literal["padded", "continuous"] = Field(
+        "padded", description="padded: deploykit's batch loop (per-request sampling); continuous: "
+                              "transformers' continuous batching (greedy requests only).")
 
     @field_validator("max_tokens")
     @classmethod
@@ -486,11 +489,24 @@ def check_on_host(loaded: LoadedManifest) -> list[Issue]:
     """What can be checked about a manifest on this machine without reading weights."""
     issues: list[Issue] = []
     model_dir = loaded.model_path
-    if not model_dir.is_dir():
-        issues.append(loaded.issue("spec.model.path", f"model directory {str(model_dir)!r} does not exist"))
+    if model_dir.is_file():  # a GGUF file (llama.cpp, Ollama); its magic is checked, not its name
+        try:
+            with open(model_dir, "rb") as fh:
+                magic = fh.read(4)
+        except OSError as exc:
+            magic, reason = b"", f": {exc.strerror}"
+        else:
+            reason = ""
+        if magic != b"GGUF":
+            issues.append(loaded.issue("spec.model.path", f"{str(model_dir)!r} is a file but not a GGUF file "
+                                       f"(it does not start with the bytes 'GGUF'){reason}",
+                                       hint="point path at a Hugging Face checkpoint directory or a .gguf file"))
+    elif not model_dir.is_dir():
+        kind = "GGUF file" if model_dir.suffix == ".gguf" else "model directory"
+        issues.append(loaded.issue("spec.model.path", f"{kind} {str(model_dir)!r} does not exist"))
     elif not (model_dir / "config.json").is_file():
         issues.append(loaded.issue("spec.model.path", f"{str(model_dir)!r} holds no config.json",
-                                   hint="point path at a Hugging Face checkpoint directory"))
+                                   hint="point path at a Hugging Face checkpoint directory or a .gguf file"))
     disk = loaded.manifest.spec.offload.disk
     if disk is not None:
         disk_dir = loaded.resolve(disk.path)

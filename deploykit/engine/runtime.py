@@ -1,0 +1,111 @@
+"""What one loaded generation serves requests with: its batching engine (text) or its embedder.
+
+Each generation owns one runtime, built when it is installed and closed when it is freed: requests
+that started on a generation finish on it while newer requests go to the next. Model work runs on the
+runtime's own threads, never on the caller's event loop.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+from .embeddings import Pooling, embed, pooling_of
+from .text import RequestError
+
+if TYPE_CHECKING:
+    from .loader import LoadedModel
+
+log = logging.getLogger(__name__)
+MAX_DEFAULT_CONTEXT = 8192
+
+
+@dataclass(frozen=True)
+class Limits:
+    """``spec.serving`` of the manifest the generation was loaded from."""
+
+    context_length: int | None = None
+    max_tokens: int = 512
+    default_max_tokens: int = 256
+    max_concurrent: int = 16
+    max_queued: int = 64
+    max_input_items: int = 256
+    batching: str = "padded"
+
+
+def context_length(model: Any, limits: Limits) -> int:
+    """The context a request may use: the manifest's, else the model's own (at most 8192)."""
+    config = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
+    own = getattr(config, "max_position_embeddings", None) or MAX_DEFAULT_CONTEXT
+    return int(limits.context_length or min(own, MAX_DEFAULT_CONTEXT))
+
+
+class TextRuntime:
+    """A causal LM's batching engine plus what requests need of its tokenizer."""
+
+    kind = "text"
+
+    def __init__(self, loaded: LoadedModel, limits: Limits, *, kv_cache_bytes: int,
+                 forward_lock: threading.Lock | None) -> None:
+        from .batching import Engine
+
+        if loaded.tokenizer is None:
+            raise RequestError("this model ships no tokenizer: it cannot serve text", code="no_tokenizer")
+        self.loaded = loaded
+        self.tokenizer = loaded.tokenizer
+        self.limits = limits
+        self.context_length = context_length(loaded.model, limits)
+        self.engine: Engine = Engine(loaded.model, loaded.tokenizer, max_batch_size=limits.max_concurrent,
+                                     max_queued=limits.max_queued, kv_cache_bytes=kv_cache_bytes,
+                                     forward_lock=forward_lock,
+                                     backend="continuous" if limits.batching == "continuous" else "padded")
+
+    @property
+    def eos_ids(self) -> set[int]:
+        return set(self.engine.eos_ids)
+
+    def close(self, timeout: float | None = 30.0) -> None:
+        self.engine.close(timeout)
+
+
+class EmbeddingRuntime:
+    """A feature-extraction model: one worker thread runs each request's batch."""
+
+    kind = "embedding"
+
+    def __init__(self, loaded: LoadedModel, limits: Limits) -> None:
+        self.loaded = loaded
+        self.tokenizer = loaded.tokenizer
+        self.limits = limits
+        self.context_length = context_length(loaded.model, limits)
+        self.pooling: Pooling = pooling_of(loaded.source)
+        self._worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="deploykit-embed")
+
+    def submit(self, texts: list[str]) -> Future[tuple[list[list[float]], int]]:
+        if self.tokenizer is None:
+            raise RequestError("this model ships no tokenizer: it cannot embed text", code="no_tokenizer")
+        return self._worker.submit(embed, self.loaded.model, self.tokenizer, texts, pooling=self.pooling,
+                                   max_length=self.context_length, device=self.loaded.input_device)
+
+    def close(self, timeout: float | None = 30.0) -> None:
+        self._worker.shutdown(wait=True)
+
+
+Runtime = TextRuntime | EmbeddingRuntime
+
+
+def build_runtime(loaded: LoadedModel, limits: Limits, *, task: str, kv_cache_bytes: int,
+                  forward_lock: threading.Lock | None) -> Runtime | None:
+    """The runtime for ``task``; None when the model cannot serve requests (no tokenizer, or a task
+    the API does not offer): ``acquire()`` still works."""
+    if loaded.tokenizer is None:
+        log.info("%s ships no tokenizer: the inference API will not serve it", loaded.source)
+        return None
+    if task == "causal-lm":
+        return TextRuntime(loaded, limits, kv_cache_bytes=kv_cache_bytes, forward_lock=forward_lock)
+    if task == "feature-extraction":
+        return EmbeddingRuntime(loaded, limits)
+    return None

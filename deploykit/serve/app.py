@@ -1,0 +1,64 @@
+"""``create_app``: the ASGI application of ``deploykit serve`` (the OpenAI-compatible API and the ops
+endpoints), for uvicorn or for mounting in a user's own ASGI service:
+
+    from deploykit import Deployment
+    from deploykit.serve.app import Deployments, create_app
+
+    dep = Deployment.from_manifest("manifests/chat.yaml", watch=True)
+    app = create_app(Deployments([dep]), api_key="secret")     # uvicorn.run(app), or mount it
+
+The app only queues and streams: model work runs on each generation's own threads.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import TYPE_CHECKING, Any
+
+from fastapi import FastAPI
+
+from .auth import DEFAULT_MAX_BODY, Guard
+from .errors import install_handlers
+from .metrics import new_registry
+from .openai import chat, completions, embeddings, models
+from .openai.common import Registry
+from . import ops
+
+if TYPE_CHECKING:
+    from ..control.deployment import Deployment
+
+
+class Deployments:
+    """A fixed set of ``Deployment`` objects as a registry (for embedding the API)."""
+
+    def __init__(self, deployments: Iterable[Deployment]) -> None:
+        self._by_name = {d.name: d for d in deployments}
+
+    def get(self, name: str) -> Deployment | None:
+        return self._by_name.get(name)
+
+    def loading_names(self) -> list[str]:
+        return []
+
+    def items(self) -> list[tuple[str, Deployment]]:
+        return list(self._by_name.items())
+
+    def ready(self) -> tuple[bool, list[str]]:
+        missing = [n for n, d in self._by_name.items() if d.pool.current is None]
+        return not missing and bool(self._by_name), missing
+
+    def statuses(self) -> list[dict[str, Any]]:
+        return [d.status() for d in self._by_name.values()]
+
+
+def create_app(registry: Registry, *, api_key: str | None = None, max_body: int = DEFAULT_MAX_BODY) -> Guard:
+    """The API over ``registry`` (a ``Supervisor`` or ``Deployments``). ``api_key``: required bearer key."""
+    from .. import __version__
+
+    app = FastAPI(title="deploykit", version=__version__, docs_url=None, redoc_url=None)
+    app.state.registry = registry
+    app.state.prometheus, app.state.metrics = new_registry(registry)
+    install_handlers(app)
+    for module in (models, chat, completions, embeddings, ops):
+        app.include_router(module.router)
+    return Guard(app, api_key=api_key, max_body=max_body)

@@ -1,0 +1,93 @@
+"""Prometheus metrics of the server, in vLLM's style with a ``deploykit_`` prefix.
+
+Request metrics (time to first token, latency, tokens) are recorded as requests run, labelled by model
+and generation; state (requests running and waiting, reloads, generation, bytes per device) is read from
+the deployments at scrape time, so it is never stale.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import TYPE_CHECKING, Any
+
+from prometheus_client import CollectorRegistry, Counter, Histogram
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
+
+if TYPE_CHECKING:
+    from .openai.common import Registry
+
+_LABELS = ("model_name", "generation")
+_LATENCY_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 20, 40, 80, 160, float("inf"))
+_RELOAD_BUCKETS = (0.5, 1, 2, 5, 10, 30, 60, 120, 300, 600, float("inf"))
+
+
+class ServingMetrics:
+    """The request-time metrics of one app, in its own registry."""
+
+    def __init__(self, registry: CollectorRegistry) -> None:
+        self.time_to_first_token = Histogram(
+            "deploykit_time_to_first_token_seconds", "Time from submission to the first generated token",
+            _LABELS, buckets=_LATENCY_BUCKETS, registry=registry)
+        self.request_latency = Histogram(
+            "deploykit_e2e_request_latency_seconds", "Time from submission to the last token", _LABELS,
+            buckets=_LATENCY_BUCKETS, registry=registry)
+        self.prompt_tokens = Counter("deploykit_prompt_tokens", "Prompt tokens processed", _LABELS,
+                                     registry=registry)
+        self.generation_tokens = Counter("deploykit_generation_tokens", "Tokens generated", _LABELS,
+                                         registry=registry)
+        self.embedding_inputs = Counter("deploykit_embedding_inputs", "Texts embedded", _LABELS,
+                                        registry=registry)
+
+    @staticmethod
+    def labels(model: str, generation: int) -> tuple[str, str]:
+        return model, str(generation)
+
+
+class DeploymentCollector:
+    """Reads the deployments at scrape time."""
+
+    def __init__(self, registry: Registry) -> None:
+        self.registry = registry
+
+    def collect(self) -> Iterator[Any]:
+        running = GaugeMetricFamily("deploykit_requests_running", "Requests in a batch now", labels=list(_LABELS))
+        waiting = GaugeMetricFamily("deploykit_requests_waiting", "Requests waiting for a batch slot",
+                                    labels=list(_LABELS))
+        reloads = CounterMetricFamily("deploykit_reloads", "Reloads attempted", labels=["deployment"])
+        failed = CounterMetricFamily("deploykit_reload_failures", "Reloads that failed; the last good "
+                                     "generation kept serving", labels=["deployment"])
+        duration = HistogramMetricFamily("deploykit_reload_duration_seconds", "Manifest change to new "
+                                         "generation serving (or to failure)", labels=["deployment"])
+        generation = GaugeMetricFamily("deploykit_generation", "Generation serving", labels=["deployment"])
+        in_flight = GaugeMetricFamily("deploykit_in_flight_requests", "Callers holding a generation",
+                                      labels=["deployment"])
+        pending = GaugeMetricFamily("deploykit_pending_error", "1 while the newest manifest could not be "
+                                    "rolled out and the last good generation serves", labels=["deployment"])
+        device_bytes = GaugeMetricFamily("deploykit_device_bytes", "Bytes placed per device by the serving "
+                                         "plan", labels=["deployment", "device"])
+        for name, dep in self.registry.items():
+            status = dep.status()
+            gen = dep.pool.current
+            engine = getattr(gen.runtime, "engine", None) if gen is not None else None
+            if engine is not None and gen is not None:
+                stats = engine.stats()
+                running.add_metric([name, str(gen.number)], stats["running"])
+                waiting.add_metric([name, str(gen.number)], stats["waiting"])
+            reloads.add_metric([name], status["reloads"]["total"])
+            failed.add_metric([name], status["reloads"]["failed"])
+            records = list(dep.reloads)
+            buckets = [(str(b) if b != float("inf") else "+Inf", sum(r.seconds <= b for r in records))
+                       for b in _RELOAD_BUCKETS]
+            duration.add_metric([name], buckets, sum(r.seconds for r in records))
+            generation.add_metric([name], status["generation"])
+            in_flight.add_metric([name], status["in_flight"])
+            pending.add_metric([name], 1 if status["last_error"] else 0)
+            for device in status["plan"] or []:
+                device_bytes.add_metric([name, str(device["device"])], device["bytes"])
+        yield from (running, waiting, reloads, failed, duration, generation, in_flight, pending, device_bytes)
+
+
+def new_registry(deployments: Registry) -> tuple[CollectorRegistry, ServingMetrics]:
+    registry = CollectorRegistry(auto_describe=True)
+    registry.register(DeploymentCollector(deployments))
+    return registry, ServingMetrics(registry)

@@ -1,0 +1,76 @@
+"""``POST /v1/chat/completions``: messages through the model's chat template, streamed or not."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from contextlib import AsyncExitStack
+from typing import Any
+
+from fastapi import APIRouter, Request
+from fastapi.responses import StreamingResponse
+from starlette.concurrency import run_in_threadpool
+
+from ...engine.text import RequestError, chat_prompt_ids, check_length
+from .common import as_api_error, engine_request, find, max_tokens_of, pinned, sse
+from .generation import Outcome, Run, generate
+from .protocol import ChatCompletionRequest, new_id, now
+
+router = APIRouter()
+
+
+def _usage(outcome: Outcome) -> dict[str, int]:
+    return {"prompt_tokens": outcome.prompt_tokens, "completion_tokens": outcome.completion_tokens,
+            "total_tokens": outcome.prompt_tokens + outcome.completion_tokens}
+
+
+@router.post("/v1/chat/completions", response_model=None)
+async def chat_completions(body: ChatCompletionRequest, request: Request) -> Any:
+    state = request.app.state
+    dep = find(state.registry, body.model)
+    stack = AsyncExitStack()
+    gen = await stack.enter_async_context(pinned(dep, "text"))
+    try:
+        runtime: Any = gen.runtime
+        messages = [m.as_template_message() for m in body.messages]
+        ids = await run_in_threadpool(chat_prompt_ids, runtime.tokenizer, messages)
+        max_tokens = max_tokens_of(body.requested_max_tokens(), runtime)
+        check_length(len(ids), max_tokens, context_length=runtime.context_length, limit=runtime.limits.max_tokens,
+                     prompt_param="messages")
+        job = engine_request(body, ids, max_tokens, runtime)
+    except RequestError as exc:
+        await stack.aclose()
+        raise as_api_error(exc) from None
+    except BaseException:
+        await stack.aclose()
+        raise
+    meta = {"id": new_id("chatcmpl"), "created": now(), "model": dep.name}
+    if body.stream:
+        include_usage = bool(body.stream_options and body.stream_options.include_usage)
+        return StreamingResponse(_stream(stack, gen, dep.name, job, request, meta, include_usage),
+                                 media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
+    async with stack:
+        outcome = await generate(gen, dep.name, job, request, state.metrics)
+    return {**meta, "object": "chat.completion",
+            "choices": [{"index": 0, "message": {"role": "assistant", "content": outcome.text},
+                         "logprobs": None, "finish_reason": outcome.finish_reason}],
+            "usage": _usage(outcome)}
+
+
+async def _stream(stack: AsyncExitStack, gen: Any, name: str, job: Any, request: Request, meta: dict[str, Any],
+                  include_usage: bool) -> AsyncIterator[bytes]:
+    async with stack:  # the pin ends with the stream, however it ends
+        chunk = {**meta, "object": "chat.completion.chunk"}
+
+        def delta(content: dict[str, str], finish: str | None = None) -> bytes:
+            return sse({**chunk, "choices": [{"index": 0, "delta": content, "logprobs": None,
+                                              "finish_reason": finish}]})
+
+        yield delta({"role": "assistant", "content": ""})
+        run = Run(gen, name, job, request, request.app.state.metrics)
+        async for text in run.deltas():
+            yield delta({"content": text})
+        assert run.outcome is not None
+        yield delta({}, run.outcome.finish_reason)
+        if include_usage:
+            yield sse({**chunk, "choices": [], "usage": _usage(run.outcome)})
+        yield sse("[DONE]")

@@ -1,0 +1,120 @@
+"""What the endpoints share: finding the model, pinning its generation without blocking the event
+loop, turning sampling fields into an engine request, and bridging the engine's thread to asyncio.
+
+A request pins the newest Ready generation for its whole life (a stream included) and unpins when it
+ends, however it ends; the generation it started on serves it to the end even if a reload swapped a
+newer one in meanwhile.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from typing import TYPE_CHECKING, Any, Protocol
+
+from starlette.concurrency import run_in_threadpool
+
+from ...engine.batching import GenerationRequest, GenerationResult, QueueFull
+from ...engine.text import RequestError
+from ...errors import DeploykitError
+from ..errors import APIError
+from .protocol import Sampling
+
+if TYPE_CHECKING:
+    from ...control.deployment import Deployment
+    from ...control.pool import Generation
+    from ...engine.runtime import TextRuntime
+
+RETRY_AFTER_SECONDS = 1
+
+
+class Registry(Protocol):
+    """The deployments an app serves (``Supervisor``, or ``Deployments`` for embedding)."""
+
+    def get(self, name: str) -> Deployment | None: ...
+
+    def loading_names(self) -> list[str]: ...
+
+    def items(self) -> list[tuple[str, Deployment]]: ...
+
+
+def find(registry: Registry, name: str) -> Deployment:
+    dep = registry.get(name)
+    if dep is None:
+        if name in registry.loading_names():
+            raise APIError(503, f"model {name!r} is still loading; retry shortly", param="model",
+                           code="model_not_ready", headers={"Retry-After": "5"})
+        known = ", ".join(sorted(n for n, _ in registry.items())) or "none"
+        raise APIError(404, f"the model {name!r} does not exist (served: {known})", param="model",
+                       code="model_not_found")
+    return dep
+
+
+@asynccontextmanager
+async def pinned(dep: Deployment, kind: str) -> AsyncIterator[Generation]:
+    """The deployment's current generation, pinned for the block (waits in a thread while a recreate
+    reloads it: requests queue, they do not fail)."""
+    try:
+        gen = await run_in_threadpool(dep.pool.pin, dep.acquire_timeout)
+    except DeploykitError as exc:
+        raise APIError(503, f"model {dep.name!r} is not ready: {exc}", param="model", code="model_not_ready",
+                       headers={"Retry-After": "5"}) from None
+    try:
+        runtime = gen.runtime
+        if runtime is None or runtime.kind != kind:
+            what = {"text": "text generation", "embedding": "embeddings"}[kind]
+            raise APIError(400, f"model {dep.name!r} ({gen.task}) does not serve {what}", param="model",
+                           code="wrong_model_type")
+        yield gen
+    finally:
+        await run_in_threadpool(dep.pool.unpin, gen)  # may free a retired generation: not on the loop
+
+
+def as_api_error(exc: RequestError) -> APIError:
+    return APIError(400, str(exc), param=exc.param, code=exc.code)
+
+
+def engine_request(body: Sampling, prompt_ids: list[int], max_tokens: int, runtime: TextRuntime) -> GenerationRequest:
+    return GenerationRequest(prompt_ids=prompt_ids, max_new_tokens=max_tokens, temperature=body.temperature,
+                             top_p=body.top_p, seed=body.seed, stop_strings=tuple(body.stop_strings()))
+
+
+def max_tokens_of(requested: int | None, runtime: TextRuntime) -> int:
+    limits = runtime.limits
+    return requested if requested is not None else min(limits.default_max_tokens, limits.max_tokens)
+
+
+class TokenEvents:
+    """The engine's events for one request, delivered on the event loop (the engine calls ``put``
+    from its own thread)."""
+
+    def __init__(self) -> None:
+        self.loop = asyncio.get_running_loop()
+        self.queue: asyncio.Queue[int | GenerationResult] = asyncio.Queue()
+
+    def put(self, event: int | GenerationResult) -> None:
+        self.loop.call_soon_threadsafe(self.queue.put_nowait, event)
+
+    async def __aiter__(self) -> AsyncIterator[int | GenerationResult]:
+        while True:
+            event = await self.queue.get()
+            yield event
+            if isinstance(event, GenerationResult):
+                return
+
+
+def submit(runtime: TextRuntime, request: GenerationRequest, events: TokenEvents) -> Any:
+    try:
+        return runtime.engine.submit(request, listener=events.put)
+    except QueueFull:
+        raise APIError(429, "too many requests are waiting for this model; retry shortly",
+                       code="queue_full", headers={"Retry-After": str(RETRY_AFTER_SECONDS)}) from None
+    except ValueError as exc:  # what this engine cannot do (sampling on the continuous backend)
+        raise APIError(400, str(exc), code="unsupported") from None
+
+
+def sse(payload: dict[str, Any] | str) -> bytes:
+    data = payload if isinstance(payload, str) else json.dumps(payload, separators=(",", ":"))
+    return f"data: {data}\n\n".encode()

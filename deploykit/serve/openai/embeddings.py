@@ -1,0 +1,48 @@
+"""``POST /v1/embeddings``: vectors from a feature-extraction deployment, pooled as its checkpoint says."""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import struct
+from typing import Any
+
+from fastapi import APIRouter, Request
+
+from ..errors import APIError
+from .common import find, pinned
+from .protocol import EmbeddingRequest
+
+router = APIRouter()
+
+
+def _encode(vector: list[float], fmt: str) -> list[float] | str:
+    if fmt == "base64":  # what the openai client asks for by default: little-endian float32
+        return base64.b64encode(struct.pack(f"<{len(vector)}f", *vector)).decode()
+    return vector
+
+
+@router.post("/v1/embeddings", response_model=None)
+async def embeddings(body: EmbeddingRequest, request: Request) -> Any:
+    state = request.app.state
+    dep = find(state.registry, body.model)
+    async with pinned(dep, "embedding") as gen:
+        runtime: Any = gen.runtime
+        items = body.texts()
+        if len(items) > runtime.limits.max_input_items:
+            raise APIError(400, f"{len(items)} inputs in one request; this model takes at most "
+                           f"{runtime.limits.max_input_items} (spec.serving.max_input_items)", param="input")
+        if any(not isinstance(i, str) for i in items):
+            items = [i if isinstance(i, str) else runtime.tokenizer.decode(i) for i in items]
+        if any(not text for text in items):
+            raise APIError(400, "input must not contain empty strings", param="input")
+        if body.dimensions is not None:
+            raise APIError(400, "dimensions is not supported: this model's vectors have a fixed size",
+                           param="dimensions", code="unsupported")
+        vectors, tokens = await asyncio.wrap_future(runtime.submit(items))
+        state.metrics.embedding_inputs.labels(dep.name, str(gen.number)).inc(len(items))
+        state.metrics.prompt_tokens.labels(dep.name, str(gen.number)).inc(tokens)
+    return {"object": "list", "model": dep.name,
+            "data": [{"object": "embedding", "index": i, "embedding": _encode(v, body.encoding_format)}
+                     for i, v in enumerate(vectors)],
+            "usage": {"prompt_tokens": tokens, "total_tokens": tokens}}

@@ -1,0 +1,34 @@
+"""A tiny real chat model for serving tests: a random 2-layer Llama with a byte-level tokenizer (every
+byte a token, so any text encodes) and a chat template. Built in well under a second."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+CHAT_TEMPLATE = ("{% for m in messages %}<s>{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
+                 "{% if add_generation_prompt %}<s>assistant: {% endif %}")
+
+
+def build_chat_model(directory: Path, *, seed: int = 0, context: int = 256) -> Path:
+    import torch
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+
+    vocab = {c: i for i, c in enumerate(sorted(pre_tokenizers.ByteLevel.alphabet()))}
+    for special in ("<s>", "</s>", "<pad>"):
+        vocab[special] = len(vocab)
+    tokenizer = Tokenizer(models.BPE(vocab=vocab, merges=[]))
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tokenizer.decoder = decoders.ByteLevel()
+    tokenizer.add_special_tokens(["<s>", "</s>", "<pad>"])
+    fast = PreTrainedTokenizerFast(tokenizer_object=tokenizer, bos_token="<s>", eos_token="</s>",
+                                   pad_token="<pad>")
+    fast.chat_template = CHAT_TEMPLATE
+    directory.mkdir(parents=True, exist_ok=True)
+    fast.save_pretrained(directory)
+    config = LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                         num_key_value_heads=2, vocab_size=len(vocab), max_position_embeddings=context,
+                         bos_token_id=vocab["<s>"], eos_token_id=vocab["</s>"], pad_token_id=vocab["<pad>"])
+    torch.manual_seed(seed)
+    LlamaForCausalLM(config).save_pretrained(directory, safe_serialization=True)
+    return directory
