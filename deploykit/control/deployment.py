@@ -38,6 +38,7 @@ from .state import StateStore, open_store
 
 if TYPE_CHECKING:
     from ..engine.loader import LoadedModel
+    from ..engine.runtime import Completion, TextRuntime
     from .watcher import ManifestWatcher
 
 log = logging.getLogger(__name__)
@@ -146,6 +147,48 @@ class Deployment:
                     yield gen.loaded
             else:
                 yield gen.loaded
+        finally:
+            self.pool.unpin(gen)
+
+    # ---- inference --------------------------------------------------------------------------------
+
+    def generate(self, prompt: str, **sampling: Any) -> Completion:
+        """Complete ``prompt`` on the current generation (batched with concurrent calls).
+        ``sampling``: max_tokens, temperature (0 = greedy, the default), top_p, seed, stop."""
+        from ..engine.text import completion_prompt_ids
+
+        with self._text_runtime() as runtime:
+            return runtime.complete(completion_prompt_ids(runtime.tokenizer, prompt), _sampling(sampling))
+
+    def chat(self, messages: list[dict[str, Any]], **sampling: Any) -> Completion:
+        """Answer a chat (``[{"role": "user", "content": "..."}]``) through the model's chat template."""
+        from ..engine.text import chat_prompt_ids
+
+        with self._text_runtime() as runtime:
+            return runtime.complete(chat_prompt_ids(runtime.tokenizer, messages), _sampling(sampling),
+                                    prompt_param="messages")
+
+    def embed(self, texts: list[str]) -> list[list[float]]:
+        """Sentence embeddings of a feature-extraction deployment, pooled as its checkpoint says."""
+        from ..engine.runtime import EmbeddingRuntime
+
+        gen = self.pool.pin(self.acquire_timeout)
+        try:
+            if not isinstance(gen.runtime, EmbeddingRuntime):
+                raise ApplyError(f"{self.name!r} ({gen.task}) does not serve embeddings")
+            return gen.runtime.submit(list(texts)).result()[0]
+        finally:
+            self.pool.unpin(gen)
+
+    @contextmanager
+    def _text_runtime(self) -> Iterator[TextRuntime]:
+        from ..engine.runtime import TextRuntime
+
+        gen = self.pool.pin(self.acquire_timeout)
+        try:
+            if not isinstance(gen.runtime, TextRuntime):
+                raise ApplyError(f"{self.name!r} ({gen.task}) does not generate text")
+            yield gen.runtime
         finally:
             self.pool.unpin(gen)
 
@@ -297,6 +340,13 @@ class _ReloadWorker:
     def stop(self) -> None:
         self._stop.set()
         self._wanted.set()
+
+
+def _sampling(options: dict[str, Any]) -> Any:
+    from ..engine.runtime import Sampling
+
+    stop = options.pop("stop", ())
+    return Sampling(stop=(stop,) if isinstance(stop, str) else tuple(stop), **options)
 
 
 def describe(exc: Exception, loaded: LoadedManifest | None) -> str:

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from .embeddings import Pooling, embed, pooling_of
-from .text import RequestError
+from .text import RequestError, TextStream, check_length
 
 if TYPE_CHECKING:
     from .loader import LoadedModel
@@ -43,6 +43,25 @@ def context_length(model: Any, limits: Limits) -> int:
     return int(limits.context_length or min(own, MAX_DEFAULT_CONTEXT))
 
 
+@dataclass(frozen=True)
+class Sampling:
+    """How to generate: ``Deployment.generate`` / ``chat`` take these as keyword arguments."""
+
+    max_tokens: int | None = None  # None: spec.serving.default_max_tokens
+    temperature: float = 0.0  # 0: greedy
+    top_p: float = 1.0
+    seed: int | None = None
+    stop: tuple[str, ...] = ()
+
+
+@dataclass(frozen=True)
+class Completion:
+    text: str
+    finish_reason: str  # "stop" | "length"
+    prompt_tokens: int
+    completion_tokens: int
+
+
 class TextRuntime:
     """A causal LM's batching engine plus what requests need of its tokenizer."""
 
@@ -66,6 +85,30 @@ class TextRuntime:
     @property
     def eos_ids(self) -> set[int]:
         return set(self.engine.eos_ids)
+
+    def complete(self, prompt_ids: list[int], options: Sampling, *, prompt_param: str = "prompt") -> Completion:
+        """Generate to the end on this thread's behalf (the engine's thread does the work)."""
+        from .batching import GenerationRequest
+
+        max_tokens = options.max_tokens or min(self.limits.default_max_tokens, self.limits.max_tokens)
+        check_length(len(prompt_ids), max_tokens, context_length=self.context_length,
+                     limit=self.limits.max_tokens, prompt_param=prompt_param)
+        request = GenerationRequest(prompt_ids=prompt_ids, max_new_tokens=max_tokens,
+                                    temperature=options.temperature, top_p=options.top_p, seed=options.seed,
+                                    stop_strings=tuple(options.stop))
+        text = TextStream(self.tokenizer, stop=options.stop, skip_ids=sorted(self.eos_ids))
+        handle = self.engine.submit(request)
+        parts = []
+        for token in handle:
+            parts.append(text.push(token))
+            if text.stopped:
+                self.engine.cancel(handle)
+        result = handle.result()
+        if result.finish_reason == "error":
+            raise RequestError(f"generation failed: {result.error}")
+        parts.append(text.finish())
+        reason = "stop" if text.stopped_by_string or result.finish_reason == "stop" else "length"
+        return Completion("".join(parts), reason, result.prompt_tokens, len(result.token_ids))
 
     def close(self, timeout: float | None = 30.0) -> None:
         self.engine.close(timeout)
