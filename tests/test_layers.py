@@ -26,21 +26,22 @@ def test_contracts_hold():
     assert "0 broken" in result.stdout
 
 
-def test_an_upward_import_breaks_the_layers(tmp_path):
+def _with_extra_import(tmp_path: Path, module: str, code: str) -> subprocess.CompletedProcess[str]:
+    """Lint a copy of the package in which ``module`` (a path under deploykit/) gained ``code``."""
     shutil.copytree(REPO / "deploykit", tmp_path / "deploykit", ignore=shutil.ignore_patterns("__pycache__"))
     shutil.copy(REPO / ".importlinter", tmp_path / ".importlinter")
-    planner = tmp_path / "deploykit" / "placement" / "planner.py"
-    planner.write_text(planner.read_text() + "\n\ndef _upward() -> None:\n    from ..control import state  # noqa\n")
-    result = _lint(tmp_path)
+    target = tmp_path / "deploykit" / module
+    target.write_text(target.read_text() + f"\n\ndef _extra() -> None:\n    {code}  # noqa\n")
+    return _lint(tmp_path)
+
+
+def test_an_upward_import_breaks_the_layers(tmp_path):
+    result = _with_extra_import(tmp_path, "placement/planner.py", "from ..control import state")
     assert result.returncode != 0
     assert "deploykit.placement.planner -> deploykit.control.state" in result.stdout
 
 
 def test_the_light_layers_never_import_torch(tmp_path):
-    shutil.copytree(REPO / "deploykit", tmp_path / "deploykit", ignore=shutil.ignore_patterns("__pycache__"))
-    shutil.copy(REPO / ".importlinter", tmp_path / ".importlinter")
-    manifest = tmp_path / "deploykit" / "spec" / "manifest.py"
-    manifest.write_text(manifest.read_text() + "\n\ndef _heavy() -> None:\n    import torch  # noqa\n")
-    result = _lint(tmp_path)
+    result = _with_extra_import(tmp_path, "spec/manifest.py", "import torch")
     assert result.returncode != 0
     assert "deploykit.spec.manifest -> torch" in result.stdout

@@ -8,10 +8,10 @@ from typing import Any
 
 from fastapi import APIRouter, Request
 from fastapi.responses import StreamingResponse
-from starlette.concurrency import run_in_threadpool
 
-from ...engine.text import RequestError, chat_prompt_ids, check_length
-from .common import as_api_error, engine_request, find, max_tokens_of, pinned, sse
+from ...engine.batching import GenerationRequest
+from ...engine.text import chat_prompt_ids, check_length
+from .common import engine_request, find, max_tokens_of, prepare, sse
 from .generation import Outcome, Run, generate
 from .protocol import ChatCompletionRequest, new_id, now
 
@@ -27,22 +27,15 @@ def _usage(outcome: Outcome) -> dict[str, int]:
 async def chat_completions(body: ChatCompletionRequest, request: Request) -> Any:
     state = request.app.state
     dep = find(state.registry, body.model)
-    stack = AsyncExitStack()
-    gen = await stack.enter_async_context(pinned(dep, "text"))
-    try:
-        runtime: Any = gen.runtime
-        messages = [m.as_template_message() for m in body.messages]
-        ids = await run_in_threadpool(chat_prompt_ids, runtime.tokenizer, messages)
+
+    def work(runtime: Any) -> GenerationRequest:
+        ids = chat_prompt_ids(runtime.tokenizer, [m.as_template_message() for m in body.messages])
         max_tokens = max_tokens_of(body.requested_max_tokens(), runtime)
-        check_length(len(ids), max_tokens, context_length=runtime.context_length, limit=runtime.limits.max_tokens,
-                     prompt_param="messages")
-        job = engine_request(body, ids, max_tokens, runtime)
-    except RequestError as exc:
-        await stack.aclose()
-        raise as_api_error(exc) from None
-    except BaseException:
-        await stack.aclose()
-        raise
+        check_length(len(ids), max_tokens, context_length=runtime.context_length,
+                     limit=runtime.limits.max_tokens, prompt_param="messages")
+        return engine_request(body, ids, max_tokens, runtime)
+
+    stack, gen, job = await prepare(dep, "text", work)
     meta = {"id": new_id("chatcmpl"), "created": now(), "model": dep.name}
     if body.stream:
         include_usage = bool(body.stream_options and body.stream_options.include_usage)

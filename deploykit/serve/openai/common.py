@@ -11,8 +11,9 @@ from __future__ import annotations
 import asyncio
 import json
 from collections.abc import AsyncIterator
-from contextlib import asynccontextmanager
-from typing import TYPE_CHECKING, Any, Protocol
+from collections.abc import Callable
+from contextlib import AsyncExitStack, asynccontextmanager
+from typing import TYPE_CHECKING, Any, Protocol, TypeVar
 
 from starlette.concurrency import run_in_threadpool
 
@@ -28,6 +29,7 @@ if TYPE_CHECKING:
     from ...engine.runtime import TextRuntime
 
 RETRY_AFTER_SECONDS = 1
+T = TypeVar("T")
 
 
 class Registry(Protocol):
@@ -70,6 +72,21 @@ async def pinned(dep: Deployment, kind: str) -> AsyncIterator[Generation]:
         yield gen
     finally:
         await run_in_threadpool(dep.pool.unpin, gen)  # may free a retired generation: not on the loop
+
+
+async def prepare(dep: Deployment, kind: str, work: Callable[[Any], T]) -> tuple[AsyncExitStack, Generation, T]:
+    """Pin the generation and run ``work(runtime)`` (tokenising, checking limits) off the loop. The
+    returned stack holds the pin: close it when the request ends (a stream's generator does)."""
+    stack = AsyncExitStack()
+    gen = await stack.enter_async_context(pinned(dep, kind))
+    try:
+        return stack, gen, await run_in_threadpool(work, gen.runtime)
+    except RequestError as exc:
+        await stack.aclose()
+        raise as_api_error(exc) from None
+    except BaseException:
+        await stack.aclose()
+        raise
 
 
 def as_api_error(exc: RequestError) -> APIError:

@@ -9,12 +9,11 @@ from typing import Any
 
 from fastapi import APIRouter, Request
 from fastapi.responses import StreamingResponse
-from starlette.concurrency import run_in_threadpool
 
 from ...engine.batching import GenerationRequest
 from ...engine.text import RequestError, check_length, completion_prompt_ids
 from ..errors import APIError
-from .common import as_api_error, engine_request, find, max_tokens_of, pinned, sse
+from .common import engine_request, find, max_tokens_of, prepare, sse
 from .generation import Outcome, Run
 from .protocol import CompletionRequest, new_id, now
 
@@ -49,16 +48,7 @@ async def completions(body: CompletionRequest, request: Request) -> Any:
     dep = find(state.registry, body.model)
     if body.echo:
         raise APIError(400, "echo is not supported", param="echo", code="unsupported")
-    stack = AsyncExitStack()
-    gen = await stack.enter_async_context(pinned(dep, "text"))
-    try:
-        jobs = await run_in_threadpool(_jobs, body, gen.runtime)
-    except RequestError as exc:
-        await stack.aclose()
-        raise as_api_error(exc) from None
-    except BaseException:
-        await stack.aclose()
-        raise
+    stack, gen, jobs = await prepare(dep, "text", lambda runtime: _jobs(body, runtime))
     runs = [Run(gen, dep.name, job, request, state.metrics) for job in jobs]
     meta = {"id": new_id("cmpl"), "created": now(), "model": dep.name, "object": "text_completion"}
     if body.stream:
