@@ -14,6 +14,7 @@ import click
 
 from .. import __version__
 from .apply import apply
+from .delete import delete
 from .diff import diff
 from .plan import plan
 from .reshard import reshard, verify
@@ -33,7 +34,7 @@ def main(verbose: int) -> None:
     logging.basicConfig(level=max(level, logging.DEBUG), format="%(levelname)s %(name)s: %(message)s")
 
 
-for _verb in (validate, plan, reshard, verify, apply, diff, status, history, rollback, serve, schema):
+for _verb in (validate, plan, reshard, verify, apply, diff, status, history, rollback, delete, serve, schema):
     main.add_command(_verb)
 
 __all__ = ["main"]

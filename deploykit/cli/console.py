@@ -49,6 +49,8 @@ def handle_errors(func: F) -> F:
         except ManifestError as exc:
             fail(EXIT_INVALID, [str(i) for i in exc.issues])
         except DeploykitError as exc:
+            if getattr(exc, "kind", None) == "manifest":  # the server found the manifest invalid
+                fail(EXIT_INVALID, list(getattr(exc, "issues", [str(exc)])))
             fail(EXIT_FAILED, [f"error: {exc}"])
         except (KeyboardInterrupt, click.exceptions.Abort):
             fail(130, ["interrupted"])
@@ -134,19 +136,24 @@ class Bar:
         self.progress.advance(self.task, n)
 
 
-def plan_table(plan: Any) -> Table:
+def plan_table(plan: Any) -> Any:
+    """The plan as a table (a rich renderable); a multi-node plan first lists its stages, then every
+    device with the node it is on."""
+    multi = bool(getattr(plan, "nodes", ()))
     table = Table(title=f"{plan.name}: {plan.architecture} at {plan.dtype}, balance by {plan.balance}"
                         + (f", KV cache for {plan.kv_cache_tokens} tokens" if plan.kv_cache_tokens else ""),
                   title_justify="left")
     columns = ["device", "blocks", "bytes", "budget", "% budget", "target", "actual"]
     if plan.kv_cache_tokens:
         columns.insert(3, "of which KV+logits")
+    if multi:
+        columns.insert(0, "node")
     for column in columns:
         if column == "blocks":
             table.add_column(column, min_width=24, ratio=1, overflow="fold")
         else:
-            table.add_column(column, justify="left" if column == "device" else "right", no_wrap=True)
-    for d in plan.devices:
+            table.add_column(column, justify="left" if column in ("device", "node") else "right", no_wrap=True)
+    for i, d in enumerate(plan.devices):
         device = f"cuda:{d.device}" if isinstance(d.device, int) else str(d.device)
         budget = "unlimited" if d.budget is None else format_size(d.budget)
         pct = f"{100 * d.bytes / d.budget:.1f}%" if d.budget else "-"
@@ -155,16 +162,51 @@ def plan_table(plan: Any) -> Table:
                f"{100 * d.actual_share:.1f}%" if d.actual_share is not None else "-"]
         if plan.kv_cache_tokens:
             row.insert(3, format_size(d.bytes - d.weight_bytes))
+        if multi:
+            row.insert(0, plan.nodes[plan.device_nodes[i]].name)
         table.add_row(*row)
-    return table
+    if not multi:
+        return table
+    from rich.console import Group
+
+    stages = Table(title=f"{plan.name}: {len(plan.nodes)} pipeline stages, one per node", title_justify="left")
+    for column in ("stage", "node", "layers", "blocks", "bytes", "target", "actual"):
+        if column == "blocks":
+            stages.add_column(column, min_width=24, ratio=1, overflow="fold")
+        else:
+            stages.add_column(column, justify="left" if column == "node" else "right", no_wrap=True)
+    for n in plan.nodes:
+        where = n.name + (f" ({n.address})" if n.address and n.address != n.name else "")
+        layers = f"{n.layers[0]}-{n.layers[1]}" if n.layers else "-"
+        stages.add_row(str(n.node), where, layers, ", ".join(n.blocks), format_size(n.bytes),
+                       f"{100 * n.target_share:.1f}%", f"{100 * n.actual_share:.1f}%")
+    return Group(stages, table)
 
 
 def plan_json(p: Any) -> dict[str, Any]:
     data = p.to_dict()
-    ordered = {k: data[k] for k in ("name", "digest", "device_map", "devices", "bottleneck_factor")}
+    keys: tuple[str, ...] = ("name", "digest", "device_map", "devices", "bottleneck_factor")
+    if data.get("nodes"):  # several nodes: every block's node (node_map) beside its device on that node
+        keys = ("name", "digest", "device_map", "node_map", "nodes", "devices", "bottleneck_factor")
+        for device, node in zip(data["devices"], data["device_nodes"]):
+            device["node"] = node
+            device["node_name"] = data["nodes"][node]["name"]
+    ordered = {k: data[k] for k in keys}
     ordered.update({k: v for k, v in data.items() if k not in ordered})
     return ordered
 
 
 def print_json(payload: Any) -> None:
     out.print_json(json.dumps(payload))
+
+
+def using_server(verb: str, remote: Any) -> None:
+    """Say where the work goes (stderr: stdout stays the verb's output)."""
+    err.print(f"[dim]{verb}: sending to the deploykit server at {remote.url} ({remote.origin})[/]")
+
+
+def waiter(name: str) -> Callable[[str], None]:
+    def show(message: str) -> None:
+        err.print(f"{name}: {message}", markup=False)
+
+    return show

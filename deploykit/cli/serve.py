@@ -7,16 +7,20 @@ from pathlib import Path
 
 import click
 
+from ..errors import DeploykitError
 from .console import STATE_OPTION, err, handle_errors, store
 
 
 @click.command()
-@click.argument("path", type=click.Path(exists=True))
+@click.argument("path", type=click.Path(exists=True), required=False)
 @click.option("--host", default="127.0.0.1", show_default=True,
               help="Address to listen on; anything but loopback needs --api-key.")
 @click.option("--port", type=int, default=8765, show_default=True, help="Port to listen on.")
 @click.option("--api-key", envvar="DEPLOYKIT_API_KEY", default=None,
               help="Bearer key every request must send (default: $DEPLOYKIT_API_KEY; none on loopback).")
+@click.option("--control-token", envvar="DEPLOYKIT_TOKEN", default=None,
+              help="Bearer token of the control API (default: $DEPLOYKIT_TOKEN, else a random one); "
+                   "written to <state dir>/server.json (mode 0600) for the CLI.")
 @click.option("--prune", is_flag=True, help="Remove deployments whose manifest files are removed.")
 @click.option("--devices", metavar="SPEC", default=None, help="Simulated inventory (CPU-only plans).")
 @click.option("--debounce", type=float, default=0.3, show_default=True, help="Seconds a burst of file "
@@ -25,35 +29,56 @@ from .console import STATE_OPTION, err, handle_errors, store
               help="Seconds running requests get to finish on SIGTERM.")
 @STATE_OPTION
 @handle_errors
-def serve(path: str, host: str, port: int, api_key: str | None, prune: bool, devices: str | None,
-          debounce: float, drain_timeout: float, state_dir: str | None) -> None:
+def serve(path: str | None, host: str, port: int, api_key: str | None, control_token: str | None, prune: bool,
+          devices: str | None, debounce: float, drain_timeout: float, state_dir: str | None) -> None:
     """Hold every deployment in PATH (a manifest or a directory of manifests), reload them when their
     files change, and serve them: the OpenAI-compatible API (/v1/models, /v1/chat/completions,
-    /v1/completions, /v1/embeddings) and /healthz, /readyz, /status, /metrics."""
+    /v1/completions, /v1/embeddings) and /healthz, /readyz, /status, /metrics.
+
+    Without PATH: serve every deployment recorded in the state store (restored after a restart). Either
+    way, `deploykit apply/diff/status/history/rollback/delete` send their work to this server through
+    its control API (/control/v1), found via <state dir>/server.json.
+    """
     from ..control.state import open_store
     from ..control.supervisor import Supervisor
     from ..serve.app import create_app
     from ..serve.auth import check_bind
+    from ..serve.discovery import find_server, new_token, remove_server_file, server_info, write_server_file
     from ..serve.server import bind, run
 
     check_bind(host, api_key)
-    supervisor = Supervisor(Path(path), store=open_store(store(state_dir).directory), devices=devices,
-                            prune=prune, debounce=debounce)
+    states = open_store(store(state_dir).directory)
+    other = find_server(states.directory)
+    if other is not None:
+        raise DeploykitError(f"another deploykit serve (pid {other.pid}, {other.url}) already owns the state "
+                             f"directory {states.directory}; stop it, or use another --state-dir")
+    token = control_token or new_token()
+    supervisor = Supervisor(Path(path) if path else None, store=states, devices=devices, prune=prune,
+                            debounce=debounce)
     sock = bind(host, port)
     url = f"http://{host if ':' not in host else f'[{host}]'}:{sock.getsockname()[1]}"
+    written = False
 
     def start() -> None:
+        nonlocal written
+        write_server_file(states.directory, server_info(url, token))
+        written = True
         supervisor.start()
         names = ", ".join(n for n, _ in supervisor.items()) or "none"
-        err.print(f"deploykit serve: serving {len(supervisor.items())} deployment(s): {names}; "
-                  f"watching {supervisor.path}", markup=False)
+        source = f"watching {supervisor.path}" if supervisor.path else "restored from the state store"
+        err.print(f"deploykit serve: serving {len(supervisor.items())} deployment(s): {names}; {source}",
+                  markup=False)
         for file, problem in supervisor.errors.items():
             err.print(f"deploykit serve: {file}: not deployed: {problem}", markup=False)
 
-    err.print(f"deploykit serve: {url} (/v1 API, /healthz /readyz /status /metrics); loading…", markup=False)
+    err.print(f"deploykit serve: {url} (/v1 API, /healthz /readyz /status /metrics, /control/v1); loading…",
+              markup=False)
     try:
-        run(create_app(supervisor, api_key=api_key), sock, on_started=start, drain_timeout=drain_timeout)
+        run(create_app(supervisor, api_key=api_key, control_token=token), sock, on_started=start,
+            drain_timeout=drain_timeout)
     finally:
+        if written:
+            remove_server_file(states.directory, token)
         err.print("deploykit serve: stopping: draining in-flight work")
         supervisor.close()
         err.print("deploykit serve: stopped")

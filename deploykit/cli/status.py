@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import time
+import urllib.parse
+from typing import Any
 
 import click
 from rich.table import Table
@@ -10,22 +12,32 @@ from rich.table import Table
 from ..errors import DeploykitError
 from ..units import format_size
 from .console import OUTPUT_OPTION, STATE_OPTION, handle_errors, out, print_json, store
+from .remote import SERVER_OPTION, connect
 
 
-@click.command()
-@click.argument("name", required=False)
-@OUTPUT_OPTION
-@STATE_OPTION
-@handle_errors
-def status(name: str | None, output: str, state_dir: str | None) -> None:
-    """Phase, serving revision, conditions, plan summary and last error of NAME (default: all)."""
+def _reports(name: str | None, server: str | None, state_dir: str | None) -> list[dict[str, Any]]:
+    remote = connect(server, state_dir)
+    if remote is not None:  # the server's view: what it serves, and its state store
+        query = f"?name={urllib.parse.quote(name)}" if name else ""
+        return list(remote.call("GET", f"/status{query}"))
     from ..control.report import status_report
 
     states = store(state_dir)
     names = [name] if name else states.names()
     if name and states.latest(name) is None:
         raise DeploykitError(f"no deployment named {name!r} (known: {', '.join(states.names()) or 'none'})")
-    reports = [status_report(states, n) for n in names]
+    return [status_report(states, n) for n in names]
+
+
+@click.command()
+@click.argument("name", required=False)
+@OUTPUT_OPTION
+@SERVER_OPTION
+@STATE_OPTION
+@handle_errors
+def status(name: str | None, output: str, server: str | None, state_dir: str | None) -> None:
+    """Phase, serving revision, conditions, plan summary and last error of NAME (default: all)."""
+    reports = _reports(name, server, state_dir)
     if output == "json":
         print_json(reports[0] if name else reports)
         return
@@ -33,7 +45,8 @@ def status(name: str | None, output: str, state_dir: str | None) -> None:
         out.print("no deployments")
     for r in reports:
         colour = {"Ready": "green", "Failed": "red", "Progressing": "yellow"}.get(r["phase"], "white")
-        out.print(f"[bold]{r['name']}[/]  phase [{colour}]{r['phase']}[/]  revision {r['revision']}")
+        serving = f"  serving generation {r['generation']}" if r.get("generation") else ""
+        out.print(f"[bold]{r['name']}[/]  phase [{colour}]{r['phase']}[/]  revision {r['revision']}{serving}")
         for c in r["conditions"]:
             if c["status"] or c["type"] == "Ready":
                 out.print(f"  {c['type']}={c['status']} ({c['reason']}) {c['message']}", markup=False)
@@ -48,13 +61,18 @@ def status(name: str | None, output: str, state_dir: str | None) -> None:
 @click.command()
 @click.argument("name")
 @OUTPUT_OPTION
+@SERVER_OPTION
 @STATE_OPTION
 @handle_errors
-def history(name: str, output: str, state_dir: str | None) -> None:
+def history(name: str, output: str, server: str | None, state_dir: str | None) -> None:
     """Every revision of NAME with its outcome."""
-    from ..control.report import history_rows
+    remote = connect(server, state_dir)
+    if remote is not None:
+        rows = list(remote.call("GET", f"/history/{urllib.parse.quote(name, safe='')}"))
+    else:
+        from ..control.report import history_rows
 
-    rows = history_rows(store(state_dir), name)
+        rows = history_rows(store(state_dir), name)
     if output == "json":
         print_json(rows)
         return

@@ -32,11 +32,12 @@ from ..errors import ApplyError, DeploykitError, ManifestError, PlanInfeasible
 from ..placement.inventory import process_rss
 from ..spec.manifest import LoadedManifest, load_manifests
 from .pool import GenerationPool
-from .reconciler import ApplyOptions, apply
-from .rollout import Rollout
+from .reconciler import ApplyOptions, ApplyOutcome, apply
+from .rollout import Rollout, RolloutResult
 from .state import StateStore, open_store
 
 if TYPE_CHECKING:
+    from ..artifacts.reshard import ProgressSink
     from ..engine.loader import LoadedModel
     from ..engine.runtime import Completion, TextRuntime
     from .watcher import ManifestWatcher
@@ -80,6 +81,8 @@ class Deployment:
         self._watcher: ManifestWatcher | None = None
         self._worker: _ReloadWorker | None = None
         self._closed = False
+        self._given: LoadedManifest | None = None  # a manifest handed over (control API), not a file
+        self.last_outcome: ApplyOutcome | None = None
 
     @classmethod
     def from_manifest(cls, path: str | Path, *, watch: bool = False, name: str | None = None,
@@ -94,7 +97,22 @@ class Deployment:
             dep.watch(debounce=debounce)
         return dep
 
+    @classmethod
+    def from_loaded(cls, loaded: LoadedManifest, *, devices: str | None = None, store: StateStore | None = None,
+                    acquire_timeout: float = DEFAULT_ACQUIRE_TIMEOUT, force: bool = False,
+                    progress: ProgressSink | None = None,
+                    on_step: Callable[[str], None] | None = None) -> Deployment:
+        """Apply an already loaded manifest (one sent over the control API, or a revision's recorded
+        manifest after a restart) and hold its model. It has no file to watch: ``roll_to`` changes it."""
+        dep = cls(Path(loaded.source), name=loaded.name, devices=devices, store=store,
+                  acquire_timeout=acquire_timeout)
+        dep._given = loaded
+        dep.start(force=force, progress=progress, on_step=on_step)
+        return dep
+
     def _manifest(self) -> LoadedManifest:
+        if self._given is not None:
+            return self._given
         manifests = load_manifests(self.manifest_path)
         if self._wanted_name is not None:
             chosen = [m for m in manifests if m.name == self._wanted_name]
@@ -105,18 +123,21 @@ class Deployment:
             raise ApplyError(f"{self.manifest_path} holds {len(manifests)} manifests; pass name=")
         return manifests[0]
 
-    def start(self) -> None:
+    def start(self, *, force: bool = False, progress: ProgressSink | None = None,
+              on_step: Callable[[str], None] | None = None) -> None:
         """Apply the manifest (or load the current revision, verified and health-checked)."""
         loaded = self._manifest()
         self.name = self.pool.name = loaded.name
         self._phase = "Progressing"
         try:
             outcome = apply(loaded, store=self.store, options=ApplyOptions(
-                devices=self.devices, keep_model=True, load_if_unchanged=True))
+                devices=self.devices, keep_model=True, load_if_unchanged=True, force=force),
+                progress=progress, on_step=on_step)
         except DeploykitError as exc:
             self._phase, self._last_error = "Failed", describe(exc, loaded)
             raise
         assert outcome.loaded is not None
+        self.last_outcome = outcome
         self.pool.install(outcome.loaded, outcome.plan, outcome.revision or 0, "initial", loaded)
         self._phase = "Ready"
 
@@ -206,7 +227,7 @@ class Deployment:
         with self._reload_lock:
             if self._closed:
                 return False
-            swapped = self._reload_once()
+            swapped = self._reload_once() is True
         if swapped:
             for callback in list(self._callbacks):
                 try:
@@ -215,29 +236,59 @@ class Deployment:
                     log.exception("on_reload callback failed")
         return swapped
 
-    def _reload_once(self) -> bool:
+    def roll_to(self, loaded: LoadedManifest, *, force: bool = False, progress: ProgressSink | None = None,
+                on_step: Callable[[str], None] | None = None) -> RolloutResult:
+        """Roll out ``loaded`` (a manifest handed over, e.g. by the control API) instead of re-reading
+        the file; it becomes this deployment's manifest. Unlike ``reload`` it raises on failure (after
+        recording it as a reload failure: the serving generation stays)."""
+        with self._reload_lock:
+            if self._closed:
+                raise ApplyError(f"{self.name!r} is being deleted")
+            result = self._reload_once(loaded, force=force, progress=progress, on_step=on_step, raise_errors=True)
+        assert isinstance(result, RolloutResult)
+        if result.swapped:
+            for callback in list(self._callbacks):
+                try:
+                    callback(self)
+                except Exception:
+                    log.exception("on_reload callback failed")
+        return result
+
+    def _reload_once(self, given: LoadedManifest | None = None, *, force: bool = False,
+                     progress: ProgressSink | None = None, on_step: Callable[[str], None] | None = None,
+                     raise_errors: bool = False) -> bool | RolloutResult:
         started, rss_before = time.perf_counter(), process_rss()
-        loaded: LoadedManifest | None = None
+        loaded: LoadedManifest | None = given
         strategy = "none"
         self._phase = "Progressing"
         try:
-            loaded = self._manifest()
+            loaded = given or self._manifest()
             if loaded.name != self.name:
                 raise ApplyError(f"the manifest now names {loaded.name!r}, this deployment is "
                                  f"{self.name!r}; a rename is a new deployment")
             result = Rollout(self.pool, self.store, devices=self.devices,
-                             acquire_timeout=self.acquire_timeout).run(loaded)
+                             acquire_timeout=self.acquire_timeout).run(loaded, force=force, progress=progress,
+                                                                       on_step=on_step)
             strategy = result.strategy
         except DeploykitError as exc:
             self._record_failure(exc, loaded, strategy, started, rss_before)
+            if raise_errors:
+                raise
             return False
+        if given is not None:
+            self._given = given
         self._last_error = None
+        swapped = self._finish_reload(result, started, rss_before)
+        return result if raise_errors else swapped
+
+    def _finish_reload(self, result: RolloutResult, started: float, rss_before: int) -> bool:
         self._phase = "Ready" if self.pool.current is not None else "Failed"
         if not result.swapped:  # nothing changed that needs a new generation
             return False
         current = self.pool.current
         self._record(ReloadRecord(self.generation, current.revision if current else None, True,
-                                  time.perf_counter() - started, strategy, None, rss_before, process_rss()))
+                                  time.perf_counter() - started, result.strategy, None, rss_before,
+                                  process_rss()))
         return True
 
     def _record_failure(self, exc: DeploykitError, loaded: LoadedManifest | None, strategy: str,

@@ -10,6 +10,7 @@ import logging
 import shutil
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 from ..errors import DeploykitError
 from .reconciler import ApplyOptions, ApplyOutcome, apply, recorded_manifest
@@ -74,3 +75,13 @@ def prune_directory(store: StateStore, directory: Path, *, keep: set[str]) -> li
             delete(store, name, reason="manifest removed; deployment pruned")
             pruned.append(name)
     return pruned
+
+
+def outcome_summary(outcome: ApplyOutcome) -> dict[str, Any]:
+    """An apply's outcome as JSON: ``deploykit apply -o json`` and the control API's result event."""
+    reshard = outcome.reshard
+    return {"name": outcome.name, "status": outcome.status, "revision": outcome.revision,
+            "actions": [{"step": a.step, "reason": a.reason} for a in outcome.actions],
+            "timings": outcome.timings, "shards": str(outcome.shards) if outcome.shards else None,
+            "health": outcome.health, "plan": outcome.plan.to_dict() if outcome.plan else None,
+            "reshard": {"files": len(reshard.layout.shards), "status": reshard.status} if reshard else None}

@@ -14,14 +14,17 @@ blue-green to recreate is a decision, never a Failed revision.
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass, replace
+from typing import Any
 
+from ..artifacts.reshard import ProgressSink
 from ..errors import DeploykitError, PlanInfeasible
 from ..placement.inventory import Gpu, Inventory
 from ..placement.planner import Plan
 from ..spec.manifest import LoadedManifest
 from .pool import Generation, GenerationPool
-from .reconciler import ApplyOptions, apply, load_revision, recorded_manifest
+from .reconciler import ApplyOptions, ApplyOutcome, apply, load_revision, recorded_manifest
 from .state import StateStore
 
 log = logging.getLogger(__name__)
@@ -50,6 +53,7 @@ def inventory_beside(inventory: Inventory, gen: Generation | None) -> Inventory:
 class RolloutResult:
     swapped: bool  # a new generation serves
     strategy: str  # "blue-green" | "recreate" | "none"
+    outcome: ApplyOutcome | None = None  # what the apply did (revision, timings, plan, health)
 
 
 class Rollout:
@@ -62,8 +66,12 @@ class Rollout:
         self.store = store
         self.devices = devices
         self.acquire_timeout = acquire_timeout
+        self._force = False
+        self._apply_args: dict[str, Any] = {}
 
-    def run(self, loaded: LoadedManifest) -> RolloutResult:
+    def run(self, loaded: LoadedManifest, *, force: bool = False, progress: ProgressSink | None = None,
+            on_step: Callable[[str], None] | None = None) -> RolloutResult:
+        """``force``, ``progress`` and ``on_step`` are passed to the apply (the control API streams them)."""
         from ..placement.planning import inventory_for, plan_manifest
 
         requested = loaded.manifest.spec.rollout.strategy
@@ -78,16 +86,19 @@ class Rollout:
         if strategy is None:
             assert infeasible is not None
             raise infeasible
+        self._apply_args = {"progress": progress, "on_step": on_step}
+        self._force = force
         if strategy == "blue-green":
             return self._blue_green(loaded, beside)
         return self._recreate(loaded)
 
     def _blue_green(self, loaded: LoadedManifest, beside: Inventory) -> RolloutResult:
-        outcome = apply(loaded, store=self.store, options=ApplyOptions(inventory=beside, keep_model=True))
+        outcome = apply(loaded, store=self.store, options=ApplyOptions(inventory=beside, keep_model=True,
+                                                                       force=self._force), **self._apply_args)
         if outcome.status == "unchanged" or outcome.loaded is None:
-            return RolloutResult(False, "none")
+            return RolloutResult(False, "none", outcome)
         self.pool.install(outcome.loaded, outcome.plan, outcome.revision or 0, "blue-green", loaded)
-        return RolloutResult(True, "blue-green")
+        return RolloutResult(True, "blue-green", outcome)
 
     def _recreate(self, loaded: LoadedManifest) -> RolloutResult:
         drained = False
@@ -97,17 +108,17 @@ class Rollout:
             self.pool.drain(self.acquire_timeout)
             drained = True
 
-        options = ApplyOptions(devices=self.devices, keep_model=True, before_load=before_load)
+        options = ApplyOptions(devices=self.devices, keep_model=True, before_load=before_load, force=self._force)
         try:
-            outcome = apply(loaded, store=self.store, options=options)
+            outcome = apply(loaded, store=self.store, options=options, **self._apply_args)
         except DeploykitError:
             if drained:
                 self.restore()
             raise
         if outcome.status == "unchanged" or outcome.loaded is None:
-            return RolloutResult(False, "none")
+            return RolloutResult(False, "none", outcome)
         self.pool.install(outcome.loaded, outcome.plan, outcome.revision or 0, "recreate", loaded)
-        return RolloutResult(True, "recreate")
+        return RolloutResult(True, "recreate", outcome)
 
     def restore(self) -> None:
         """After a failed recreate: load the last Ready revision again (verified, health-checked)."""

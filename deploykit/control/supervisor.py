@@ -4,6 +4,13 @@ Each deployment reloads on its own worker (``Deployment.request_reload``): a slo
 70B reshard) never delays another's. At start, every deployment a file declares is known before any
 loads, so readiness can say which are still loading.
 
+Deployments can also be handed over without a file (``apply_manifest``, ``rollback``, ``delete``: the
+control API of ``deploykit serve``). Those are recorded in the state store like any apply, and a
+supervisor without a path restores every recorded deployment at start (``restore``). One owner per
+name: a name a watched file declares refuses changes through the API, naming the file. Changes to
+one name are serialised (``on_wait`` says what a change waits for); different names never wait for
+each other.
+
 Readiness means every deployment can serve: a deployment whose newest manifest is broken but whose
 last good generation serves is ready (the pending error shows in ``statuses()``, ``deploykit status``
 and a metric); one still loading, or one that never loaded, is not.
@@ -13,26 +20,36 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
+from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from ..errors import DeploykitError
-from ..spec.manifest import load_manifests, manifest_files
+from ..spec.manifest import LoadedManifest, load_manifests, manifest_files
 from .deployment import Deployment
+from .reconciler import ApplyOptions, ApplyOutcome, apply, recorded_manifest
 from .report import status_report
 from .state import StateStore
 from .watcher import ManifestWatcher
 
+if TYPE_CHECKING:
+    from ..artifacts.reshard import ProgressSink
+    from .state import Revision
+
 log = logging.getLogger(__name__)
+StepSink = Callable[[str], None]
 
 
 class Supervisor:
-    """Holds the deployments of ``path`` and follows the files."""
+    """Holds the deployments of ``path`` (None: no files; the recorded deployments, restored at
+    start) and follows the files."""
 
-    def __init__(self, path: Path, *, store: StateStore, devices: str | None = None, prune: bool = False,
+    def __init__(self, path: Path | None, *, store: StateStore, devices: str | None = None, prune: bool = False,
                  debounce: float = 0.3) -> None:
-        self.path = Path(path).resolve()
+        self.path = Path(path).resolve() if path is not None else None
         self.store = store
         self.devices = devices
         self.prune = prune
@@ -43,12 +60,20 @@ class Supervisor:
         self.loading: set[str] = set()  # names declared by a file, not yet serving
         self._lock = threading.Lock()
         self._watcher: ManifestWatcher | None = None
+        self._name_locks: dict[str, threading.Lock] = {}
+        self._busy: dict[str, str] = {}  # name -> the change running for it now
 
     def manifest_files(self) -> list[Path]:
+        if self.path is None:
+            return []
         return [f for f in manifest_files(self.path) if f.exists()]
 
     def start(self) -> None:
-        """Load every file's deployments (in parallel, one worker each), then follow the files."""
+        """Load every file's deployments (in parallel, one worker each), then follow the files.
+        Without a path: restore every recorded deployment instead."""
+        if self.path is None:
+            self.restore()
+            return
         files = self.manifest_files()
         declared = [(file, self._names(file)) for file in files]
         with self._lock:
@@ -76,6 +101,9 @@ class Supervisor:
     def _add(self, file: Path, names: list[str]) -> None:
         for name in names:
             if name in self.deployments:
+                if name not in self.files:
+                    self.errors[str(file)] = (f"{name}: already deployed through the control API; run "
+                                              f"`deploykit delete {name}` to let this file own it")
                 continue
             try:
                 dep = Deployment.from_manifest(file, name=name, devices=self.devices, store=self.store)
@@ -128,6 +156,156 @@ class Supervisor:
         dep.close()
         delete(self.store, name, reason="manifest removed; deployment pruned")
         log.info("pruned %s", name)
+
+    # ---- the control API: deployments handed over without a file ---------------------------------
+
+    def restore(self) -> None:
+        """Serve every deployment the state store records with a current revision: its recorded
+        manifest, shards verified, loaded and health-checked (in parallel, one worker each)."""
+        names = [n for n in self.store.names() if self.store.current(n) is not None]
+        with self._lock:
+            self.loading.update(names)
+        if len(names) > 1:
+            from ..model.hf import preload
+
+            preload()
+        with ThreadPoolExecutor(max_workers=max(1, min(4, len(names))), thread_name_prefix="deploykit-restore") as pool:
+            for name in names:
+                pool.submit(self._restore_one, name)
+
+    def _restore_one(self, name: str) -> None:
+        try:
+            with self._exclusive(name, "restore"):
+                current = self.store.current(name)
+                if current is None or self.get(name) is not None:
+                    return
+                dep = Deployment.from_loaded(recorded_manifest(current), devices=self.devices, store=self.store)
+                with self._lock:
+                    self.deployments[name] = dep
+                log.info("restored %s (revision %s)", name, current.revision)
+        except Exception as exc:
+            self.errors[f"revision of {name}"] = f"{name}: could not be restored: {exc}"
+            log.exception("%s could not be restored", name)
+        finally:
+            with self._lock:
+                self.loading.discard(name)
+
+    def owner(self, name: str) -> Path | None:
+        """The watched file that declares ``name``, if any (it alone may change the deployment)."""
+        with self._lock:
+            if name in self.files:
+                return self.files[name]
+        for file in self.manifest_files():
+            try:
+                if name in (m.name for m in load_manifests(file)):
+                    return file
+            except DeploykitError:
+                continue
+        return None
+
+    def _refuse_owned(self, name: str, what: str) -> None:
+        file = self.owner(name)
+        if file is not None:
+            raise DeploykitError(f"{name!r} is owned by the watched file {file}: change that file to {what} "
+                                 "it (this server follows it), not the control API")
+
+    @contextmanager
+    def _exclusive(self, name: str, what: str, on_wait: StepSink | None = None) -> Iterator[None]:
+        """One change of ``name`` at a time; ``on_wait`` hears what a change waits for, and for how long."""
+        with self._lock:
+            lock = self._name_locks.setdefault(name, threading.Lock())
+        if not lock.acquire(blocking=False):
+            busy = self._busy.get(name, "another change")
+            started = time.monotonic()
+            if on_wait is not None:
+                on_wait(f"waiting for the {busy} to finish")
+            lock.acquire()
+            if on_wait is not None:
+                on_wait(f"waited {time.monotonic() - started:.1f}s for the {busy}")
+        self._busy[name] = f"{what} of {name!r} (started {time.strftime('%H:%M:%S')})"
+        try:
+            yield
+        finally:
+            self._busy.pop(name, None)
+            lock.release()
+
+    def apply_manifest(self, loaded: LoadedManifest, *, dry_run: bool = False, force: bool = False,
+                       progress: ProgressSink | None = None, on_step: StepSink | None = None,
+                       on_wait: StepSink | None = None, what: str = "apply") -> ApplyOutcome:
+        """Make ``loaded`` what serves under its name: a new deployment, or a rollout of the one that
+        serves (blue-green/recreate as its manifest says). Recorded in the state store, so a restart
+        without a path restores it. Raises what the apply raised; what served keeps serving."""
+        from ..errors import ManifestError
+        from ..spec.manifest import check_on_host
+
+        name = loaded.name
+        self._refuse_owned(name, what)
+        issues = check_on_host(loaded)  # as a local apply validates first (a rollout would plan first)
+        if issues:
+            raise ManifestError(issues)
+        if dry_run:
+            return apply(loaded, store=self.store, options=ApplyOptions(devices=self.devices, dry_run=True,
+                                                                        force=force))
+        with self._exclusive(name, what, on_wait):
+            dep = self.get(name)
+            if dep is not None:
+                result = dep.roll_to(loaded, force=force, progress=progress, on_step=on_step)
+                assert result.outcome is not None
+                return result.outcome
+            with self._lock:
+                self.loading.add(name)
+            try:
+                dep = Deployment.from_loaded(loaded, devices=self.devices, store=self.store, force=force,
+                                             progress=progress, on_step=on_step)
+            finally:
+                with self._lock:
+                    self.loading.discard(name)
+            with self._lock:
+                self.deployments[name] = dep
+            self.errors.pop(f"revision of {name}", None)
+            assert dep.last_outcome is not None
+            return dep.last_outcome
+
+    def rollback(self, name: str, *, to_revision: int | None = None, progress: ProgressSink | None = None,
+                 on_step: StepSink | None = None, on_wait: StepSink | None = None) -> tuple[Revision, ApplyOutcome]:
+        """Re-apply a recorded revision's manifest (``lifecycle.rollback_target`` chooses) and serve it."""
+        from .lifecycle import rollback_target
+
+        self._refuse_owned(name, "roll back")
+        target = rollback_target(self.store, name, to_revision=to_revision)
+        outcome = self.apply_manifest(recorded_manifest(target), force=True, progress=progress, on_step=on_step,
+                                      on_wait=on_wait, what="rollback")
+        return target, outcome
+
+    def delete(self, name: str, *, keep_shards: bool = False, reason: str = "deleted",
+               on_wait: StepSink | None = None) -> None:
+        """Stop serving ``name`` (running requests drain), free its memory, forget it in the store and
+        remove its shards unless ``keep_shards``."""
+        from .lifecycle import delete
+
+        self._refuse_owned(name, "delete")
+        with self._exclusive(name, "delete", on_wait):
+            with self._lock:
+                dep = self.deployments.pop(name, None)
+                self.files.pop(name, None)
+            if dep is None and name not in self.store.names():
+                raise DeploykitError(f"no deployment named {name!r} (known: {', '.join(self.store.names()) or 'none'})")
+            if dep is not None:
+                dep.close()
+            if name in self.store.names():
+                delete(self.store, name, keep_shards=keep_shards, reason=reason)
+            log.info("deleted %s", name)
+
+    def prune_directory(self, directory: Path, *, keep: set[str]) -> list[str]:
+        """Delete the deployments whose manifests lived in ``directory`` and are not in ``keep`` (names
+        a watched file owns are left to the watcher)."""
+        pruned = []
+        for name in self.store.names():
+            manifest = self.store.deployment_manifest(name) or ""
+            if name not in keep and Path(manifest).parent == Path(directory).resolve() and self.owner(name) is None:
+                self.delete(name, reason="manifest removed; deployment pruned")
+                pruned.append(name)
+        return pruned
 
     def get(self, name: str) -> Deployment | None:
         with self._lock:

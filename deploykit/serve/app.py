@@ -51,8 +51,11 @@ class Deployments:
         return [d.status() for d in self._by_name.values()]
 
 
-def create_app(registry: Registry, *, api_key: str | None = None, max_body: int = DEFAULT_MAX_BODY) -> Guard:
-    """The API over ``registry`` (a ``Supervisor`` or ``Deployments``). ``api_key``: required bearer key."""
+def create_app(registry: Registry, *, api_key: str | None = None, max_body: int = DEFAULT_MAX_BODY,
+               control_token: str | None = None) -> Guard:
+    """The API over ``registry`` (a ``Supervisor`` or ``Deployments``). ``api_key``: required bearer key.
+    ``control_token``: serve the control API (``/control/v1``, docs/control.md) behind this bearer token;
+    the registry must then be a ``Supervisor``. Without it, ``/control/...`` answers 401."""
     from .. import __version__
 
     app = FastAPI(title="deploykit", version=__version__, docs_url=None, redoc_url=None)
@@ -61,4 +64,8 @@ def create_app(registry: Registry, *, api_key: str | None = None, max_body: int 
     install_handlers(app)
     for module in (models, chat, completions, embeddings, ops):
         app.include_router(module.router)
-    return Guard(app, api_key=api_key, max_body=max_body)
+    if control_token:
+        from . import control
+
+        app.include_router(control.router)
+    return Guard(app, api_key=api_key, max_body=max_body, control_token=control_token)

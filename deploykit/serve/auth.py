@@ -1,7 +1,9 @@
 """Bearer API keys and the request body limit, as ASGI middleware in front of every route.
 
 With a key, every route but ``/healthz`` and ``/readyz`` needs ``Authorization: Bearer <key>``; keys are
-compared in constant time. Bodies larger than the limit are refused with 413 before they are read
+compared in constant time. The control API (``/control/...``) is separate: it needs the control token
+(``control_token``, the one in ``server.json``), never the inference key, and without a control token
+it answers 401 to everyone. Bodies larger than the limit are refused with 413 before they are read
 whole (by Content-Length, or by counting a chunked body as it arrives).
 """
 
@@ -18,6 +20,7 @@ from ..errors import DeploykitError
 from .errors import error_body
 
 OPEN_PATHS = frozenset({"/healthz", "/readyz"})
+CONTROL_PREFIX = "/control/"
 DEFAULT_MAX_BODY = 4 * 2**20
 DRAIN_FACTOR = 16  # bodies up to this many times the limit are read (and dropped) before the 413
 
@@ -56,24 +59,36 @@ async def _drain(receive: Receive) -> None:
 class Guard:
     """API key check and body size limit for an ASGI app."""
 
-    def __init__(self, app: ASGIApp, *, api_key: str | None, max_body: int = DEFAULT_MAX_BODY) -> None:
+    def __init__(self, app: ASGIApp, *, api_key: str | None, max_body: int = DEFAULT_MAX_BODY,
+                 control_token: str | None = None) -> None:
         self.app, self.api_key, self.max_body = app, api_key, max_body
+        self.control_token = control_token
 
-    def _authorised(self, scope: Scope) -> bool:
-        if not self.api_key or scope["path"] in OPEN_PATHS:
-            return True
+    @staticmethod
+    def _bearer(scope: Scope, key: str) -> bool:
         headers = dict(scope.get("headers", []))
         given = headers.get(b"authorization", b"").decode("latin-1")
         scheme, _, token = given.partition(" ")
-        return scheme.lower() == "bearer" and hmac.compare_digest(token.strip().encode(), self.api_key.encode())
+        return scheme.lower() == "bearer" and hmac.compare_digest(token.strip().encode(), key.encode())
+
+    def _authorised(self, scope: Scope) -> bool:
+        if scope["path"].startswith(CONTROL_PREFIX):  # never open: the control token or nothing
+            return bool(self.control_token) and self._bearer(scope, self.control_token)  # type: ignore[arg-type]
+        if not self.api_key or scope["path"] in OPEN_PATHS:
+            return True
+        return self._bearer(scope, self.api_key)
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
         if not self._authorised(scope):
-            await _reply(send, 401, "missing or wrong API key: send 'Authorization: Bearer <key>'",
-                         "invalid_api_key", [(b"www-authenticate", b"Bearer")])
+            control = scope["path"].startswith(CONTROL_PREFIX)
+            message = ("missing or wrong control token: send 'Authorization: Bearer <token>' with the token "
+                       "from <state dir>/server.json" if control else
+                       "missing or wrong API key: send 'Authorization: Bearer <key>'")
+            await _reply(send, 401, message, "invalid_control_token" if control else "invalid_api_key",
+                         [(b"www-authenticate", b"Bearer")])
             return
         length = dict(scope.get("headers", [])).get(b"content-length")
         if length is not None and length.isdigit() and int(length) > self.max_body:
@@ -113,5 +128,6 @@ class Guard:
         await self.app(scope, replay, send)
 
 
-def guard(app: Any, *, api_key: str | None, max_body: int = DEFAULT_MAX_BODY) -> Guard:
-    return Guard(app, api_key=api_key, max_body=max_body)
+def guard(app: Any, *, api_key: str | None, max_body: int = DEFAULT_MAX_BODY,
+          control_token: str | None = None) -> Guard:
+    return Guard(app, api_key=api_key, max_body=max_body, control_token=control_token)

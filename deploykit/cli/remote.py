@@ -1,0 +1,154 @@
+"""Finding a running ``deploykit serve`` and handing it work over its control API (docs/control.md).
+
+``connect`` returns a ``Remote`` when a server is there (``--server URL`` with ``$DEPLOYKIT_TOKEN``, else
+a live ``<state dir>/server.json``), else None: the verb then works alone. Stdlib HTTP only: this path
+never imports torch, transformers, accelerate or the web stack.
+"""
+
+from __future__ import annotations
+
+import http.client
+import json
+import os
+import urllib.error
+import urllib.parse
+import urllib.request
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import click
+
+from ..errors import DeploykitError
+
+SERVER_OPTION = click.option("--server", metavar="URL", default=None, envvar="DEPLOYKIT_SERVER",
+                             help="A running `deploykit serve` to send the work to (token: $DEPLOYKIT_TOKEN). "
+                                  "Default: the one in <state dir>/server.json, if it runs; else work alone.")
+TIMEOUT = 60.0  # seconds without a byte from the server (it sends a heartbeat every 5 s while working)
+
+
+class Remote:
+    """The control API of one server."""
+
+    def __init__(self, url: str, token: str, origin: str) -> None:
+        self.url = url.rstrip("/")
+        self.token = token
+        self.origin = origin  # where the URL came from, for messages
+        host = urllib.parse.urlsplit(self.url).hostname or ""
+        handlers = [urllib.request.ProxyHandler({})] if host in ("127.0.0.1", "localhost", "::1") else []
+        self._opener = urllib.request.build_opener(*handlers)
+
+    def _open(self, method: str, path: str, payload: Any = None) -> Any:
+        data = json.dumps(payload).encode() if payload is not None else None
+        request = urllib.request.Request(f"{self.url}/control/v1{path}", data=data, method=method,
+                                         headers={"Authorization": f"Bearer {self.token}",
+                                                  "Content-Type": "application/json"})
+        try:
+            return self._opener.open(request, timeout=TIMEOUT)
+        except urllib.error.HTTPError as exc:
+            body = exc.read()
+            if exc.code == 401:
+                raise DeploykitError(f"the deploykit server at {self.url} refused the control token (401); "
+                                     f"the token comes from {self.origin}") from None
+            try:
+                event = json.loads(body)
+            except ValueError:
+                raise DeploykitError(f"the deploykit server at {self.url} answered {exc.code}: "
+                                     f"{body.decode(errors='replace')[:500]}") from None
+            if isinstance(event, dict) and event.get("event") == "error":
+                raise RemoteError(event) from None
+            raise DeploykitError(f"the deploykit server at {self.url} answered {exc.code}: {event}") from None
+        except (urllib.error.URLError, OSError) as exc:
+            reason = getattr(exc, "reason", exc)
+            raise DeploykitError(f"cannot reach the deploykit server at {self.url} ({self.origin}): {reason}") from None
+
+    def call(self, method: str, path: str, payload: Any = None) -> Any:
+        """A request with a JSON answer; an error answer raises ``RemoteError``."""
+        with self._open(method, path, payload) as response:
+            try:
+                return json.loads(response.read())
+            except (OSError, http.client.HTTPException) as exc:
+                raise self._gone(f"{method} {path}", exc) from None
+
+    def run(self, path: str, payload: Any, *, what: str, bar: Any = None,
+            on_step: Callable[[str], None] | None = None,
+            on_wait: Callable[[str], None] | None = None) -> dict[str, Any]:
+        """A streamed operation: render its progress, return its last event (a result or an error)."""
+        for event in self._stream(path, payload, what):
+            kind = event.get("event")
+            if kind == "step" and on_step is not None:
+                on_step(event["step"])
+            elif kind == "progress" and bar is not None:
+                bar.start(event["total"], event["done"])
+            elif kind == "advance" and bar is not None and bar.task is not None:
+                bar.advance(event["bytes"])
+            elif kind == "wait" and on_wait is not None:
+                on_wait(event["message"])
+            elif kind in ("result", "error"):
+                return event
+        raise self._gone(what, None)
+
+    def _stream(self, path: str, payload: Any, what: str) -> Iterator[dict[str, Any]]:
+        response = self._open("POST", path, payload)
+        try:
+            while True:
+                try:
+                    line = response.readline()
+                except (OSError, http.client.HTTPException) as exc:
+                    raise self._gone(what, exc) from None
+                if not line:
+                    return
+                if line.strip():
+                    yield json.loads(line)
+        finally:
+            response.close()
+
+    def _gone(self, what: str, exc: BaseException | None) -> DeploykitError:
+        why = f" ({type(exc).__name__}: {exc})" if exc is not None else ""
+        return DeploykitError(f"the deploykit server at {self.url} went away during the {what}{why}. On the "
+                              "server the change either completed or the last good revision still serves: "
+                              "`deploykit status` says which; applying again resumes it")
+
+
+class RemoteError(DeploykitError):
+    """An error event from the server: ``kind`` manifest (``issues``), plan, error or internal (``message``)."""
+
+    def __init__(self, event: dict[str, Any]) -> None:
+        self.event = event
+        self.kind = str(event.get("kind", "error"))
+        self.issues = [str(i) for i in event.get("issues") or []]
+        self.message = str(event.get("message") or "\n".join(self.issues))
+        super().__init__(self.message if self.kind != "internal" else f"internal error on the server: {self.message}")
+
+
+def connect(server: str | None, state_dir: str | None) -> Remote | None:
+    """The server to send work to, or None to work alone."""
+    from ..control.state import default_state_dir
+    from ..serve.discovery import find_server, read_server_file
+
+    directory = Path(state_dir) if state_dir else default_state_dir()
+    if server:
+        token = os.environ.get("DEPLOYKIT_TOKEN")
+        recorded = read_server_file(directory)
+        if not token and recorded is not None and recorded.url.rstrip("/") == server.rstrip("/"):
+            return Remote(server, recorded.token, str(directory / "server.json"))
+        if not token:
+            raise DeploykitError(f"--server {server} needs the server's control token in $DEPLOYKIT_TOKEN "
+                                 "(it is in server.json in the server's state directory)")
+        return Remote(server, token, "$DEPLOYKIT_TOKEN")
+    info = find_server(directory)
+    if info is None:
+        return None
+    return Remote(info.url, info.token, str(directory / "server.json"))
+
+
+def localise(text: str, source: str) -> str:
+    """The server names a manifest by its absolute path; say it as the user named it."""
+    absolute = str(Path(source).resolve())
+    return text.replace(absolute, source) if absolute != source else text
+
+
+def manifest_payload(item: Any, **extra: Any) -> dict[str, Any]:
+    """What the control API needs of a manifest: the file's text, where it lives, which one it is."""
+    source = Path(item.source)
+    return {"manifest": source.read_text(), "source": str(source.resolve()), "name": item.name, **extra}

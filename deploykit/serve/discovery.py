@@ -1,0 +1,105 @@
+"""``<state dir>/server.json``: how the CLI finds a running ``deploykit serve`` (docs/control.md).
+
+The server writes its URL, its process id and a random control token there (mode 0600, written to a
+temporary file and renamed, so a reader never sees half a file) once it listens, and removes it on a
+clean exit. A file whose process is gone (``kill -9``, a crash, a reboot) is stale: ``find_server``
+ignores it and the next server overwrites it. Stdlib only: the CLI reads this without importing the
+web stack.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import secrets
+import tempfile
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+FILE_NAME = "server.json"
+
+
+@dataclass(frozen=True)
+class ServerInfo:
+    url: str
+    token: str
+    pid: int
+    started_at: float
+    version: str = ""
+
+
+def server_file(state_dir: Path) -> Path:
+    return Path(state_dir) / FILE_NAME
+
+
+def new_token() -> str:
+    return secrets.token_urlsafe(32)
+
+
+def write_server_file(state_dir: Path, info: ServerInfo) -> Path:
+    """Write ``server.json`` atomically with mode 0600 (the token is a credential)."""
+    path = server_file(state_dir)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=".server.", suffix=".json", dir=path.parent)  # mkstemp: mode 0600
+    try:
+        with os.fdopen(fd, "w") as f:
+            json.dump(asdict(info), f)
+            f.flush()
+            os.fsync(f.fileno())
+        os.chmod(tmp, 0o600)
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+    return path
+
+
+def remove_server_file(state_dir: Path, token: str) -> None:
+    """Remove ``server.json`` if it is still this server's (another server may have taken over)."""
+    path = server_file(state_dir)
+    current = read_server_file(state_dir)
+    if current is not None and current.token == token:
+        path.unlink(missing_ok=True)
+
+
+def read_server_file(state_dir: Path) -> ServerInfo | None:
+    """What ``server.json`` says, live or not; None when absent or unreadable."""
+    try:
+        data = json.loads(server_file(state_dir).read_text())
+        return ServerInfo(url=str(data["url"]), token=str(data["token"]), pid=int(data["pid"]),
+                          started_at=float(data.get("started_at", 0)), version=str(data.get("version", "")))
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+
+
+def process_alive(pid: int) -> bool:
+    """Whether ``pid`` runs and (where /proc says) is a deploykit process: a recycled pid is not."""
+    if pid <= 0:
+        return False
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        pass  # it exists, owned by someone else
+    try:
+        cmdline = Path(f"/proc/{pid}/cmdline").read_bytes()
+    except OSError:
+        return True  # no /proc (macOS): trust the pid
+    return b"deploykit" in cmdline
+
+
+def find_server(state_dir: Path) -> ServerInfo | None:
+    """The live server of ``state_dir``, or None (no file, or a stale one whose process is gone)."""
+    info = read_server_file(state_dir)
+    if info is None or not process_alive(info.pid):
+        return None
+    return info
+
+
+def server_info(url: str, token: str) -> ServerInfo:
+    """The ``ServerInfo`` a server writes for itself."""
+    from .. import __version__
+
+    return ServerInfo(url=url, token=token, pid=os.getpid(), started_at=time.time(), version=__version__)
