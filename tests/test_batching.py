@@ -1,0 +1,302 @@
+"""The batching engine (deploykit.engine.batching) on real models, no mocks: a tiny random Llama for
+the mechanics (greedy equality with ``generate``, requests joining mid-flight, cancel, queue limits,
+stop ids and strings, seeded sampling, listeners, stats, the forward lock, a failing batch).
+
+The real SmolLM2-135M-Instruct goes through this engine in tests/test_serve_smollm2.py (concurrent
+requests of different lengths included), which already pays for loading it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import random
+import threading
+import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from functools import cache
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from deploykit.engine.batching import Engine, GenerationRequest, GenerationResult, QueueFull
+from deploykit.errors import DeploykitError
+
+BACKENDS = ["padded", "continuous"]
+Reference = Callable[[tuple[int, ...], int], list[int]]
+
+
+class CharTokenizer:
+    """What the engine needs of a tokenizer (``decode``, for stop strings), one character per id: every
+    tail of the ids decodes to a substring of the whole text, which random ids through a byte-level
+    tokenizer would not (half characters)."""
+
+    def decode(self, ids: list[int], **_: Any) -> str:
+        return "".join(chr(65 + i % 26) for i in ids)
+
+
+@pytest.fixture(scope="module")
+def llama(tiny_model: Callable[[str], Path]) -> Any:
+    """The tiny random Llama (4 layers, vocabulary 256, EOS id 2), float32."""
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(tiny_model("llama"), dtype=torch.float32).eval()
+
+
+def generate(model: Any, prompt: list[int] | tuple[int, ...], max_new: int) -> list[int]:
+    """Plain single-sequence greedy ``generate``: the generated ids only (EOS included)."""
+    with torch.inference_mode():
+        out = model.generate(torch.tensor([list(prompt)]), attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
+                             max_new_tokens=max_new, do_sample=False)
+    return [int(t) for t in out[0, len(prompt):]]
+
+
+@pytest.fixture(scope="module")
+def reference(llama: Any) -> Reference:
+    """Cached ``generate``. Call it before an engine starts: the continuous backend switches the model's
+    attention implementation while it runs."""
+    return cache(lambda prompt, max_new: generate(llama, prompt, max_new))
+
+
+def prompts(n: int, seed: int = 0) -> list[tuple[int, ...]]:
+    """``n`` random prompts of 3..39 ids (ids >= 4: no BOS/EOS/pad inside a prompt)."""
+    rng = random.Random(seed)
+    return [tuple(rng.randrange(4, 256) for _ in range(rng.randrange(3, 40))) for _ in range(n)]
+
+
+@contextmanager
+def engine(model: Any, **kwargs: Any) -> Iterator[Engine]:
+    """An engine with the tests' tokenizer, closed however the test ends."""
+    eng = Engine(model, CharTokenizer(), **kwargs)
+    try:
+        yield eng
+    finally:
+        eng.close(timeout=30)
+
+
+def wait_until(predicate: Callable[[], bool], timeout: float = 10.0) -> bool:
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.01)
+    return True
+
+
+# ---- greedy equality ---------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_concurrent_greedy_equals_generate(llama: Any, reference: Reference, backend: str) -> None:
+    ps = prompts(8)
+    expected = [reference(p, 20) for p in ps]
+    with engine(llama, backend=backend, max_batch_size=8) as eng:
+        handles = [eng.submit(GenerationRequest(p, max_new_tokens=20)) for p in ps]
+        for p, want, h in zip(ps, expected, handles):
+            res = h.result(timeout=120)
+            assert res.token_ids == want
+            assert res.finish_reason == ("stop" if len(want) < 20 else "length")
+            assert (res.prompt_tokens, res.completion_tokens) == (len(p), len(res.token_ids))
+            assert res.time_to_first_token is not None and res.error is None
+
+
+def test_requests_join_a_running_batch_and_stream(llama: Any, reference: Reference) -> None:
+    ps = prompts(6, seed=1)
+    expected = [reference(p, 20) for p in ps]
+    with engine(llama, max_batch_size=8) as eng:
+        first = [eng.submit(GenerationRequest(p, max_new_tokens=20)) for p in ps[:3]]
+        streamed = [next(iter(first[0]))]  # a token came out: the batch is running
+        late = [eng.submit(GenerationRequest(p, max_new_tokens=20)) for p in ps[3:]]
+        streamed += list(first[0])
+        assert streamed == first[0].result(timeout=60).token_ids
+        assert [h.result(timeout=120).token_ids for h in first + late] == expected
+
+
+def test_a_small_kv_budget_runs_requests_one_after_another(llama: Any, reference: Reference) -> None:
+    ps = prompts(3, seed=2)
+    expected = [reference(p, 12) for p in ps]
+    order: list[int] = []  # which request each event belonged to, as the engine produced them
+
+    def tag(i: int) -> Callable[[int | GenerationResult], None]:
+        return lambda _: order.append(i)
+
+    with engine(llama, max_batch_size=8, kv_cache_bytes=1) as eng:  # no two rows fit: no batching at all
+        handles = [eng.submit(GenerationRequest(p, max_new_tokens=12), listener=tag(i)) for i, p in enumerate(ps)]
+        assert [h.result(timeout=60).token_ids for h in handles] == expected
+    assert order == sorted(order)  # each request ran to its end before the next one started
+
+
+# ---- cancel, queue limits, stop conditions, sampling ----------------------------------------------------
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_cancel_frees_the_slot(llama: Any, backend: str) -> None:
+    with engine(llama, backend=backend, max_batch_size=2, max_queued=2) as eng:
+        h = eng.submit(GenerationRequest([5, 6, 7], max_new_tokens=10_000))
+        next(iter(h))
+        eng.cancel(h)
+        res = h.result(timeout=5)
+        assert res.finish_reason == "cancelled" and len(res.token_ids) < 10_000
+        ok = eng.submit(GenerationRequest([9, 10, 11], max_new_tokens=5)).result(timeout=60)
+        assert ok.finish_reason in ("stop", "length") and ok.completion_tokens <= 5
+        assert wait_until(lambda: eng.stats() == {"running": 0, "waiting": 0})
+
+
+def test_queue_full_is_a_deploykit_error_and_cancelled_waiters_make_room(llama: Any) -> None:
+    assert issubclass(QueueFull, DeploykitError)
+    with engine(llama, max_batch_size=1, max_queued=2) as eng:
+        running = eng.submit(GenerationRequest([5, 6], max_new_tokens=10_000))
+        next(iter(running))  # decoding: the next two wait
+        waiting = [eng.submit(GenerationRequest([5, 6], max_new_tokens=10)) for _ in range(2)]
+        with pytest.raises(QueueFull, match="2 requests already waiting"):
+            eng.submit(GenerationRequest([5, 6], max_new_tokens=10))
+        eng.cancel(waiting[0])  # a cancelled waiter no longer counts
+        waiting.append(eng.submit(GenerationRequest([5, 6], max_new_tokens=10)))
+        for h in (*waiting, running):
+            eng.cancel(h)
+
+
+def test_stop_ids_stop_strings_and_seeded_sampling(llama: Any, reference: Reference) -> None:
+    p = prompts(1, seed=3)[0]
+    ref = reference(p, 12)
+    assert len(ref) == 12 and 2 not in ref  # the stops below cut a full-length generation
+    text = CharTokenizer().decode(ref)
+    with engine(llama) as eng:
+        r = eng.submit(GenerationRequest(p, max_new_tokens=12, stop_token_ids=[ref[4]])).result(timeout=60)
+        assert r.finish_reason == "stop" and r.token_ids == ref[: ref.index(ref[4]) + 1]
+        r = eng.submit(GenerationRequest(p, max_new_tokens=12, stop_strings=[text[5:7]])).result(timeout=60)
+        end = text.index(text[5:7]) + 2  # ends on the token that completes the stop string
+        assert r.finish_reason == "stop" and r.token_ids == ref[:end]
+        sampled = GenerationRequest(p, max_new_tokens=16, temperature=1.0, top_p=0.9, seed=42)
+        a, b = eng.submit(sampled), eng.submit(sampled)  # one batch, one seed: the same tokens
+        c = eng.submit(GenerationRequest(p, max_new_tokens=16, temperature=1.0, top_p=0.9, seed=7))
+        assert a.result(timeout=60).token_ids == b.result(timeout=60).token_ids
+        assert c.result(timeout=60).token_ids != a.result().token_ids
+
+
+def test_the_continuous_backend_refuses_sampling(llama: Any) -> None:
+    with engine(llama, backend="continuous") as eng:
+        with pytest.raises(ValueError, match="greedy-only"):
+            eng.submit(GenerationRequest([5, 6], temperature=0.7))
+        assert eng.stats() == {"running": 0, "waiting": 0}
+
+
+def test_bad_requests_are_refused_at_submit(llama: Any) -> None:
+    with engine(llama) as eng:
+        for bad in (GenerationRequest([]), GenerationRequest([5], max_new_tokens=0)):
+            with pytest.raises(ValueError):
+                eng.submit(bad)
+    with pytest.raises(RuntimeError, match="closed"):
+        eng.submit(GenerationRequest([5]))
+
+
+def test_a_failing_batch_fails_its_requests_not_the_engine(llama: Any, reference: Reference) -> None:
+    p = prompts(1, seed=5)[0]
+    expected = reference(p, 6)
+    with engine(llama) as eng:
+        bad = eng.submit(GenerationRequest([5, 10_000], max_new_tokens=4)).result(timeout=60)  # id > vocab
+        assert bad.finish_reason == "error" and bad.error and bad.token_ids == []
+        assert eng.submit(GenerationRequest(p, max_new_tokens=6)).result(timeout=60).token_ids == expected
+
+
+# ---- listeners, stats, the forward lock, threads -----------------------------------------------------------
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_a_listener_gets_every_id_in_order_then_one_result(llama: Any, reference: Reference, backend: str) -> None:
+    ps = prompts(3, seed=6)
+    expected = [reference(p, 15) for p in ps]
+    events: list[list[int | GenerationResult]] = [[] for _ in ps]
+    threads: set[str] = set()
+
+    def listener(i: int) -> Callable[[int | GenerationResult], None]:
+        def on(event: int | GenerationResult) -> None:
+            threads.add(threading.current_thread().name)
+            events[i].append(event)
+        return on
+
+    with engine(llama, backend=backend) as eng:
+        handles = [eng.submit(GenerationRequest(p, max_new_tokens=15), listener=listener(i))
+                   for i, p in enumerate(ps)]
+        results = [h.result(timeout=60) for h in handles]
+    for want, got, res in zip(expected, events, results):
+        assert got[:-1] == want == res.token_ids  # every id, in order, before the result
+        assert got[-1] is res  # then exactly one result, the handle's own
+    assert threads == {f"deploykit-engine-{backend}"}  # called from the engine's thread, never the caller's
+
+
+def test_a_cancelled_request_tells_its_listener_once(llama: Any) -> None:
+    events: list[int | GenerationResult] = []
+    first = threading.Event()
+
+    def on(event: int | GenerationResult) -> None:
+        events.append(event)
+        first.set()
+
+    with engine(llama) as eng:
+        h = eng.submit(GenerationRequest([5, 6, 7], max_new_tokens=10_000), listener=on)
+        assert first.wait(30)
+        eng.cancel(h)
+        eng.cancel(h)  # twice: still one result
+        res = h.result(timeout=5)
+        assert wait_until(lambda: eng.stats()["running"] == 0)  # the row has left the batch
+    results = [e for e in events if isinstance(e, GenerationResult)]
+    assert results == [res] and res.finish_reason == "cancelled"
+    assert events[-1] is res and events[:-1] == res.token_ids
+
+
+def test_stats_count_running_and_waiting_requests(llama: Any) -> None:
+    with engine(llama, max_batch_size=2) as eng:
+        assert eng.stats() == {"running": 0, "waiting": 0}
+        running = [eng.submit(GenerationRequest([5 + i, 6], max_new_tokens=10_000)) for i in range(2)]
+        for h in running:
+            next(iter(h))
+        waiting = [eng.submit(GenerationRequest([7, 8], max_new_tokens=10_000)) for _ in range(3)]
+        assert eng.stats() == {"running": 2, "waiting": 3}
+        eng.cancel(waiting[0])
+        assert eng.stats() == {"running": 2, "waiting": 2}  # cancelled waiters are not counted
+        for h in waiting[1:]:
+            eng.cancel(h)
+        eng.cancel(running[0])
+        assert wait_until(lambda: eng.stats() == {"running": 1, "waiting": 0})
+        eng.cancel(running[1])
+        assert wait_until(lambda: eng.stats() == {"running": 0, "waiting": 0})
+
+
+def test_a_forward_lock_forces_padded_and_guards_every_forward(llama: Any, reference: Reference) -> None:
+    p = prompts(1, seed=7)[0]
+    expected = reference(p, 8)
+    lock = threading.Lock()
+    with engine(llama, backend="continuous", forward_lock=lock) as eng:
+        assert eng.backend == "padded" and eng._cb is None
+        with lock:  # held by someone else (offload hooks, another engine): no forward may run
+            h = eng.submit(GenerationRequest(p, max_new_tokens=8))
+            time.sleep(0.3)
+            assert h.tokens == [] and not h.done
+        assert h.result(timeout=60).token_ids == expected
+
+
+def test_asyncio_clients_through_call_soon_threadsafe(llama: Any, reference: Reference) -> None:
+    """What the server does: submit on the event loop, receive through ``call_soon_threadsafe``."""
+    ps = prompts(5, seed=4)
+    expected = [reference(p, 8) for p in ps]
+
+    async def one(eng: Engine, p: tuple[int, ...]) -> list[int | GenerationResult]:
+        loop, queue = asyncio.get_running_loop(), asyncio.Queue[int | GenerationResult]()
+
+        def put(event: int | GenerationResult) -> None:  # engine thread -> event loop
+            loop.call_soon_threadsafe(queue.put_nowait, event)
+
+        eng.submit(GenerationRequest(p, max_new_tokens=8), listener=put)
+        events = [await queue.get()]
+        while not isinstance(events[-1], GenerationResult):
+            events.append(await queue.get())
+        return events
+
+    async def main(eng: Engine) -> list[list[int | GenerationResult]]:
+        return await asyncio.gather(*(one(eng, p) for p in ps))
+
+    with engine(llama) as eng:
+        outs = asyncio.run(main(eng))
+    for want, events in zip(expected, outs):
+        assert events[:-1] == want
+
