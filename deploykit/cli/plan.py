@@ -12,18 +12,28 @@ from .console import EXIT_FAILED, OUTPUT_OPTION, fail, handle_errors, load_all, 
 @click.command()
 @click.argument("files", nargs=-1, required=True, type=click.Path())
 @click.option("--devices", metavar="SPEC", default=None,
-              help="Simulated inventory, e.g. 4x80GiB or 2x24GiB,1x48GiB,cpu=64GiB "
-                   "(default: $DEPLOYKIT_DEVICES, else this host).")
+              help="Simulated inventory, e.g. 4x80GiB or 2x24GiB,1x48GiB,cpu=64GiB, or nodes: 2x(8x80GiB) "
+                   "(default: $DEPLOYKIT_DEVICES, else this host; for a manifest with spec.cluster and "
+                   "placement.nodes > 1, the Ray cluster's nodes).")
 @OUTPUT_OPTION
 @handle_errors
 def plan(files: tuple[str, ...], devices: str | None, output: str) -> None:
     """Plan where every block of the model goes. Reads config.json only: no weights needed."""
+    import os
+
     from ..placement.planning import plan_manifest
 
     plans, failures = [], []
     for item in load_all(files):
+        spec = item.manifest.spec
         try:
-            plans.append(plan_manifest(item, devices=devices))
+            if (devices is None and os.environ.get("DEPLOYKIT_DEVICES") is None and spec.cluster is not None
+                    and spec.placement.nodes > 1):
+                from ..cluster.inventory import probe_cluster  # imports ray; only for such manifests
+
+                plans.append(plan_manifest(item, inventory=probe_cluster(spec.cluster.address)))
+            else:
+                plans.append(plan_manifest(item, devices=devices))
         except PlanInfeasible as exc:
             failures.append(located(item, exc))
     if output == "json":
@@ -37,5 +47,8 @@ def plan(files: tuple[str, ...], devices: str | None, output: str) -> None:
                       f"digest: {p.digest[:19]}")
             for note in p.notes:
                 out.print(f"  note: {note}")
+            for n in p.nodes:  # one line per pipeline stage, easy to grep
+                layers = f"layers {n.layers[0]}-{n.layers[1]}" if n.layers else "no layers"
+                out.print(f"node {n.node} {n.name}: {layers}, {format_size(n.bytes)}, load {100 * n.actual_share:.2f}%")
     if failures:
         fail(EXIT_FAILED, failures)

@@ -28,19 +28,67 @@ class Gpu:
 
 
 @dataclass(frozen=True)
+class Node:
+    """One machine of a cluster: its own GPUs (indexed from 0 on that machine) and tiers."""
+
+    name: str
+    gpus: tuple[Gpu, ...] = ()
+    cpu: int | None = None
+    disk: int | None = None
+    address: str | None = None  # the node's IP (a Ray cluster), None when simulated
+    id: str | None = None  # the cluster's id of the node (Ray's NodeID)
+
+    def host(self, *, simulated: bool = True) -> Inventory:
+        """This node as a single-host inventory."""
+        return Inventory(gpus=self.gpus, cpu=self.cpu, disk=self.disk, simulated=simulated)
+
+    def describe(self) -> str:
+        parts = [f"{len(self.gpus)}x GPU" + (f" ({format_size(min(g.memory for g in self.gpus))})"
+                                             if self.gpus else "")]
+        if self.cpu is not None:
+            parts.append(f"cpu {format_size(self.cpu)}")
+        where = f" at {self.address}" if self.address else ""
+        return f"{self.name}{where}: " + ", ".join(parts)
+
+
+@dataclass(frozen=True)
 class Inventory:
-    """Devices available for a deployment. ``cpu``/``disk`` None means "not limited by the host"."""
+    """Devices available for a deployment. ``cpu``/``disk`` None means "not limited by the host".
+
+    A cluster inventory also lists its ``nodes`` (machines, in order); its own ``gpus``/``cpu``/``disk``
+    are then those of the first node, where a one-node deployment runs."""
 
     gpus: tuple[Gpu, ...] = ()
     cpu: int | None = None
     disk: int | None = None
     simulated: bool = True
     notes: tuple[str, ...] = field(default=(), compare=False)
+    nodes: tuple[Node, ...] = ()  # empty: a single host
+
+    @classmethod
+    def of_nodes(cls, nodes: tuple[Node, ...], *, simulated: bool = True,
+                 notes: tuple[str, ...] = ()) -> Inventory:
+        first = nodes[0] if nodes else Node("none")
+        return cls(gpus=first.gpus, cpu=first.cpu, disk=first.disk, simulated=simulated, notes=notes,
+                   nodes=nodes)
+
+    @property
+    def node_count(self) -> int:
+        return len(self.nodes) or 1
+
+    def node_list(self) -> tuple[Node, ...]:
+        """The machines: the listed nodes, or this host as the only one."""
+        return self.nodes or (Node("local", self.gpus, self.cpu, self.disk),)
+
+    def describe_nodes(self) -> str:
+        return "; ".join(n.describe() for n in self.node_list())
 
     def gpu(self, index: int) -> Gpu | None:
         return next((g for g in self.gpus if g.index == index), None)
 
     def describe(self) -> str:
+        if len(self.nodes) > 1:
+            return ("simulated: " if self.simulated else "") + f"{len(self.nodes)} nodes: " + self.describe_nodes()
         parts = [f"cuda:{g.index} {format_size(g.memory)}" for g in self.gpus] or ["no GPU"]
         if self.cpu is not None:
             parts.append(f"cpu {format_size(self.cpu)}")
@@ -49,17 +97,77 @@ class Inventory:
         return ("simulated: " if self.simulated else "") + ", ".join(parts)
 
 
+_NODES_RE = re.compile(r"^(?:(\d+)\s*[xX*]\s*)?\((.*)\)$")
+
+
+def _split_top(spec: str) -> list[str]:
+    """Split on ``,``/``+`` outside parentheses."""
+    items, depth, cur = [], 0, ""
+    for ch in spec:
+        if ch == "(":
+            depth += 1
+        elif ch == ")":
+            depth -= 1
+            if depth < 0:
+                raise InventoryError(f"cannot read device spec {spec!r}: unbalanced ')'")
+        if ch in ",+" and depth == 0:
+            items.append(cur.strip())
+            cur = ""
+        else:
+            cur += ch
+    if depth:
+        raise InventoryError(f"cannot read device spec {spec!r}: unclosed '('")
+    items.append(cur.strip())
+    return [i for i in items if i]
+
+
 def parse_devices(spec: str) -> Inventory:
     """Parse a simulated inventory.
 
     ``"4x80GiB"``; ``"2x24GiB,1x48GiB"`` (``+`` works too); ``"80GiB"`` for one GPU; optional
     ``cpu=64GiB`` and ``disk=1TiB`` items; ``"none"`` or ``""`` for a host without GPUs. GPUs are
     numbered 0..N-1 in the order given.
+
+    Several machines: ``"2x(8x80GiB)"`` is two nodes of eight 80 GiB GPUs each; ``"(8x80GiB),(4x80GiB)"``
+    two different ones; ``"2x(8x80GiB,cpu=512GiB)"`` with their own CPU tier. A ``cpu=``/``disk=`` item
+    outside the parentheses applies to every node that names none. Nodes are named node0, node1...
+    and each numbers its GPUs from 0.
     """
+    items = _split_top(spec)
+    if any(_NODES_RE.match(i) for i in items):
+        return _parse_nodes(spec, items)
+    return _parse_host(spec, items)
+
+
+def _parse_nodes(spec: str, items: list[str]) -> Inventory:
+    hosts: list[Inventory] = []
+    shared: list[str] = []
+    for item in items:
+        match = _NODES_RE.match(item)
+        if match is None:
+            if "=" not in item:
+                raise InventoryError(f"cannot read device spec {spec!r} at {item!r}: GPUs outside a node's "
+                                     "parentheses; write each machine as (GPUs), e.g. 2x(8x80GiB)")
+            shared.append(item)
+            continue
+        count = int(match.group(1) or 1)
+        if count < 1:
+            raise InventoryError(f"cannot read device spec {spec!r} at {item!r}: node count must be positive")
+        inner = _split_top(match.group(2))
+        if any(_NODES_RE.match(i) for i in inner):
+            raise InventoryError(f"cannot read device spec {spec!r} at {item!r}: nodes cannot be nested")
+        host = _parse_host(spec, inner)
+        hosts.extend([host] * count)
+    defaults = _parse_host(spec, shared)
+    nodes = tuple(Node(f"node{i}", h.gpus, h.cpu if h.cpu is not None else defaults.cpu,
+                       h.disk if h.disk is not None else defaults.disk) for i, h in enumerate(hosts))
+    return Inventory.of_nodes(nodes, simulated=True)
+
+
+def _parse_host(spec: str, items: list[str]) -> Inventory:
     gpus: list[Gpu] = []
     cpu: int | None = None
     disk: int | None = None
-    items = [p.strip() for p in re.split(r"[,+]", spec) if p.strip()]
     if items == ["none"]:
         items = []
     for item in items:

@@ -27,7 +27,7 @@ from __future__ import annotations
 import hashlib
 import json
 import re
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from collections.abc import Mapping, Sequence
 from typing import Any, Literal
 
@@ -58,6 +58,22 @@ class DevicePlan:
 
 
 @dataclass(frozen=True)
+class NodePlan:
+    """One pipeline stage: the machine it runs on and the contiguous run of blocks it holds."""
+
+    node: int  # stage index, 0 first
+    name: str  # the inventory's name of the machine (node0..., or the Ray node's address)
+    blocks: tuple[str, ...]  # compressed runs
+    layers: tuple[int, int] | None  # first and last decoder layer index held, None if none
+    bytes: int
+    load: int
+    target_share: float
+    actual_share: float
+    address: str | None = None
+    id: str | None = None
+
+
+@dataclass(frozen=True)
 class Plan:
     """A placement decision. ``digest`` covers what was decided (model, dtype, device_map)."""
 
@@ -72,6 +88,11 @@ class Plan:
     kv_cache_tokens: int | None = None
     notes: tuple[str, ...] = ()
     digest: str = field(default="")
+    # Several nodes (placement.nodes > 1): the stage of every device_map key, and each stage's summary.
+    # device_map then holds each block's device on its own node (GPU indices count from 0 per node).
+    node_map: dict[str, int] = field(default_factory=dict)
+    nodes: tuple[NodePlan, ...] = ()
+    device_nodes: tuple[int, ...] = ()  # the node of each entry of ``devices``
 
     def to_dict(self) -> dict[str, Any]:
         data = asdict(self)
@@ -79,7 +100,20 @@ class Plan:
         data["notes"] = list(self.notes)
         for d in data["devices"]:
             d["blocks"] = list(d["blocks"])
+        if not self.nodes:  # one-node plans keep their exact former shape
+            for key in ("node_map", "nodes", "device_nodes"):
+                data.pop(key)
+        else:
+            data["device_nodes"] = list(self.device_nodes)
+            data["nodes"] = [{**asdict(n), "blocks": list(n.blocks),
+                              "layers": list(n.layers) if n.layers else None} for n in self.nodes]
         return data
+
+    def stage_device_map(self, node: int) -> dict[str, Device]:
+        """The device_map of one stage (accelerate's convention, on that node)."""
+        if not self.nodes:
+            return dict(self.device_map)
+        return {k: d for k, d in self.device_map.items() if self.node_map.get(k) == node}
 
     def to_json(self) -> str:
         return json.dumps(self.to_dict(), indent=2)
@@ -87,12 +121,21 @@ class Plan:
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> Plan:
         devices = tuple(DevicePlan(**{**d, "blocks": tuple(d["blocks"])}) for d in data["devices"])
-        return cls(**{**data, "devices": devices, "notes": tuple(data.get("notes", ()))})
+        nodes = tuple(NodePlan(**{**n, "blocks": tuple(n["blocks"]),
+                                  "layers": tuple(n["layers"]) if n.get("layers") else None})
+                      for n in data.get("nodes", ()))
+        return cls(**{**data, "devices": devices, "notes": tuple(data.get("notes", ())), "nodes": nodes,
+                      "device_nodes": tuple(data.get("device_nodes", ())),
+                      "node_map": dict(data.get("node_map", {}))})
 
 
-def _digest(name: str, architecture: str, dtype: str, device_map: dict[str, Device]) -> str:
-    payload = json.dumps({"name": name, "architecture": architecture, "dtype": dtype,
-                          "device_map": list(device_map.items())}, separators=(",", ":"))
+def _digest(name: str, architecture: str, dtype: str, device_map: dict[str, Device],
+            node_map: dict[str, int] | None = None) -> str:
+    decided: dict[str, Any] = {"name": name, "architecture": architecture, "dtype": dtype,
+                               "device_map": list(device_map.items())}
+    if node_map:  # only multi-node plans: one-node digests stay what they were
+        decided["node_map"] = list(node_map.items())
+    payload = json.dumps(decided, separators=(",", ":"))
     return "sha256:" + hashlib.sha256(payload.encode()).hexdigest()
 
 
@@ -242,6 +285,13 @@ def _tier_budget(limit: int | None, host: int | None) -> int | None:
 
 def plan(structure: Structure, spec: Spec, inventory: Inventory, *, name: str = "") -> Plan:
     """Place ``structure`` on the devices ``spec`` allows within ``inventory``. Pure."""
+    if spec.placement.nodes > 1:
+        return _plan_nodes(structure, spec, inventory, name=name)
+    return _plan_host(structure, spec, inventory, name=name)
+
+
+def _plan_host(structure: Structure, spec: Spec, inventory: Inventory, *, name: str = "") -> Plan:
+    """One machine: GPUs (exact split of the longest prefix that fits), then CPU, then disk."""
     blocks = structure.blocks
     tokens = spec.placement.kv_cache.tokens if spec.placement.kv_cache else 0
     gpu_sizes = [_footprint(b, tokens) for b in blocks]
@@ -364,3 +414,180 @@ def _assemble(structure: Structure, spec: Spec, *, name: str, gpus: list[int], r
         bottleneck_factor=factor, total_bytes=sum(d.bytes for d in devices),
         kv_cache_tokens=tokens or None, notes=tuple(notes),
         digest=_digest(name, structure.architecture, structure.dtype, device_map))
+
+
+# ---------------------------------------------------------------------------------------------------
+# Several nodes: pipeline stages, node-major.
+
+
+def min_max_stages(loads: Sequence[int], ratios: Sequence[float], max_end: Sequence[Sequence[int]],
+                   *, min_first: int = 0) -> tuple[list[int], float]:
+    """Split all blocks into len(ratios) contiguous, non-empty runs, run k = [a, b) allowed when
+    b <= max_end[k][a] (what node k can hold starting at block a; monotone in b), the first run holding
+    at least ``min_first`` blocks. Minimises max(load_k / ratio_k), then sum(load_k^2 / ratio_k) among
+    the optimal splits. Returns (end of each run, optimal max); ValueError when infeasible."""
+    n, m = len(loads), len(ratios)
+    lp = _prefix(loads)
+
+    def ok(a: int, b: int, k: int) -> bool:
+        return a < b <= max_end[k][a] and (k > 0 or b >= min_first)
+
+    best = [[_INF] * (n + 1) for _ in range(m + 1)]
+    best[0][0] = 0.0
+    for k in range(m):
+        for a in range(n):
+            if best[k][a] == _INF:
+                continue
+            for b in range(a + 1, min(n, max_end[k][a]) + 1):
+                if ok(a, b, k):
+                    v = max(best[k][a], (lp[b] - lp[a]) / ratios[k])
+                    if v < best[k + 1][b]:
+                        best[k + 1][b] = v
+    optimum = best[m][n]
+    if optimum == _INF:
+        raise ValueError("no feasible split")
+    cost = [[_INF] * (n + 1) for _ in range(m + 1)]
+    back = [[0] * (n + 1) for _ in range(m + 1)]
+    cost[0][0] = 0.0
+    for k in range(m):
+        for a in range(n):
+            if cost[k][a] == _INF:
+                continue
+            for b in range(a + 1, min(n, max_end[k][a]) + 1):
+                load = lp[b] - lp[a]
+                if not ok(a, b, k) or load / ratios[k] > optimum:
+                    continue
+                c = cost[k][a] + load * load / ratios[k]
+                if c < cost[k + 1][b]:
+                    cost[k + 1][b], back[k + 1][b] = c, a
+    ends = [n]
+    for k in range(m, 1, -1):
+        ends.append(back[k][ends[-1]])
+    return ends[::-1], optimum
+
+
+def _host_capacity(spec: Spec, host: Inventory) -> tuple[list[int], list[int | None], float]:
+    """(GPU budgets of the active GPUs in order, tier budgets in order, the node's ratio)."""
+    gpus, ratios = _resolve_gpus(spec, host)
+    reserve = spec.placement.reserve
+    gpu_budgets = [max(0, host.gpu(g).memory - reserve)  # type: ignore[union-attr]
+                   for g, r in zip(gpus, ratios) if r > 0]
+    tiers: list[int | None] = []
+    if spec.offload.cpu is not None:
+        tiers.append(_tier_budget(spec.offload.cpu.max_memory, host.cpu))
+    if spec.offload.disk is not None:
+        tiers.append(_tier_budget(spec.offload.disk.max_size, host.disk))
+    node_ratio = sum(r for r in ratios if r > 0) or 1.0
+    return gpu_budgets, tiers, node_ratio
+
+
+def _max_end(start: int, gpu_sizes: Sequence[int], offload_sizes: Sequence[int], gpu_budgets: Sequence[int],
+             tiers: Sequence[int | None], min_first: int) -> int:
+    """The furthest block a node can hold from ``start``: its GPUs filled greedily (the first GPU
+    holding the first ``min_first`` blocks), then its tiers. ``start`` when it cannot even do that."""
+    pos, n = start, len(gpu_sizes)
+    for k, budget in enumerate(gpu_budgets):
+        used = 0
+        while pos < n and used + gpu_sizes[pos] <= budget:
+            used += gpu_sizes[pos]
+            pos += 1
+        if k == 0 and pos < min_first:
+            return start
+    for cap in tiers:
+        used = 0
+        while pos < n and (cap is None or used + offload_sizes[pos] <= cap):
+            used += offload_sizes[pos]
+            pos += 1
+    return pos
+
+
+def _layer_range(blocks: Sequence[Block]) -> tuple[int, int] | None:
+    indices = [int(m.group(1)) for b in blocks if b.kind == "layer"
+               for m in [re.search(r"\.(\d+)$", b.name)] if m]
+    return (min(indices), max(indices)) if indices else None
+
+
+def _plan_nodes(structure: Structure, spec: Spec, inventory: Inventory, *, name: str) -> Plan:
+    """Pipeline stages: blocks split node-major into one contiguous run per node (exact min-max of the
+    node loads over node ratios, each run feasible on its node), then each run planned on its node as
+    one host (GPUs, then its CPU and disk tiers); embeddings on the first node's first GPU."""
+    count = spec.placement.nodes
+    machines = inventory.nodes
+    if len(machines) < count:
+        have = inventory.describe_nodes() if machines else "a single host (no nodes)"
+        found = len(machines) or 1
+        raise PlanInfeasible(
+            f"placement.nodes is {count}, but the inventory has {found} node{'s' if found != 1 else ''}: "
+            f"{have}", field="spec.placement.nodes")
+    machines = machines[:count]
+    blocks = structure.blocks
+    tokens = spec.placement.kv_cache.tokens if spec.placement.kv_cache else 0
+    gpu_sizes = [_footprint(b, tokens) for b in blocks]
+    offload_sizes = [b.weight_bytes for b in blocks]
+    loads = gpu_sizes if spec.placement.balance == "memory" else [b.flops_per_token for b in blocks]
+    min_first = structure.embedding_block + 1
+    capacity = [_host_capacity(spec, m.host(simulated=inventory.simulated)) for m in machines]
+    max_end = [[_max_end(a, gpu_sizes, offload_sizes, gb, tiers, min_first if k == 0 and a == 0 else 0)
+                for a in range(len(blocks) + 1)] for k, (gb, tiers, _r) in enumerate(capacity)]
+    ratios = [r for _gb, _t, r in capacity]
+    try:
+        ends, _ = min_max_stages(loads, ratios, max_end, min_first=min_first)
+    except ValueError:
+        total = sum(offload_sizes)
+        raise PlanInfeasible(
+            f"the model ({format_size(total)} of weights, {len(blocks)} blocks) does not fit in "
+            f"{count} pipeline stages on {inventory.describe_nodes()}: each node holds one contiguous run "
+            "of blocks (GPUs, then its own CPU and disk tiers); add nodes or GPUs, lower "
+            "placement.reserve or enable an offload tier", field="spec.placement.nodes") from None
+
+    device_map: dict[str, Device] = {}
+    node_map: dict[str, int] = {}
+    devices: list[DevicePlan] = []
+    device_nodes: list[int] = []
+    nodes: list[NodePlan] = []
+    notes = list(structure.notes)
+    total_load = sum(loads) or 1
+    ratio_sum = sum(ratios)
+    start = 0
+    for k, (machine, end) in enumerate(zip(machines, ends)):
+        sub = Structure(architecture=structure.architecture, model_type=structure.model_type,
+                        dtype=structure.dtype, blocks=blocks[start:end],
+                        embedding_block=structure.embedding_block if k == 0 else -1,
+                        no_split=structure.no_split)
+        part = _plan_host(sub, spec, machine.host(simulated=inventory.simulated), name=name)
+        for key, device in part.device_map.items():
+            device_map[key] = device
+            node_map[key] = k
+        devices.extend(part.devices)
+        device_nodes.extend([k] * len(part.devices))
+        notes.extend(f"{machine.name}: {note}" for note in part.notes)
+        load = sum(loads[start:end])
+        nodes.append(NodePlan(
+            node=k, name=machine.name, blocks=compress_names([b.name for b in blocks[start:end]]),
+            layers=_layer_range(blocks[start:end]), bytes=part.total_bytes, load=load,
+            target_share=round(ratios[k] / ratio_sum, 6), actual_share=round(load / total_load, 6),
+            address=machine.address, id=machine.id))
+        start = end
+
+    # The bottleneck over every GPU of every node, against its share of all the GPUs' ratios.
+    gpu_devices = [d for d in devices if d.tier == "gpu"]
+    gpu_load = sum(d.load for d in gpu_devices)
+    all_ratios = sum(d.ratio or 0.0 for d in gpu_devices)
+    factor: float | None = None
+    rebased: list[DevicePlan] = []
+    for d in devices:
+        if d.tier == "gpu" and all_ratios:
+            target = (d.ratio or 0.0) / all_ratios
+            actual = d.load / gpu_load if gpu_load else 0.0
+            if target > 0:
+                factor = max(factor or 0.0, actual / target)
+            d = replace(d, target_share=round(target, 6), actual_share=round(actual, 6))
+        rebased.append(d)
+    factor = round(factor, 6) if factor is not None and gpu_load else (1.0 if gpu_devices else None)
+    return Plan(
+        name=name, architecture=structure.architecture, dtype=structure.dtype,
+        balance=spec.placement.balance, device_map=device_map, devices=tuple(rebased),
+        bottleneck_factor=factor, total_bytes=sum(d.bytes for d in rebased),
+        kv_cache_tokens=tokens or None, notes=tuple(notes),
+        digest=_digest(name, structure.architecture, structure.dtype, device_map, node_map),
+        node_map=node_map, nodes=tuple(nodes), device_nodes=tuple(device_nodes))

@@ -23,8 +23,10 @@ from pydantic import (
     StrictBool,
     ValidationError,
     ValidationInfo,
+    SerializerFunctionWrapHandler,
     WithJsonSchema,
     field_validator,
+    model_serializer,
 )
 from pydantic_core import PydanticCustomError
 
@@ -114,6 +116,16 @@ class Placement(_Strict):
     balance: Literal["memory", "compute"] = Field(
         "memory", description="Balance bytes per GPU (memory) or estimated FLOPs per token (compute).")
     kv_cache: KVCache | None = Field(None, description="Plan KV-cache and logits memory per layer.")
+    nodes: int = Field(1, ge=1, description="Pipeline stages, one per node of spec.cluster: layers are split "
+                                            "node-major (contiguous runs per node, then per GPU within a node; "
+                                            "embeddings on the first node's first GPU). 1: one host.")
+
+    @model_serializer(mode="wrap")
+    def _omit_default_nodes(self, handler: SerializerFunctionWrapHandler) -> dict[str, Any]:
+        data: dict[str, Any] = handler(self)
+        if self.nodes == 1:  # manifests that never name nodes keep their digest
+            data.pop("nodes", None)
+        return data
 
     @field_validator("gpus")
     @classmethod
@@ -229,15 +241,57 @@ class Serving(_Strict):
         return max_tokens
 
 
+_RAY_ADDRESS_RE = re.compile(r"^(auto|local|(ray://)?[A-Za-z0-9._-]+:\d{1,5})$")
+
+
+class Cluster(_Strict):
+    """A Ray cluster to run on (extra ``deploykit[ray]``). Absent: in-process on this host."""
+
+    address: str = Field(
+        description="'auto' (the cluster this machine is part of, as `ray start` left it), 'local' (start a "
+                    "private Ray on this host), or a head address: HOST:PORT or ray://HOST:PORT.")
+
+    @field_validator("address")
+    @classmethod
+    def _ray_address(cls, address: str) -> str:
+        if not _RAY_ADDRESS_RE.match(address.strip()):
+            raise PydanticCustomError(
+                "ray_address", "not a Ray address: use 'auto', 'local', HOST:PORT or ray://HOST:PORT")
+        return address.strip()
+
+
 class Spec(_Strict):
     """The desired state of one deployment."""
 
     model: ModelSpec = Field(description="The checkpoint.")
+    cluster: Cluster | None = Field(None, description="Ray cluster for replicas and pipeline stages; "
+                                                      "absent: in-process on this host.")
+    replicas: int = Field(1, ge=1, description="Copies of the model serving behind one endpoint (Ray Serve "
+                                               "replicas when spec.cluster is set).")
     placement: Placement = Field(default_factory=Placement, description="GPUs and their shares.")
     sharding: Sharding = Field(default_factory=Sharding, description="Checkpoint file layout.")
     offload: Offload = Field(default_factory=Offload, description="CPU and disk tiers after the GPUs.")
     rollout: Rollout = Field(default_factory=Rollout, description="How a change goes live.")
     serving: Serving = Field(default_factory=Serving, description="Limits of the inference API.")
+
+    @field_validator("placement")
+    @classmethod
+    def _nodes_need_a_cluster(cls, placement: Placement, info: ValidationInfo) -> Placement:
+        # a cluster that was given but is invalid is absent from info.data, and already reported
+        if placement.nodes > 1 and "cluster" in info.data and info.data["cluster"] is None:
+            raise PydanticCustomError(
+                "nodes_without_cluster", "{n} nodes need a cluster: add spec.cluster.address (a Ray "
+                "address, 'auto' or 'local'), or set nodes to 1", {"n": placement.nodes, "at": "nodes"})
+        return placement
+
+    @model_serializer(mode="wrap")
+    def _omit_defaults(self, handler: SerializerFunctionWrapHandler) -> dict[str, Any]:
+        data: dict[str, Any] = handler(self)
+        if self.cluster is None:  # manifests that never name a cluster keep their digest
+            data.pop("cluster", None)
+        if self.replicas == 1:
+            data.pop("replicas", None)
+        return data
 
 
 class Metadata(_Strict):
@@ -376,6 +430,9 @@ def _issues_from_validation(exc: ValidationError, doc: Document, source: str) ->
     issues: list[Issue] = []
     for err in exc.errors():
         path = _clean_path(err["loc"])
+        at = (err.get("ctx") or {}).get("at")
+        if at:  # a cross-field check raised on the model holding the field to fix: point at that field
+            path = path + tuple(str(at).split("."))
         if err["type"] == "missing":
             line, column = doc.locate(path[:-1], key=True) if path[:-1] else (doc.line, 1)
             message = f"required field {path[-1]!r} is missing"

@@ -1,0 +1,60 @@
+"""Connecting to Ray: the one place that calls ``ray.init``."""
+
+from __future__ import annotations
+
+import os
+import sys
+from pathlib import Path
+from typing import Any
+
+from ..errors import DeploykitError
+
+
+class ClusterError(DeploykitError):
+    """Ray is missing, unreachable, or refused what deploykit asked of it."""
+
+
+def require_ray() -> Any:
+    """The ``ray`` module, or a ClusterError saying how to install it."""
+    try:
+        import ray
+    except ImportError:
+        raise ClusterError("spec.cluster needs Ray: pip install 'deploykit[ray]'") from None
+    return ray
+
+
+def worker_env() -> dict[str, str]:
+    """What stage and replica workers need from this process: workers inherit the raylet's environment,
+    not ours, so deploykit's import path and the offline/quiet switches travel in ``runtime_env``."""
+    package_root = str(Path(__file__).resolve().parents[2])
+    paths = [package_root] + [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]
+    env = {"PYTHONPATH": os.pathsep.join(dict.fromkeys(paths))}
+    for key in ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE", "TRANSFORMERS_VERBOSITY", "HF_HOME",
+                "DEPLOYKIT_CACHE"):
+        if key in os.environ:
+            env[key] = os.environ[key]
+    return env
+
+
+def connect(address: str, *, num_cpus: float | None = None) -> Any:
+    """Connect this process to the Ray cluster at ``address`` (``auto``, ``local``, ``HOST:PORT`` or
+    ``ray://HOST:PORT``); a process already connected keeps its connection. ``local`` starts a private
+    single-node Ray (no dashboard). Returns the ray module."""
+    ray = require_ray()
+    if ray.is_initialized():
+        return ray
+    kwargs: dict[str, Any] = {"runtime_env": {"env_vars": worker_env()}, "log_to_driver": False,
+                              "include_dashboard": False}
+    try:
+        if address == "local":
+            ray.init(num_cpus=num_cpus, **kwargs)
+        else:
+            kwargs.pop("include_dashboard")  # only meaningful when this call starts Ray
+            ray.init(address=address, **kwargs)
+    except Exception as exc:  # ConnectionError, RuntimeError, ValueError from Ray
+        raise ClusterError(f"cannot connect to the Ray cluster at {address!r}: {exc}") from None
+    return ray
+
+
+def python_version_note() -> str:
+    return f"python {sys.version_info.major}.{sys.version_info.minor}"
