@@ -53,8 +53,12 @@ class Server:
             if self.process.poll() is not None:
                 raise AssertionError(f"deploykit serve exited: {self.process.communicate()[1]}")
             try:
-                if get(f"{self.url}/readyz")[0] == 200:
+                status, body = get(f"{self.url}/readyz")
+                if status == 200:
                     return self
+                if isinstance(body, dict) and any("loading" not in str(m) for m in body.get("not_ready", [])):
+                    self.stop()  # a deployment failed: say why now rather than at the timeout
+                    raise AssertionError(f"deploykit serve could not deploy: {body['not_ready']}\n{self.stderr}")
             except OSError:
                 pass
             time.sleep(0.2)

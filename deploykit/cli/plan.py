@@ -19,21 +19,12 @@ from .console import EXIT_FAILED, OUTPUT_OPTION, fail, handle_errors, load_all, 
 @handle_errors
 def plan(files: tuple[str, ...], devices: str | None, output: str) -> None:
     """Plan where every block of the model goes. Reads config.json only: no weights needed."""
-    import os
-
-    from ..placement.planning import plan_manifest
+    from ..control.reconciler import plan_deployment
 
     plans, failures = [], []
     for item in load_all(files):
-        spec = item.manifest.spec
         try:
-            if (devices is None and os.environ.get("DEPLOYKIT_DEVICES") is None and spec.cluster is not None
-                    and spec.placement.nodes > 1):
-                from ..cluster.inventory import probe_cluster  # imports ray; only for such manifests
-
-                plans.append(plan_manifest(item, inventory=probe_cluster(spec.cluster.address)))
-            else:
-                plans.append(plan_manifest(item, devices=devices))
+            plans.append(plan_deployment(item, devices=devices))
         except PlanInfeasible as exc:
             failures.append(located(item, exc))
     if output == "json":

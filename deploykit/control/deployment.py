@@ -163,6 +163,9 @@ class Deployment:
         gen = self.pool.pin(self.acquire_timeout if timeout is None else timeout)
         try:
             assert gen.loaded is not None  # pinned generations are never freed
+            if gen.loaded.model is None:
+                raise ApplyError(f"{self.name!r} runs as pipeline stages on a Ray cluster: there is no model "
+                                 "in this process; use generate/chat or the API")
             if gen.forward_lock is not None:  # accelerate offload hooks: one forward at a time
                 with gen.forward_lock:
                     yield gen.loaded

@@ -26,7 +26,7 @@ from ..placement.planner import Plan
 
 if TYPE_CHECKING:
     from ..engine.loader import LoadedModel
-    from ..engine.runtime import Runtime
+    from ..engine.runtime import Limits, Runtime
     from ..spec.manifest import LoadedManifest
 
 log = logging.getLogger(__name__)
@@ -60,17 +60,24 @@ def kv_cache_budget(plan: Plan | None) -> int:
     return max(64 << 20, first.budget - first.bytes)
 
 
+def limits_of(manifest: LoadedManifest) -> Limits:
+    """The engine's limits from the manifest's ``spec.serving``."""
+    from ..engine.runtime import Limits
+
+    s = manifest.manifest.spec.serving
+    return Limits(s.context_length, s.max_tokens, s.default_max_tokens, s.max_concurrent, s.max_queued,
+                  s.max_input_items, s.batching)
+
+
 def new_generation(number: int, loaded: LoadedModel, plan: Plan | None, revision: int, strategy: str,
                    manifest: LoadedManifest) -> Generation:
     """A generation with its runtime (batching engine or embedder) built from the manifest's limits."""
-    from ..engine.runtime import Limits, build_runtime
+    from ..engine.runtime import build_runtime
 
-    serving = manifest.manifest.spec.serving
-    limits = Limits(serving.context_length, serving.max_tokens, serving.default_max_tokens,
-                    serving.max_concurrent, serving.max_queued, serving.max_input_items, serving.batching)
     lock = threading.Lock() if loaded.serialize_forward else None
     task = manifest.manifest.spec.model.task
-    runtime = build_runtime(loaded, limits, task=task, kv_cache_bytes=kv_cache_budget(plan), forward_lock=lock)
+    runtime = loaded.runtime or build_runtime(loaded, limits_of(manifest), task=task,
+                                              kv_cache_bytes=kv_cache_budget(plan), forward_lock=lock)
     return Generation(number, revision, loaded, plan, strategy, forward_lock=lock, runtime=runtime, task=task)
 
 

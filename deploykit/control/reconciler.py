@@ -308,11 +308,31 @@ def _reuse(loaded: LoadedManifest, current: Revision, decision: Decision, timer:
     return outcome
 
 
-def _plan(loaded: LoadedManifest, options: ApplyOptions, timer: _Timer) -> Plan:
+def deployment_inventory(loaded: LoadedManifest, devices: str | None) -> Inventory:
+    """What a deployment is planned against: ``devices`` (or ``$DEPLOYKIT_DEVICES``) when given; else
+    the Ray cluster's nodes for a pipeline manifest; else this host."""
+    import os
+
+    from ..placement.planning import inventory_for
+
+    if devices is None and not os.environ.get("DEPLOYKIT_DEVICES") and is_pipeline(loaded):
+        from ..cluster.inventory import probe_cluster  # imports ray: only for such manifests
+
+        assert loaded.manifest.spec.cluster is not None
+        return probe_cluster(loaded.manifest.spec.cluster.address)
+    return inventory_for(loaded, devices)
+
+
+def plan_deployment(loaded: LoadedManifest, *, devices: str | None = None, inventory: Inventory | None = None) -> Plan:
+    """The plan of ``loaded`` against ``inventory``, else ``deployment_inventory(loaded, devices)``."""
     from ..placement.planning import plan_manifest
 
+    return plan_manifest(loaded, inventory=inventory or deployment_inventory(loaded, devices))
+
+
+def _plan(loaded: LoadedManifest, options: ApplyOptions, timer: _Timer) -> Plan:
     with timer.step("plan"):
-        return plan_manifest(loaded, devices=options.devices, inventory=options.inventory)
+        return plan_deployment(loaded, devices=options.devices, inventory=options.inventory)
 
 
 def _act(loaded: LoadedManifest, store: StateStore, checkpoint: Checkpoint, decision: Decision,
@@ -342,6 +362,8 @@ def _act(loaded: LoadedManifest, store: StateStore, checkpoint: Checkpoint, deci
                               timings=timer.timings)
         raise
     store.finish_revision(loaded.name, revision, ready=True, reason=health, timings=timer.timings)
+    if not options.keep_model and model.runtime is not None:
+        model.runtime.close()  # checked and recorded; nothing here serves it (a CLI apply)
     collect_old_shards(loaded, store)
     return ApplyOutcome(loaded.name, "applied", revision, plan, decision.actions, timer.timings, shards=shards,
                         reshard=result, loaded=model if options.keep_model else None, health=health)
@@ -374,12 +396,39 @@ def _load_checked(loaded: LoadedManifest, plan: Plan, shards: Path, timer: _Time
                   show_progress: bool = False) -> tuple[LoadedModel, str]:
     from ..engine.health import check
 
+    if is_pipeline(loaded):
+        return _start_pipeline(loaded, plan, shards, timer)
     with timer.step("load"):
         model = load_model(loaded, plan, shards, show_progress=show_progress)
     with timer.step("health-check"):
         hc = loaded.manifest.spec.rollout.health_check
         health = check(model, task=loaded.manifest.spec.model.task, text=hc.input, timeout=hc.timeout)
     return model, health.detail
+
+
+def is_pipeline(loaded: LoadedManifest) -> bool:
+    """Stages on several nodes of a Ray cluster rather than a model in this process."""
+    spec = loaded.manifest.spec
+    return spec.cluster is not None and spec.placement.nodes > 1
+
+
+def _start_pipeline(loaded: LoadedManifest, plan: Plan, shards: Path, timer: _Timer) -> tuple[LoadedModel, str]:
+    """Start the plan's stages on the cluster (each reads its own tensors from ``shards``) and check them
+    like an in-process model. No model lives here: the LoadedModel carries the runtime instead."""
+    from ..cluster.runtime import build_pipeline_runtime
+    from ..engine.loader import LoadedModel
+    from .pool import limits_of
+
+    with timer.step("load"):
+        runtime = build_pipeline_runtime(loaded, plan, limits_of(loaded), checkpoint=shards)
+    try:
+        with timer.step("health-check"):
+            hc = loaded.manifest.spec.rollout.health_check
+            health = runtime.health_check(hc.input, timeout=hc.timeout)
+    except BaseException:
+        runtime.close()
+        raise
+    return LoadedModel(None, plan, shards, "cpu", False, runtime.tokenizer, runtime=runtime), health.detail
 
 
 def load_model(loaded: LoadedManifest, plan: Plan, shards: Path, *, show_progress: bool = False) -> LoadedModel:

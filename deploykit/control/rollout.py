@@ -72,10 +72,11 @@ class Rollout:
     def run(self, loaded: LoadedManifest, *, force: bool = False, progress: ProgressSink | None = None,
             on_step: Callable[[str], None] | None = None) -> RolloutResult:
         """``force``, ``progress`` and ``on_step`` are passed to the apply (the control API streams them)."""
-        from ..placement.planning import inventory_for, plan_manifest
+        from ..placement.planning import plan_manifest
+        from .reconciler import deployment_inventory
 
         requested = loaded.manifest.spec.rollout.strategy
-        beside = inventory_beside(inventory_for(loaded, self.devices), self.pool.current)
+        beside = inventory_beside(deployment_inventory(loaded, self.devices), self.pool.current)
         infeasible: PlanInfeasible | None = None
         if requested != "recreate":
             try:

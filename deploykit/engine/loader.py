@@ -35,12 +35,13 @@ log = logging.getLogger(__name__)
 
 @dataclass
 class LoadedModel:
-    model: Any  # torch.nn.Module
+    model: Any  # torch.nn.Module; None when the model runs elsewhere (pipeline stages on Ray)
     plan: Plan
     source: Path
     input_device: str  # where inputs go: the device of the input embeddings
     serialize_forward: bool  # accelerate offload hooks present: one forward at a time
     tokenizer: Any | None = None
+    runtime: Any = None  # a serving runtime built with the model (pipeline stages), else built later
 
 
 @dataclass(frozen=True)
