@@ -20,9 +20,10 @@ from collections import deque
 from pathlib import Path
 from typing import Any, Callable
 
-from ..engine.health import HealthResult
+from ..engine.health import HealthResult, within
 from ..errors import ApplyError
-from ..engine.batching import GenerationRequest, GenerationResult, QueueFull, RequestHandle, _generator, _sample
+from ..engine.batching import (GenerationRequest, GenerationResult, QueueFull, RequestHandle, request_generator,
+                               sample_token)
 from ..engine.runtime import MAX_DEFAULT_CONTEXT, Limits, TextRuntime
 from ..engine.text import RequestError
 from ..placement.planner import Plan
@@ -52,7 +53,7 @@ class PipelineEngine:
             raise RuntimeError("engine is closed")
         if not request.prompt_ids or request.max_new_tokens < 1:
             raise ValueError("need a non-empty prompt and max_new_tokens >= 1")
-        h = RequestHandle(request, f"req-{next(self._ids)}", rng=_generator(request), listener=listener)
+        h = RequestHandle(request, f"req-{next(self._ids)}", rng=request_generator(request), listener=listener)
         with self._cond:
             if len(self._waiting) >= self.max_queued:
                 self._waiting = deque(w for w in self._waiting if not w.done)
@@ -63,7 +64,7 @@ class PipelineEngine:
         return h
 
     def cancel(self, handle: RequestHandle) -> None:
-        handle._finish("cancelled")  # its row is skipped; a batch of only finished rows ends at once
+        handle.finish("cancelled")  # its row is skipped; a batch of only finished rows ends at once
 
     def stats(self) -> dict[str, int]:
         with self._cond:
@@ -121,18 +122,18 @@ class PipelineEngine:
                         if h.done:
                             last.append(h.tokens[-1] if h.tokens else 0)
                             continue
-                        tok = _sample(logits[i], h.request, h.rng)
-                        h._push(tok)
+                        tok = sample_token(logits[i], h.request, h.rng)
+                        h.push(tok)
                         last.append(tok)
                         if reason := self._stop_hit(h, tok):
-                            h._finish(reason)  # type: ignore[arg-type]
+                            h.finish(reason)  # type: ignore[arg-type]
                     ids = torch.tensor(last)[:, None]
                     mask = torch.cat([mask, torch.ones(len(rows), 1, dtype=mask.dtype)], 1)
                     positions = mask.sum(1, keepdim=True) - 1
         except Exception as exc:  # a stage failure fails this batch, not the engine
             log.warning("pipeline batch failed: %r", exc)
             for h in rows:
-                h._finish("error", repr(exc))
+                h.finish("error", repr(exc))
         finally:
             self.pipeline.release(group)
 
@@ -161,33 +162,19 @@ class PipelineRuntime(TextRuntime):
     def health_check(self, text: str, *, timeout: float) -> HealthResult:
         """``rollout.health_check`` through the stages: one forward of ``text``, next-token logits must be
         finite; ApplyError on a failure or a timeout (as ``engine.health.check`` for in-process models)."""
-        import time
-
         import torch
 
         ids = torch.tensor([self.tokenizer(text)["input_ids"] or [0]])
         mask = torch.ones_like(ids)
         group = f"health-{uuid.uuid4().hex}"
-        outcome: dict[str, Any] = {}
 
-        def run() -> None:
+        def forward() -> Any:
             try:
-                outcome["logits"] = self.pipeline.step(group, ids, mask, mask.cumsum(1) - 1)
-            except Exception as exc:
-                outcome["error"] = f"health check failed: {type(exc).__name__}: {exc}"
+                return self.pipeline.step(group, ids, mask, mask.cumsum(1) - 1)
             finally:
                 self.pipeline.release(group)
 
-        start = time.monotonic()
-        worker = threading.Thread(target=run, name="deploykit-pipeline-health", daemon=True)
-        worker.start()
-        worker.join(timeout)
-        elapsed = time.monotonic() - start
-        if worker.is_alive():
-            raise ApplyError(f"health check timed out after {timeout:g}s (health_check.timeout)")
-        if "error" in outcome:
-            raise ApplyError(outcome["error"])
-        logits = outcome["logits"]
+        logits, elapsed = within(forward, timeout=timeout, name="deploykit-pipeline-health")
         if not bool(torch.isfinite(logits).all()):
             raise ApplyError("health check failed: the model's output is not finite (NaN or inf)")
         return HealthResult(elapsed, f"causal-lm forward through {len(getattr(self.pipeline, 'specs', []))} "

@@ -85,14 +85,15 @@ class RequestHandle:
     _final: GenerationResult | None = None
     _q: queue.Queue[int | GenerationResult] = field(default_factory=queue.Queue)
 
-    def _push(self, tok: int) -> None:
+    # push and finish are the engine side of a handle (deploykit's engines call them; callers read).
+    def push(self, tok: int) -> None:
         self.first_token_at = self.first_token_at or time.monotonic()
         self.tokens.append(tok)
         self._q.put(tok)
         if self.listener is not None:
             self.listener(tok)
 
-    def _finish(self, reason: FinishReason, error: str | None = None) -> None:
+    def finish(self, reason: FinishReason, error: str | None = None) -> None:
         with _FINISH_LOCK:  # the first final wins (client cancel vs. engine end race)
             if self.done:
                 return
@@ -150,7 +151,7 @@ class Engine:
             raise RuntimeError("engine is closed")
         if not request.prompt_ids or request.max_new_tokens < 1:
             raise ValueError("need a non-empty prompt and max_new_tokens >= 1")
-        h = RequestHandle(request, f"req-{next(self._ids)}", rng=_generator(request), listener=listener)
+        h = RequestHandle(request, f"req-{next(self._ids)}", rng=request_generator(request), listener=listener)
         if self._cb is not None:
             return self._cb_submit(h)
         with self._cond:
@@ -167,7 +168,7 @@ class Engine:
         if self._cb is not None:  # CB never emits a final output for a cancelled request
             self._cb.cancel_request(handle.id)
             self._cb_handles.pop(handle.id, None)
-        handle._finish("cancelled")  # the padded backend drops the row at its next step
+        handle.finish("cancelled")  # the padded backend drops the row at its next step
 
     def stats(self) -> dict[str, int]:
         """Requests being decoded and waiting for a slot, now."""
@@ -227,12 +228,12 @@ class Engine:
                     logits, cache, step_rows = out.logits[:, -1].float(), out.past_key_values, rows
                 for i, h in enumerate(step_rows):
                     if not h.done:
-                        h._push(_sample(logits[i], h.request, h.rng))
+                        h.push(sample_token(logits[i], h.request, h.rng))
                         if reason := self._stop_hit(h, h.tokens[-1]):
-                            h._finish(reason)
+                            h.finish(reason)
             except Exception as exc:  # a model failure fails this batch, not the engine
                 for h in rows + new:
-                    h._finish("error", repr(exc))
+                    h.finish("error", repr(exc))
                 rows, cache, mask = [], None, mask[:0, :0]
 
     def _admit(self, rows: list[RequestHandle], width: int) -> list[RequestHandle]:
@@ -309,17 +310,17 @@ class Engine:
                     break
                 continue
             for tok in out.generated_tokens[len(h.tokens):]:  # outputs are cumulative
-                h._push(tok)
+                h.push(tok)
                 if reason := self._stop_hit(h, tok):  # EOS/length, or a stop string CB doesn't know
                     self._cb.cancel_request(h.id)  # frees the slot; a no-op if CB finished it already
-                    h._finish(reason)
+                    h.finish(reason)
                     break
             if out.error is not None or out.is_finished():
-                h._finish("error" if out.error else "length", out.error)
+                h.finish("error" if out.error else "length", out.error)
             if h.done:
                 self._cb_handles.pop(h.id, None)
         for h in list(self._cb_handles.values()):  # the manager stopped under them
-            h._finish("error", "engine closed")
+            h.finish("error", "engine closed")
 
 
 def _lpad(x: torch.Tensor, width: int, dim: int = 1) -> torch.Tensor:
@@ -327,13 +328,13 @@ def _lpad(x: torch.Tensor, width: int, dim: int = 1) -> torch.Tensor:
     return F.pad(x, (0, 0) * (x.dim() - 1 - dim) + (width - x.shape[dim], 0))
 
 
-def _generator(r: GenerationRequest) -> torch.Generator | None:
+def request_generator(r: GenerationRequest) -> torch.Generator | None:
     """A private RNG per sampling request (torch.seed() would reseed the global RNG)."""
     seed = r.seed if r.seed is not None else random.SystemRandom().getrandbits(63)
     return torch.Generator().manual_seed(seed) if r.temperature > 0 else None
 
 
-def _sample(logits: torch.Tensor, r: GenerationRequest, gen: torch.Generator | None) -> int:
+def sample_token(logits: torch.Tensor, r: GenerationRequest, gen: torch.Generator | None) -> int:
     """Greedy when temperature == 0, else temperature + nucleus (top_p) sampling."""
     if r.temperature <= 0 or gen is None:
         return int(logits.argmax())

@@ -10,10 +10,13 @@ from __future__ import annotations
 import threading
 import time
 from dataclasses import dataclass
-from typing import Any
+from collections.abc import Callable
+from typing import Any, TypeVar
 
 from ..errors import ApplyError
 from .loader import LoadedModel
+
+T = TypeVar("T")
 
 
 @dataclass(frozen=True)
@@ -54,20 +57,21 @@ def _forward(loaded: LoadedModel, text: str, task: str) -> str:
     return f"{task} forward on {inputs['input_ids'].shape[1]} tokens, output {tuple(output.shape)} finite"
 
 
-def check(loaded: LoadedModel, *, task: str, text: str, timeout: float) -> HealthResult:
-    """Run the check; raises ApplyError on a failure or a timeout."""
+def within(work: Callable[[], T], *, timeout: float, name: str = "deploykit-health") -> tuple[T, float]:
+    """``work()`` on its own thread, bounded by ``timeout``: (its result, seconds). A failure or an
+    overrun is an ApplyError (a thread that overruns is left to finish on its own: daemon)."""
     outcome: dict[str, Any] = {}
 
     def run() -> None:
         try:
-            outcome["detail"] = _forward(loaded, text, task)
+            outcome["value"] = work()
         except ApplyError as exc:
             outcome["error"] = str(exc)
         except Exception as exc:  # the model itself failed: report it, do not crash the caller
             outcome["error"] = f"health check failed: {type(exc).__name__}: {exc}"
 
     start = time.perf_counter()
-    worker = threading.Thread(target=run, name="deploykit-health", daemon=True)
+    worker = threading.Thread(target=run, name=name, daemon=True)
     worker.start()
     worker.join(timeout)
     elapsed = time.perf_counter() - start
@@ -75,4 +79,10 @@ def check(loaded: LoadedModel, *, task: str, text: str, timeout: float) -> Healt
         raise ApplyError(f"health check timed out after {timeout:g}s (health_check.timeout)")
     if "error" in outcome:
         raise ApplyError(outcome["error"])
-    return HealthResult(elapsed, outcome["detail"])
+    return outcome["value"], elapsed
+
+
+def check(loaded: LoadedModel, *, task: str, text: str, timeout: float) -> HealthResult:
+    """Run the check; raises ApplyError on a failure or a timeout."""
+    detail, elapsed = within(lambda: _forward(loaded, text, task), timeout=timeout)
+    return HealthResult(elapsed, detail)
