@@ -261,7 +261,7 @@ def main() -> None:
     parser.add_argument("--clients", type=ints, default=[1, 8, 16])
     parser.add_argument("--requests-per-client", type=int, default=2)
     parser.add_argument("--max-tokens", type=int, default=64)
-    parser.add_argument("--manifest", type=Path, default=ROOT / "bench" / "serve-smollm2.yaml")
+    parser.add_argument("--manifest", type=Path, default=WORK / "serve" / "serve-smollm2.yaml")
     parser.add_argument("--deploykit-cmd", default="{venv}/bin/deploykit serve {manifest} --port {port}")
     parser.add_argument("--deploykit-model", default="smollm2", help="model name sent to deploykit")
     parser.add_argument("--transformers-args", default="", help="extra flags for `transformers serve`")
