@@ -1,0 +1,15 @@
+"""The manifest schema spells task, strategy and dtype as Literals (for its JSON Schema); deploykit.names
+holds the same values as str Enums. They must not drift apart."""
+
+from typing import get_args
+
+from deploykit.artifacts.reshard import DTYPES
+from deploykit.names import DType, Strategy, Task
+from deploykit.spec.manifest import ModelSpec, Rollout
+
+
+def test_manifest_literals_equal_the_enums():
+    assert set(get_args(ModelSpec.model_fields["task"].annotation)) == {t.value for t in Task}
+    assert set(get_args(ModelSpec.model_fields["dtype"].annotation)) == {d.value for d in DType}
+    assert set(get_args(Rollout.model_fields["strategy"].annotation)) == {s.value for s in Strategy}
+    assert set(DTYPES) == {d.value for d in DType}
