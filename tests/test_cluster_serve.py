@@ -69,3 +69,71 @@ def test_pipeline_through_the_completions_api_equals_transformers(cluster, tmp_p
             time.sleep(0.5)
     finally:
         ray.shutdown()
+
+
+def replicated(model: Path, address: str, replicas: int) -> str:
+    return (f"apiVersion: deploykit/v1\nkind: ModelDeployment\nmetadata: {{name: rep}}\nspec:\n"
+            f"  model: {{path: {model}, task: causal-lm, dtype: float32}}\n"
+            f"  cluster: {{address: '{address}'}}\n  replicas: {replicas}\n"
+            f"  placement: {{gpus: []}}\n  rollout: {{strategy: blue-green}}\n"
+            f"  serving: {{max_tokens: 32}}\n")
+
+
+def test_replicas_scale_and_a_broken_revision_keeps_the_old_ones_serving(cluster, tmp_path):
+    import json
+    import shutil
+    import threading
+    import urllib.request
+
+    from deploykit.control.state import StateStore
+    from manifests import replace_like_an_editor
+
+    model = build_chat_model(tmp_path / "model")
+    manifests = tmp_path / "manifests"
+    manifests.mkdir()
+    path = manifests / "rep.yaml"
+    path.write_text(replicated(model, cluster.address, 1))
+
+    def generation() -> int:
+        with urllib.request.urlopen(f"{server.url}/status", timeout=30) as r:
+            return int(json.loads(r.read())[0]["generation"])
+
+    with Server(manifests, tmp_path / "state", ready_timeout=240) as server:
+        client = openai.OpenAI(base_url=f"{server.url}/v1", api_key="none", max_retries=0, timeout=120)
+        stop, texts, failures = threading.Event(), [], []
+
+        def keep_asking() -> None:
+            while not stop.is_set():
+                try:
+                    texts.append(client.completions.create(model="rep", prompt="hello", max_tokens=8,
+                                                           temperature=0).choices[0].text)
+                except Exception as exc:  # every failure counts
+                    failures.append(repr(exc))
+
+        asker = threading.Thread(target=keep_asking, daemon=True)
+        asker.start()
+        try:
+            replace_like_an_editor(path, replicated(model, cluster.address, 2))  # scale 1 -> 2
+            deadline = time.monotonic() + 180
+            while generation() != 2:
+                assert time.monotonic() < deadline and not failures, failures
+                time.sleep(0.5)
+            assert "2 replica(s) answered" in StateStore(tmp_path / "state").current("rep").reason
+            broken = Path(shutil.copytree(model, tmp_path / "broken"))
+            config = json.loads((broken / "config.json").read_text())
+            config["intermediate_size"] = 96  # the weights are 128 wide: the new replicas cannot load
+            (broken / "config.json").write_text(json.dumps(config))
+            replace_like_an_editor(path, replicated(broken, cluster.address, 2))
+            deadline = time.monotonic() + 240
+            while not (StateStore(tmp_path / "state").latest("rep").phase == "Failed"):
+                assert time.monotonic() < deadline, "the broken revision neither failed nor finished"
+                time.sleep(1)
+            served = len(texts)
+            while len(texts) < served + 3:
+                time.sleep(0.2)
+            assert generation() == 2  # the old replicas kept serving
+        finally:
+            stop.set()
+            asker.join(60)
+    assert failures == []
+    assert len(set(texts)) == 1 and len(texts) >= 5

@@ -53,6 +53,18 @@ class ModelReplica:
         return {"text": result.text, "finish_reason": result.finish_reason,
                 "completion_tokens": result.completion_tokens, "replica": _replica_id()}
 
+    async def generate_ids(self, prompt_ids: list[int], max_new_tokens: int, temperature: float, top_p: float,
+                           seed: int | None, stop_strings: list[str]) -> dict[str, Any]:
+        """One request through this replica's batching engine: the generated ids and how it ended."""
+        from ..engine.batching import GenerationRequest
+
+        request = GenerationRequest(prompt_ids=list(prompt_ids), max_new_tokens=max_new_tokens,
+                                    temperature=temperature, top_p=top_p, seed=seed,
+                                    stop_strings=tuple(stop_strings))
+        handle = self.runtime.engine.submit(request)
+        result = await asyncio.to_thread(handle.result)
+        return {"token_ids": result.token_ids, "finish_reason": result.finish_reason, "error": result.error}
+
     def check_health(self) -> None:  # Serve calls it periodically; a closed runtime fails it
         if self.runtime is None:
             raise RuntimeError("no runtime")

@@ -398,6 +398,8 @@ def _load_checked(loaded: LoadedManifest, plan: Plan, shards: Path, timer: _Time
 
     if is_pipeline(loaded):
         return _start_pipeline(loaded, plan, shards, timer)
+    if is_replicated(loaded):
+        return _start_replicas(loaded, plan, timer)
     with timer.step("load"):
         model = load_model(loaded, plan, shards, show_progress=show_progress)
     with timer.step("health-check"):
@@ -410,6 +412,34 @@ def is_pipeline(loaded: LoadedManifest) -> bool:
     """Stages on several nodes of a Ray cluster rather than a model in this process."""
     spec = loaded.manifest.spec
     return spec.cluster is not None and spec.placement.nodes > 1
+
+
+def is_replicated(loaded: LoadedManifest) -> bool:
+    """Replicas on Ray Serve (``spec.replicas`` of them) rather than a model in this process."""
+    spec = loaded.manifest.spec
+    return spec.cluster is not None and spec.placement.nodes == 1
+
+
+def _start_replicas(loaded: LoadedManifest, plan: Plan, timer: _Timer) -> tuple[LoadedModel, str]:
+    """A new Serve application of ``spec.replicas`` replicas, checked with one generated token."""
+    from ..cluster.replica_runtime import build_replica_runtime
+    from ..engine.health import within
+    from ..engine.loader import LoadedModel
+    from ..engine.runtime import Sampling
+    from .pool import limits_of
+
+    with timer.step("load"):
+        runtime = build_replica_runtime(loaded, limits_of(loaded))
+    try:
+        with timer.step("health-check"):
+            hc = loaded.manifest.spec.rollout.health_check
+            ids = runtime.tokenizer(hc.input)["input_ids"] or [0]
+            done, elapsed = within(lambda: runtime.complete(ids, Sampling(max_tokens=1)), timeout=hc.timeout)
+    except BaseException:
+        runtime.close()
+        raise
+    detail = f"{loaded.manifest.spec.replicas} replica(s) answered in {elapsed:.2f}s ({done.finish_reason})"
+    return LoadedModel(None, plan, loaded.model_path, "cpu", False, runtime.tokenizer, runtime=runtime), detail
 
 
 def _start_pipeline(loaded: LoadedManifest, plan: Plan, shards: Path, timer: _Timer) -> tuple[LoadedModel, str]:
