@@ -137,8 +137,9 @@ class Deployment:
             self._phase, self._last_error = "Failed", describe(exc, loaded)
             raise
         assert outcome.loaded is not None
-        self.last_outcome = outcome
         self.pool.install(outcome.loaded, outcome.plan, outcome.revision or 0, "initial", loaded)
+        outcome.loaded = None  # the pool owns the model now: a kept outcome must not pin it
+        self.last_outcome = outcome
         self._phase = "Ready"
 
     # ---- serving --------------------------------------------------------------------------------

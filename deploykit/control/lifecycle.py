@@ -13,7 +13,8 @@ from pathlib import Path
 from typing import Any
 
 from ..errors import DeploykitError
-from .reconciler import ApplyOptions, ApplyOutcome, apply, recorded_manifest
+from .loading import recorded_manifest
+from .reconciler import ApplyOptions, ApplyOutcome, apply
 from .state import Revision, StateStore
 
 log = logging.getLogger(__name__)

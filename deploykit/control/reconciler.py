@@ -28,9 +28,8 @@ import json
 import logging
 import shutil
 import subprocess
-import time
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager, nullcontext
+from collections.abc import Callable
+from contextlib import nullcontext
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -38,13 +37,14 @@ from typing import TYPE_CHECKING
 from ..artifacts.fsutil import discard_dir
 from ..artifacts.gguf import import_dir, import_gguf, import_problem, source_fingerprint
 from ..artifacts.reshard import ProgressSink, ReshardResult, fits_layout, plan_layout, reshard
-from ..artifacts.verify import checksums, read_lock, recorded_problem, shard_problem
-from ..errors import ApplyError, CheckpointError, DeploykitError, ManifestError
+from ..artifacts.verify import checksums, read_lock, shard_problem
+from ..errors import CheckpointError, DeploykitError, ManifestError
 from ..model.checkpoint import Checkpoint, open_checkpoint
 from ..model.gguf import is_gguf
 from ..placement.inventory import Inventory
 from ..placement.planner import Plan
 from ..spec.manifest import LoadedManifest, check_on_host
+from .loading import StepTimer, is_pipeline, load_checked, shards_problem
 from .state import Revision, StateStore
 
 if TYPE_CHECKING:
@@ -163,41 +163,10 @@ def shards_dir(loaded: LoadedManifest, store: StateStore, fingerprint: str, layo
     return shards_root(loaded, store) / key
 
 
-def shards_problem(revision: Revision | None, *, hashes: bool) -> str | None:
-    """Why the shards ``revision`` recorded cannot be reused (None: they can). ``hashes`` reads every
-    byte and compares checksums (before a load); without it only presence and sizes are checked."""
-    if revision is None or not revision.shards_path:
-        return "no shards recorded"
-    path = Path(revision.shards_path)
-    lock = read_lock(path)
-    if lock is not None:
-        return shard_problem(path, lock, hashes=hashes)
-    if revision.checksums:  # the source itself, used in place: its files as recorded
-        recorded = revision.checksums if hashes else {f: {**e, "hash": None} for f, e in revision.checksums.items()}
-        return recorded_problem(path, recorded)
-    return None if (path / "config.json").is_file() else f"{path}: no config.json"
-
-
-class _Timer:
-    def __init__(self, on_step: Callable[[str], None] | None) -> None:
-        self.timings: dict[str, float] = {}
-        self.on_step = on_step
-
-    @contextmanager
-    def step(self, name: str) -> Iterator[None]:
-        if self.on_step:
-            self.on_step(name)
-        start = time.perf_counter()
-        try:
-            yield
-        finally:
-            self.timings[name] = round(time.perf_counter() - start, 4)
-
-
 def apply(loaded: LoadedManifest, *, store: StateStore, options: ApplyOptions = ApplyOptions(),
           progress: ProgressSink | None = None, on_step: Callable[[str], None] | None = None) -> ApplyOutcome:
     """Make ``loaded`` the deployed revision of its name. See the module docstring."""
-    timer = _Timer(on_step)
+    timer = StepTimer(on_step)
     with timer.step("validate"):
         issues = check_on_host(loaded)
         if issues:
@@ -258,7 +227,7 @@ def existing_import(loaded: LoadedManifest, store: StateStore) -> tuple[Path, Ch
     return directory, replace(open_checkpoint(directory), fingerprint=fingerprint)
 
 
-def _import(loaded: LoadedManifest, store: StateStore, fingerprint: str, timer: _Timer) -> Checkpoint:
+def _import(loaded: LoadedManifest, store: StateStore, fingerprint: str, timer: StepTimer) -> Checkpoint:
     """The GGUF source as a checkpoint directory (converted now unless an intact import exists; its
     contents are verified, as every load of existing files is). The checkpoint carries the GGUF's
     fingerprint, so re-converting a damaged import is not a change of checkpoint."""
@@ -296,14 +265,14 @@ def _refuse_changed_in_place(current: Revision | None, checkpoint: Checkpoint, a
                           "with --force to accept its new content")
 
 
-def _reuse(loaded: LoadedManifest, current: Revision, decision: Decision, timer: _Timer,
+def _reuse(loaded: LoadedManifest, current: Revision, decision: Decision, timer: StepTimer,
            options: ApplyOptions) -> ApplyOutcome:
     """Nothing to record: keep the current revision, loading it (health-checked) if asked."""
     plan = Plan.from_dict(current.plan) if current.plan else None
     outcome = ApplyOutcome(loaded.name, "unchanged", current.revision, plan, decision.actions, timer.timings,
                            shards=Path(current.shards_path or ""))
     if "load" in decision.steps and plan is not None:
-        model, health = _load_checked(loaded, plan, Path(current.shards_path or ""), timer)
+        model, health = load_checked(loaded, plan, Path(current.shards_path or ""), timer)
         outcome.status, outcome.loaded, outcome.health = "loaded", model, health
     return outcome
 
@@ -330,13 +299,13 @@ def plan_deployment(loaded: LoadedManifest, *, devices: str | None = None, inven
     return plan_manifest(loaded, inventory=inventory or deployment_inventory(loaded, devices))
 
 
-def _plan(loaded: LoadedManifest, options: ApplyOptions, timer: _Timer) -> Plan:
+def _plan(loaded: LoadedManifest, options: ApplyOptions, timer: StepTimer) -> Plan:
     with timer.step("plan"):
         return plan_deployment(loaded, devices=options.devices, inventory=options.inventory)
 
 
 def _act(loaded: LoadedManifest, store: StateStore, checkpoint: Checkpoint, decision: Decision,
-         options: ApplyOptions, timer: _Timer, progress: ProgressSink | None) -> ApplyOutcome:
+         options: ApplyOptions, timer: StepTimer, progress: ProgressSink | None) -> ApplyOutcome:
     """Plan (nothing recorded if it does not fit), record, then do the side effects."""
     from ..engine.loader import check_fits_host
 
@@ -355,7 +324,7 @@ def _act(loaded: LoadedManifest, store: StateStore, checkpoint: Checkpoint, deci
         if options.before_load is not None:
             with timer.step("drain"):
                 options.before_load()
-        model, health = _load_checked(loaded, plan, shards, timer, show_progress=progress is not None)
+        model, health = load_checked(loaded, plan, shards, timer, show_progress=progress is not None)
     except BaseException as exc:
         reason = str(exc) if isinstance(exc, DeploykitError) else f"{type(exc).__name__}: {exc}"
         store.finish_revision(loaded.name, revision, ready=False, reason=reason or type(exc).__name__,
@@ -392,101 +361,6 @@ def _in_place_checksums(checkpoint: Checkpoint) -> dict[str, dict]:
     return checksums(checkpoint.path, sorted({str(t.file.relative_to(checkpoint.path)) for t in checkpoint.tensors}))
 
 
-def _load_checked(loaded: LoadedManifest, plan: Plan, shards: Path, timer: _Timer, *,
-                  show_progress: bool = False) -> tuple[LoadedModel, str]:
-    from ..engine.health import check
-
-    if is_pipeline(loaded):
-        return _start_pipeline(loaded, plan, shards, timer)
-    if is_replicated(loaded):
-        return _start_replicas(loaded, plan, timer)
-    with timer.step("load"):
-        model = load_model(loaded, plan, shards, show_progress=show_progress)
-    with timer.step("health-check"):
-        hc = loaded.manifest.spec.rollout.health_check
-        health = check(model, task=loaded.manifest.spec.model.task, text=hc.input, timeout=hc.timeout)
-    return model, health.detail
-
-
-def is_pipeline(loaded: LoadedManifest) -> bool:
-    """Stages on several nodes of a Ray cluster rather than a model in this process."""
-    spec = loaded.manifest.spec
-    return spec.cluster is not None and spec.placement.nodes > 1
-
-
-def is_replicated(loaded: LoadedManifest) -> bool:
-    """Replicas on Ray Serve (``spec.replicas`` of them) rather than a model in this process."""
-    spec = loaded.manifest.spec
-    return spec.cluster is not None and spec.placement.nodes == 1
-
-
-def _start_replicas(loaded: LoadedManifest, plan: Plan, timer: _Timer) -> tuple[LoadedModel, str]:
-    """A new Serve application of ``spec.replicas`` replicas, checked with one generated token."""
-    from ..cluster.replica_runtime import build_replica_runtime
-    from ..engine.health import within
-    from ..engine.loader import LoadedModel
-    from ..engine.runtime import Sampling
-    from .pool import limits_of
-
-    with timer.step("load"):
-        runtime = build_replica_runtime(loaded, limits_of(loaded))
-    try:
-        with timer.step("health-check"):
-            hc = loaded.manifest.spec.rollout.health_check
-            ids = runtime.tokenizer(hc.input)["input_ids"] or [0]
-            done, elapsed = within(lambda: runtime.complete(ids, Sampling(max_tokens=1)), timeout=hc.timeout)
-    except BaseException:
-        runtime.close()
-        raise
-    detail = f"{loaded.manifest.spec.replicas} replica(s) answered in {elapsed:.2f}s ({done.finish_reason})"
-    return LoadedModel(None, plan, loaded.model_path, "cpu", False, runtime.tokenizer, runtime=runtime), detail
-
-
-def _start_pipeline(loaded: LoadedManifest, plan: Plan, shards: Path, timer: _Timer) -> tuple[LoadedModel, str]:
-    """Start the plan's stages on the cluster (each reads its own tensors from ``shards``) and check them
-    like an in-process model. No model lives here: the LoadedModel carries the runtime instead."""
-    from ..cluster.runtime import build_pipeline_runtime
-    from ..engine.loader import LoadedModel
-    from .pool import limits_of
-
-    with timer.step("load"):
-        runtime = build_pipeline_runtime(loaded, plan, limits_of(loaded), checkpoint=shards)
-    try:
-        with timer.step("health-check"):
-            hc = loaded.manifest.spec.rollout.health_check
-            health = runtime.health_check(hc.input, timeout=hc.timeout)
-    except BaseException:
-        runtime.close()
-        raise
-    return LoadedModel(None, plan, shards, "cpu", False, runtime.tokenizer, runtime=runtime), health.detail
-
-
-def load_model(loaded: LoadedManifest, plan: Plan, shards: Path, *, show_progress: bool = False) -> LoadedModel:
-    """Load ``shards`` as ``plan`` places them, with the manifest's model options (not health-checked:
-    callers go through ``load_revision`` or ``apply``)."""
-    from ..engine.loader import LoadOptions, load
-
-    spec = loaded.manifest.spec
-    disk = spec.offload.disk
-    options = LoadOptions(task=spec.model.task, dtype=spec.model.dtype, trust_remote_code=spec.model.trust_remote_code,
-                          allow_pickle=spec.model.allow_pickle,
-                          offload_dir=loaded.resolve(disk.path) if disk else None, show_progress=show_progress)
-    return load(plan, shards, options)
-
-
-def load_revision(revision: Revision) -> LoadedModel:
-    """Load a recorded Ready revision again (a failed recreate restores it): shards verified against
-    their checksums, then loaded and health-checked."""
-    if revision.plan is None:
-        raise ApplyError(f"revision {revision.revision} of {revision.name!r} has no plan")
-    problem = shards_problem(revision, hashes=True)
-    if problem is not None:
-        raise CheckpointError(f"revision {revision.revision} of {revision.name!r} cannot be loaded: {problem}")
-    model, _ = _load_checked(recorded_manifest(revision), Plan.from_dict(revision.plan),
-                             Path(revision.shards_path or ""), _Timer(None))
-    return model
-
-
 def collect_old_shards(loaded: LoadedManifest, store: StateStore) -> None:
     """Keep the shards of the current and the previous Ready revision (for rollback); remove the rest."""
     root = shards_root(loaded, store)
@@ -499,13 +373,3 @@ def collect_old_shards(loaded: LoadedManifest, store: StateStore) -> None:
             shutil.rmtree(child, ignore_errors=True)
             log.info("removed old shards %s", child)
 
-
-def recorded_manifest(revision: Revision) -> LoadedManifest:
-    """The manifest a revision recorded (normalised, absolute paths), loaded again."""
-    from ..spec.manifest import parse_manifests
-
-    [loaded] = parse_manifests(revision.manifest_text.encode(), source=revision.manifest_path,
-                               base_dir=Path(revision.manifest_path).parent)
-    if loaded.name != revision.name:
-        raise ApplyError(f"revision {revision.revision} of {revision.name!r} records another name")
-    return loaded

@@ -24,7 +24,8 @@ from ..placement.inventory import Gpu, Inventory
 from ..placement.planner import Plan
 from ..spec.manifest import LoadedManifest
 from .pool import Generation, GenerationPool
-from .reconciler import ApplyOptions, ApplyOutcome, apply, load_revision, recorded_manifest
+from .loading import load_revision, recorded_manifest
+from .reconciler import ApplyOptions, ApplyOutcome, apply
 from .state import StateStore
 
 log = logging.getLogger(__name__)
@@ -99,6 +100,7 @@ class Rollout:
         if outcome.status == "unchanged" or outcome.loaded is None:
             return RolloutResult(False, "none", outcome)
         self.pool.install(outcome.loaded, outcome.plan, outcome.revision or 0, "blue-green", loaded)
+        outcome.loaded = None  # the pool owns the model now: a kept outcome must not pin it
         return RolloutResult(True, "blue-green", outcome)
 
     def _recreate(self, loaded: LoadedManifest) -> RolloutResult:
@@ -119,6 +121,7 @@ class Rollout:
         if outcome.status == "unchanged" or outcome.loaded is None:
             return RolloutResult(False, "none", outcome)
         self.pool.install(outcome.loaded, outcome.plan, outcome.revision or 0, "recreate", loaded)
+        outcome.loaded = None
         return RolloutResult(True, "recreate", outcome)
 
     def restore(self) -> None:

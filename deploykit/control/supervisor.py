@@ -30,7 +30,8 @@ from typing import TYPE_CHECKING, Any
 from ..errors import DeploykitError
 from ..spec.manifest import LoadedManifest, load_manifests, manifest_files
 from .deployment import Deployment
-from .reconciler import ApplyOptions, ApplyOutcome, apply, recorded_manifest
+from .loading import recorded_manifest
+from .reconciler import ApplyOptions, ApplyOutcome, apply
 from .report import status_report
 from .state import StateStore
 from .watcher import ManifestWatcher

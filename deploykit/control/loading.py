@@ -1,0 +1,159 @@
+"""How a recorded revision becomes a model that serves: verified shards loaded in this process, pipeline
+stages on a Ray cluster, or Ray Serve replicas — each health-checked before anything serves it. The
+reconciler calls ``load_checked`` after recording a revision; a rollout restoring the last good revision
+calls ``load_revision``.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from ..artifacts.verify import read_lock, recorded_problem, shard_problem
+from ..errors import ApplyError, CheckpointError
+from ..placement.planner import Plan
+from ..spec.manifest import LoadedManifest
+from .state import Revision
+
+if TYPE_CHECKING:
+    from ..engine.loader import LoadedModel
+
+
+def shards_problem(revision: Revision | None, *, hashes: bool) -> str | None:
+    """Why the shards ``revision`` recorded cannot be reused (None: they can). ``hashes`` reads every
+    byte and compares checksums (before a load); without it only presence and sizes are checked."""
+    if revision is None or not revision.shards_path:
+        return "no shards recorded"
+    path = Path(revision.shards_path)
+    lock = read_lock(path)
+    if lock is not None:
+        return shard_problem(path, lock, hashes=hashes)
+    if revision.checksums:  # the source itself, used in place: its files as recorded
+        recorded = revision.checksums if hashes else {f: {**e, "hash": None} for f, e in revision.checksums.items()}
+        return recorded_problem(path, recorded)
+    return None if (path / "config.json").is_file() else f"{path}: no config.json"
+
+
+class StepTimer:
+    def __init__(self, on_step: Callable[[str], None] | None) -> None:
+        self.timings: dict[str, float] = {}
+        self.on_step = on_step
+
+    @contextmanager
+    def step(self, name: str) -> Iterator[None]:
+        if self.on_step:
+            self.on_step(name)
+        start = time.perf_counter()
+        try:
+            yield
+        finally:
+            self.timings[name] = round(time.perf_counter() - start, 4)
+
+
+def load_checked(loaded: LoadedManifest, plan: Plan, shards: Path, timer: StepTimer, *,
+                  show_progress: bool = False) -> tuple[LoadedModel, str]:
+    from ..engine.health import check
+
+    if is_pipeline(loaded):
+        return _start_pipeline(loaded, plan, shards, timer)
+    if is_replicated(loaded):
+        return _start_replicas(loaded, plan, timer)
+    with timer.step("load"):
+        model = load_model(loaded, plan, shards, show_progress=show_progress)
+    with timer.step("health-check"):
+        hc = loaded.manifest.spec.rollout.health_check
+        health = check(model, task=loaded.manifest.spec.model.task, text=hc.input, timeout=hc.timeout)
+    return model, health.detail
+
+
+def is_pipeline(loaded: LoadedManifest) -> bool:
+    """Stages on several nodes of a Ray cluster rather than a model in this process."""
+    spec = loaded.manifest.spec
+    return spec.cluster is not None and spec.placement.nodes > 1
+
+
+def is_replicated(loaded: LoadedManifest) -> bool:
+    """Replicas on Ray Serve (``spec.replicas`` of them) rather than a model in this process."""
+    spec = loaded.manifest.spec
+    return spec.cluster is not None and spec.placement.nodes == 1
+
+
+def _start_replicas(loaded: LoadedManifest, plan: Plan, timer: StepTimer) -> tuple[LoadedModel, str]:
+    """A new Serve application of ``spec.replicas`` replicas, checked with one generated token."""
+    from ..cluster.replica_runtime import build_replica_runtime
+    from ..engine.health import within
+    from ..engine.loader import LoadedModel
+    from ..engine.runtime import Sampling
+    from .pool import limits_of
+
+    with timer.step("load"):
+        runtime = build_replica_runtime(loaded, limits_of(loaded))
+    try:
+        with timer.step("health-check"):
+            hc = loaded.manifest.spec.rollout.health_check
+            ids = runtime.tokenizer(hc.input)["input_ids"] or [0]
+            done, elapsed = within(lambda: runtime.complete(ids, Sampling(max_tokens=1)), timeout=hc.timeout)
+    except BaseException:
+        runtime.close()
+        raise
+    detail = f"{loaded.manifest.spec.replicas} replica(s) answered in {elapsed:.2f}s ({done.finish_reason})"
+    return LoadedModel(None, plan, loaded.model_path, "cpu", False, runtime.tokenizer, runtime=runtime), detail
+
+
+def _start_pipeline(loaded: LoadedManifest, plan: Plan, shards: Path, timer: StepTimer) -> tuple[LoadedModel, str]:
+    """Start the plan's stages on the cluster (each reads its own tensors from ``shards``) and check them
+    like an in-process model. No model lives here: the LoadedModel carries the runtime instead."""
+    from ..cluster.runtime import build_pipeline_runtime
+    from ..engine.loader import LoadedModel
+    from .pool import limits_of
+
+    with timer.step("load"):
+        runtime = build_pipeline_runtime(loaded, plan, limits_of(loaded), checkpoint=shards)
+    try:
+        with timer.step("health-check"):
+            hc = loaded.manifest.spec.rollout.health_check
+            health = runtime.health_check(hc.input, timeout=hc.timeout)
+    except BaseException:
+        runtime.close()
+        raise
+    return LoadedModel(None, plan, shards, "cpu", False, runtime.tokenizer, runtime=runtime), health.detail
+
+
+def load_model(loaded: LoadedManifest, plan: Plan, shards: Path, *, show_progress: bool = False) -> LoadedModel:
+    """Load ``shards`` as ``plan`` places them, with the manifest's model options (not health-checked:
+    callers go through ``load_revision`` or ``apply``)."""
+    from ..engine.loader import LoadOptions, load
+
+    spec = loaded.manifest.spec
+    disk = spec.offload.disk
+    options = LoadOptions(task=spec.model.task, dtype=spec.model.dtype, trust_remote_code=spec.model.trust_remote_code,
+                          allow_pickle=spec.model.allow_pickle,
+                          offload_dir=loaded.resolve(disk.path) if disk else None, show_progress=show_progress)
+    return load(plan, shards, options)
+
+
+def load_revision(revision: Revision) -> LoadedModel:
+    """Load a recorded Ready revision again (a failed recreate restores it): shards verified against
+    their checksums, then loaded and health-checked."""
+    if revision.plan is None:
+        raise ApplyError(f"revision {revision.revision} of {revision.name!r} has no plan")
+    problem = shards_problem(revision, hashes=True)
+    if problem is not None:
+        raise CheckpointError(f"revision {revision.revision} of {revision.name!r} cannot be loaded: {problem}")
+    model, _ = load_checked(recorded_manifest(revision), Plan.from_dict(revision.plan),
+                             Path(revision.shards_path or ""), StepTimer(None))
+    return model
+
+
+def recorded_manifest(revision: Revision) -> LoadedManifest:
+    """The manifest a revision recorded (normalised, absolute paths), loaded again."""
+    from ..spec.manifest import parse_manifests
+
+    [loaded] = parse_manifests(revision.manifest_text.encode(), source=revision.manifest_path,
+                               base_dir=Path(revision.manifest_path).parent)
+    if loaded.name != revision.name:
+        raise ApplyError(f"revision {revision.revision} of {revision.name!r} records another name")
+    return loaded
