@@ -28,7 +28,7 @@ import hashlib
 import json
 import re
 from dataclasses import asdict, dataclass, field, replace
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from typing import Any, Literal
 
 from ..errors import PlanInfeasible
@@ -175,7 +175,7 @@ def min_max_partition(loads: Sequence[int], sizes: Sequence[int], ratios: Sequen
     sum(load_k^2 / ratio_k). Returns (the end index of each run, the optimal max). Raises ValueError
     when no split is feasible.
     """
-    n, m = len(loads), len(ratios)
+    n = len(loads)
     lp, sp = _prefix(loads), _prefix(sizes)
 
     def run_ok(a: int, b: int, k: int) -> bool:
@@ -184,40 +184,43 @@ def min_max_partition(loads: Sequence[int], sizes: Sequence[int], ratios: Sequen
     def value(a: int, b: int, k: int) -> float:
         return (lp[b] - lp[a]) / ratios[k]
 
-    # Stage 1: exact min-max. best[k][b]: smallest max over runs 0..k-1 covering blocks [0, b).
-    best = [[_INF] * (n + 1) for _ in range(m + 1)]
-    best[0][0] = 0.0
-    for k in range(m):
-        cur, nxt = best[k], best[k + 1]
+    def pairs(k: int) -> Iterator[tuple[int, int]]:
         for b in range(n + 1):
             for a in range(b, -1, -1):
                 if sp[b] - sp[a] > budgets[k]:
                     break  # longer runs only get bigger
-                if cur[a] == _INF or not run_ok(a, b, k):
-                    continue
-                v = max(cur[a], value(a, b, k))
-                if v < nxt[b]:
-                    nxt[b] = v
+                if run_ok(a, b, k):
+                    yield a, b
+
+    return _two_stage_split(n, lp, ratios, pairs)
+
+
+def _two_stage_split(n: int, lp: Sequence[int], ratios: Sequence[float],
+                     pairs: Callable[[int], Iterable[tuple[int, int]]]) -> tuple[list[int], float]:
+    """The exact split both planners share: run k may be [a, b) for each (a, b) of ``pairs(k)`` (in the
+    order given, which breaks ties). Stage 1 finds the smallest max(load_k / ratio_k); stage 2, among
+    splits that reach it, the smallest sum(load_k^2 / ratio_k). Returns (end of each run, optimum)."""
+    m = len(ratios)
+    best = [[_INF] * (n + 1) for _ in range(m + 1)]  # best[k][b]: smallest max of runs 0..k-1 over [0, b)
+    best[0][0] = 0.0
+    for k in range(m):
+        for a, b in pairs(k):
+            if best[k][a] != _INF:
+                best[k + 1][b] = min(best[k + 1][b], max(best[k][a], (lp[b] - lp[a]) / ratios[k]))
     optimum = best[m][n]
     if optimum == _INF:
         raise ValueError("no feasible split")
-
-    # Stage 2: among splits whose every run is <= optimum, the most even one.
     cost = [[_INF] * (n + 1) for _ in range(m + 1)]
     back = [[0] * (n + 1) for _ in range(m + 1)]
     cost[0][0] = 0.0
     for k in range(m):
-        cur, nxt = cost[k], cost[k + 1]
-        for b in range(n + 1):
-            for a in range(b, -1, -1):
-                if sp[b] - sp[a] > budgets[k]:
-                    break
-                if cur[a] == _INF or not run_ok(a, b, k) or value(a, b, k) > optimum:
-                    continue
-                load = lp[b] - lp[a]
-                c = cur[a] + load * load / ratios[k]
-                if c < nxt[b]:
-                    nxt[b], back[k + 1][b] = c, a
+        for a, b in pairs(k):
+            load = lp[b] - lp[a]
+            if cost[k][a] == _INF or load / ratios[k] > optimum:
+                continue
+            c = cost[k][a] + load * load / ratios[k]
+            if c < cost[k + 1][b]:
+                cost[k + 1][b], back[k + 1][b] = c, a
     ends = [n]
     for k in range(m, 1, -1):
         ends.append(back[k][ends[-1]])
@@ -426,44 +429,19 @@ def min_max_stages(loads: Sequence[int], ratios: Sequence[float], max_end: Seque
     b <= max_end[k][a] (what node k can hold starting at block a; monotone in b), the first run holding
     at least ``min_first`` blocks. Minimises max(load_k / ratio_k), then sum(load_k^2 / ratio_k) among
     the optimal splits. Returns (end of each run, optimal max); ValueError when infeasible."""
-    n, m = len(loads), len(ratios)
+    n = len(loads)
     lp = _prefix(loads)
 
     def ok(a: int, b: int, k: int) -> bool:
         return a < b <= max_end[k][a] and (k > 0 or b >= min_first)
 
-    best = [[_INF] * (n + 1) for _ in range(m + 1)]
-    best[0][0] = 0.0
-    for k in range(m):
+    def pairs(k: int) -> Iterator[tuple[int, int]]:
         for a in range(n):
-            if best[k][a] == _INF:
-                continue
             for b in range(a + 1, min(n, max_end[k][a]) + 1):
                 if ok(a, b, k):
-                    v = max(best[k][a], (lp[b] - lp[a]) / ratios[k])
-                    if v < best[k + 1][b]:
-                        best[k + 1][b] = v
-    optimum = best[m][n]
-    if optimum == _INF:
-        raise ValueError("no feasible split")
-    cost = [[_INF] * (n + 1) for _ in range(m + 1)]
-    back = [[0] * (n + 1) for _ in range(m + 1)]
-    cost[0][0] = 0.0
-    for k in range(m):
-        for a in range(n):
-            if cost[k][a] == _INF:
-                continue
-            for b in range(a + 1, min(n, max_end[k][a]) + 1):
-                load = lp[b] - lp[a]
-                if not ok(a, b, k) or load / ratios[k] > optimum:
-                    continue
-                c = cost[k][a] + load * load / ratios[k]
-                if c < cost[k + 1][b]:
-                    cost[k + 1][b], back[k + 1][b] = c, a
-    ends = [n]
-    for k in range(m, 1, -1):
-        ends.append(back[k][ends[-1]])
-    return ends[::-1], optimum
+                    yield a, b
+
+    return _two_stage_split(n, lp, ratios, pairs)
 
 
 def _host_capacity(spec: Spec, host: Inventory) -> tuple[list[int], list[int | None], float]:
