@@ -1,6 +1,7 @@
 from __future__ import annotations
 
 import os
+import shutil
 import sys
 import tempfile
 from collections.abc import Callable
@@ -31,6 +32,12 @@ def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> Callable[[str], Path
         return cache[name]
 
     return get
+
+
+@pytest.fixture
+def model(tiny_model: Callable[[str], Path], tmp_path: Path) -> Path:
+    """A private copy of the tiny Llama (tests change, corrupt or delete its files)."""
+    return Path(shutil.copytree(tiny_model("llama"), tmp_path / "model"))
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:

@@ -31,11 +31,6 @@ def deploykit(*args: str, state: Path, **kw) -> subprocess.CompletedProcess:
 
 
 @pytest.fixture
-def model(tiny_model, tmp_path) -> Path:
-    return Path(shutil.copytree(tiny_model("llama"), tmp_path / "model"))
-
-
-@pytest.fixture
 def store(tmp_path) -> StateStore:
     return StateStore(tmp_path / "state")
 

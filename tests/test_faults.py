@@ -29,20 +29,7 @@ from deploykit.control.supervisor import Supervisor
 from deploykit.errors import CheckpointError, DeploykitError
 from deploykit.spec.manifest import load_manifests
 from manifests import manifest_text, replace_like_an_editor, write_manifest
-
-IDS = torch.tensor([[1, 7, 42, 100, 3, 9]])
-
-
-@pytest.fixture
-def model(tiny_model, tmp_path) -> Path:
-    return Path(shutil.copytree(tiny_model("llama"), tmp_path / "model"))
-
-
-def reference_logits(model_dir: Path) -> torch.Tensor:
-    from transformers import AutoModelForCausalLM
-
-    with torch.no_grad():
-        return AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)(IDS).logits
+from test_runtime import IDS, reference_logits
 
 
 def corrupt_in_place(path: Path) -> None:

@@ -19,11 +19,6 @@ from manifests import manifest_text, replace_like_an_editor, write_manifest
 IDS = torch.tensor([[1, 7, 42, 100, 3, 9]])
 
 
-@pytest.fixture
-def model(tiny_model, tmp_path) -> Path:
-    return Path(shutil.copytree(tiny_model("llama"), tmp_path / "model"))
-
-
 def reference_logits(model_dir: Path) -> torch.Tensor:
     from transformers import AutoModelForCausalLM
 
