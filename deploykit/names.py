@@ -36,6 +36,15 @@ class DType(str, Enum):
     BFLOAT16 = "bfloat16"
 
 
+class Quantization(str, Enum):
+    """What a manifest's ``model.quantization`` may ask for: weight-only quantization of the linear layers
+    of the transformer blocks (docs/quantization.md)."""
+
+    NONE = "none"
+    INT8 = "int8"
+    INT4 = "int4"
+
+
 # safetensors' dtype names: their byte sizes, which are floating point, and torch's name for each.
 DTYPE_SIZES = {
     "BOOL": 1, "U8": 1, "I8": 1, "F8_E4M3": 1, "F8_E5M2": 1, "I16": 2, "U16": 2, "F16": 2, "BF16": 2,

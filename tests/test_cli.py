@@ -58,7 +58,7 @@ def test_validate_reports_located_errors_and_exit_2(tmp_path, manifest):
         f"{bad}:8:12: spec.model.dtype: Input should be 'float32', 'float16' or 'bfloat16' "
         "(hint: did you mean 'float32'?)",
         f"{bad}:9:5: spec.model.colour: unknown field 'colour' "
-        "(hint: allowed keys here: path, task, dtype, trust_remote_code, allow_pickle)",
+        "(hint: allowed keys here: path, task, dtype, quantization, trust_remote_code, allow_pickle)",
     ]
 
 

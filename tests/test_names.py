@@ -4,7 +4,7 @@ holds the same values as str Enums. They must not drift apart."""
 from typing import get_args
 
 from deploykit.artifacts.reshard import DTYPES
-from deploykit.names import DType, Strategy, Task
+from deploykit.names import DType, Quantization, Strategy, Task
 from deploykit.spec.manifest import ModelSpec, Rollout
 
 
@@ -12,4 +12,5 @@ def test_manifest_literals_equal_the_enums():
     assert set(get_args(ModelSpec.model_fields["task"].annotation)) == {t.value for t in Task}
     assert set(get_args(ModelSpec.model_fields["dtype"].annotation)) == {d.value for d in DType}
     assert set(get_args(Rollout.model_fields["strategy"].annotation)) == {s.value for s in Strategy}
+    assert set(get_args(ModelSpec.model_fields["quantization"].annotation)) == {q.value for q in Quantization}
     assert set(DTYPES) == {d.value for d in DType}

@@ -89,11 +89,22 @@ class ModelSpec(_Strict):
         "causal-lm", description="What the model is loaded for; picks the AutoModel class.")
     dtype: Literal["float32", "float16", "bfloat16"] = Field(
         "float16", description="Weights are loaded (and sized for planning) at this dtype.")
+    quantization: Literal["none", "int8", "int4"] = Field(
+        "none", description="Weight-only quantization of the linear layers of the transformer blocks: int8 "
+                            "(per output channel) or int4 (groups of 32, asymmetric). Embeddings, lm_head, "
+                            "norms and scales stay at dtype. Planned, laid out and loaded quantized.")
     trust_remote_code: StrictBool = Field(
         False, description="Run Python code shipped with the checkpoint. Strictly true or false.")
     allow_pickle: StrictBool = Field(
         False, description="Accept pickle weights (*.bin, *.pt), read with torch.load(weights_only=True). "
                            "Off: unpickling can run code.")
+
+    @model_serializer(mode="wrap")
+    def _omit_no_quantization(self, handler: SerializerFunctionWrapHandler) -> dict[str, Any]:
+        data: dict[str, Any] = handler(self)
+        if self.quantization == "none":  # manifests that never name quantization keep their digest
+            data.pop("quantization", None)
+        return data
 
 
 class KVCache(_Strict):
