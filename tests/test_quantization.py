@@ -50,3 +50,76 @@ def test_validate_exits_2_naming_the_field_and_the_allowed_values(tmp_path):
     assert result.returncode == 2, result.stdout
     assert (f"{path}:8:19: spec.model.quantization: Input should be 'none', 'int8' or 'int4'"
             in result.stderr)
+
+
+# ---------------------------------------------------------------------------------------------------
+# Exact plan sizes.
+
+LINEARS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+
+
+def _expected_bytes(model: Path, scheme: str) -> int:
+    """The bytes the model takes at float32 under ``scheme``, worked out by hand from the checkpoint's
+    tensors: int8 = 1 byte per weight + a float32 scale per output row; int4 = half a byte per weight +
+    a float32 scale and zero per 32 inputs of each row. Embeddings, lm_head and norms stay float32.
+    Buffers that are not saved (rotary frequencies) are in memory too."""
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from deploykit.model.checkpoint import open_checkpoint
+
+    with torch.device("meta"):
+        meta = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(model))
+    saved = meta.state_dict()
+    total = sum(b.numel() * 4 for n, b in meta.named_buffers() if n not in saved)
+    for t in open_checkpoint(model).tensors:
+        linear = t.name.startswith("model.layers.") and t.name.split(".")[-2] in LINEARS
+        out, inputs = t.shape if len(t.shape) == 2 else (0, 0)
+        if linear and scheme == "int8":
+            total += out * inputs + out * 4
+        elif linear and scheme == "int4":
+            total += out * inputs // 2 + 2 * out * (inputs // 32) * 4
+        else:
+            total += t.nbytes // 2 * 4 if t.dtype in ("F16", "BF16") else t.nbytes
+    return total
+
+
+def _plan(model: Path, scheme: str, tmp_path: Path, devices: str = "cpu=8GiB", gpus: str = "[]"):
+    from deploykit.placement.planning import plan_manifest
+
+    text = _manifest(model, scheme).replace("placement: {gpus: []}", f"placement: {{gpus: {gpus}, reserve: 0}}")
+    [loaded] = parse_manifests(text.encode(), source="m.yaml", base_dir=tmp_path)
+    return plan_manifest(loaded, devices=devices)
+
+
+@pytest.mark.parametrize("name", ["llama", "llama-tied"])
+@pytest.mark.parametrize("scheme", ["none", "int8", "int4"])
+def test_plan_bytes_are_exact(tiny_model, tmp_path, name, scheme):
+    model = tiny_model(name)
+    plan = _plan(model, scheme, tmp_path)
+    assert plan.total_bytes == _expected_bytes(model, scheme)  # a tied lm_head counted once
+    assert plan.quantization == scheme
+    data = plan.to_dict()
+    assert data["devices"][0]["weight_bytes"] == plan.total_bytes
+    assert ("quantization" in data) == (scheme != "none")
+
+
+def test_quantization_changes_the_plan_digest_not_the_unquantized_one(tiny_model, tmp_path):
+    from deploykit.placement.planner import _digest
+
+    model = tiny_model("llama")
+    none, int8, int4 = (_plan(model, s, tmp_path) for s in ("none", "int8", "int4"))
+    assert none.device_map == int8.device_map == int4.device_map
+    assert len({none.digest, int8.digest, int4.digest}) == 3
+    assert none.digest == _digest("q", none.architecture, "float32", none.device_map)  # as before the field
+
+
+def test_quantized_plan_balances_the_quantized_bytes(tiny_model, tmp_path):
+    """Two equal GPUs split the layers by their quantized bytes; the split stays the exact optimum."""
+    model = tiny_model("llama")
+    plan = _plan(model, "int4", tmp_path, devices="2x1GiB", gpus="[0, 1]")
+    gpu0, gpu1 = plan.devices[:2]
+    assert gpu0.weight_bytes + gpu1.weight_bytes == _expected_bytes(model, "int4")
+    unquantized = _plan(model, "none", tmp_path, devices="2x1GiB", gpus="[0, 1]")
+    assert gpu0.weight_bytes < unquantized.devices[0].weight_bytes
+    assert plan.bottleneck_factor is not None and plan.bottleneck_factor <= unquantized.bottleneck_factor + 0.2

@@ -140,7 +140,8 @@ def plan_table(plan: Any) -> Any:
     """The plan as a table (a rich renderable); a multi-node plan first lists its stages, then every
     device with the node it is on."""
     multi = bool(getattr(plan, "nodes", ()))
-    table = Table(title=f"{plan.name}: {plan.architecture} at {plan.dtype}, balance by {plan.balance}"
+    quantized = f" ({plan.quantization} linear weights)" if getattr(plan, "is_quantized", False) else ""
+    table = Table(title=f"{plan.name}: {plan.architecture} at {plan.dtype}{quantized}, balance by {plan.balance}"
                         + (f", KV cache for {plan.kv_cache_tokens} tokens" if plan.kv_cache_tokens else ""),
                   title_justify="left")
     columns = ["device", "blocks", "bytes", "budget", "% budget", "target", "actual"]

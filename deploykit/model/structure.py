@@ -31,6 +31,7 @@ from typing import TYPE_CHECKING, Any, Literal, get_args
 
 from ..errors import CheckpointError
 from . import gguf, structure_cache
+from . import quantization as quant
 from .hf import auto_class, quiet_transformers
 from ..names import DTYPE_SIZES, FROM_TORCH
 
@@ -70,7 +71,7 @@ class Block:
     name: str
     modules: tuple[str, ...]
     kind: BlockKind
-    weight_bytes: int  # parameters and buffers at the deployment dtype, shared tensors counted once
+    weight_bytes: int  # parameters and buffers at the deployment dtype (and quantization), shared tensors once
     flops_per_token: int  # ~2 x parameters of the matmuls it runs; embedding lookups cost ~0
     kv_bytes_per_token: int = 0  # KV cache per cached token, for decoder layers
     logits_bytes_per_token: int = 0  # for the block that computes the output logits
@@ -224,8 +225,17 @@ def _tensor_bytes(t: torch.Tensor, dtype_bytes: int) -> int:
     return t.numel() * (dtype_bytes if t.is_floating_point() else t.element_size())
 
 
-def structure_from_model(model: Any, *, task: Task, dtype: str) -> Structure:
-    """Blocks of an already-built (meta or real) model. See the module docstring for the rules."""
+def quantized_linears(model: Any, scheme: str) -> dict[str, tuple[int, int]]:
+    """``{module: (out, in)}`` of the linear layers ``scheme`` quantizes in ``model`` (those inside its
+    layer blocks, ``quantization.quantizable``): the one list sizes, reshard and loader share."""
+    no_split = set(getattr(model, "_no_split_modules", None) or ())
+    layers = [name for name, _, is_layer in _leaves(model, no_split) if is_layer]
+    return quant.quantized_linears(model, layers, scheme)
+
+
+def structure_from_model(model: Any, *, task: Task, dtype: str, quantization: str = "none") -> Structure:
+    """Blocks of an already-built (meta or real) model. See the module docstring for the rules.
+    ``quantization`` sizes the quantized linear weights of the layers as laid out (model.quantization)."""
     import torch
     from accelerate.utils import find_tied_parameters
 
@@ -233,6 +243,7 @@ def structure_from_model(model: Any, *, task: Task, dtype: str) -> Structure:
     config = model.config
     no_split = set(getattr(model, "_no_split_modules", None) or ())
     leaves = _leaves(model, no_split)
+    quantized = {f"{m}.weight": shape for m, shape in quantized_linears(model, quantization).items()}
 
     # Which leaf owns each tensor (first in execution order), so a shared tensor is counted once.
     owner: dict[int, int] = {}
@@ -247,7 +258,8 @@ def structure_from_model(model: Any, *, task: Task, dtype: str) -> Structure:
             param_leaf[pname] = i
             if id(p) not in owner:
                 owner[id(p)] = i
-                sizes[i] += _tensor_bytes(p, dtype_bytes)
+                sizes[i] += (quant.quantized_nbytes(quantized[pname], quantization, dtype) if pname in quantized
+                             else _tensor_bytes(p, dtype_bytes))
         for _, b in module.named_buffers(prefix=name, remove_duplicate=False):
             if id(b) not in owner:
                 owner[id(b)] = i
@@ -339,47 +351,52 @@ def structure_from_model(model: Any, *, task: Task, dtype: str) -> Structure:
     )
 
 
-def structure_from_config(config: Any, *, task: Task, dtype: str,
-                          trust_remote_code: bool = False) -> Structure:
+def structure_from_config(config: Any, *, task: Task, dtype: str, trust_remote_code: bool = False,
+                          quantization: str = "none") -> Structure:
     model = build_meta_model(config, task=task, trust_remote_code=trust_remote_code)
-    return structure_from_model(model, task=task, dtype=dtype)
+    return structure_from_model(model, task=task, dtype=dtype, quantization=quantization)
 
 
 _STRUCTURES: dict[str, Structure] = {}  # in-process, by the same key as the on-disk cache
 
 
-def load_structure(model_dir: Path, *, task: Task, dtype: str, trust_remote_code: bool = False) -> Structure:
+def load_structure(model_dir: Path, *, task: Task, dtype: str, trust_remote_code: bool = False,
+                   quantization: str = "none") -> Structure:
     """Blocks of the checkpoint at ``model_dir``, from its config.json alone (no weights read), or of
-    the GGUF file ``model_dir`` names, from its metadata alone (nothing dequantized).
+    the GGUF file ``model_dir`` names, from its metadata alone (nothing dequantized), sized at ``dtype``
+    and ``quantization``.
 
     Cached in this process and on disk (see ``structure_cache``): for a config seen before, neither
     torch nor transformers is imported.
     """
     if gguf.is_gguf(Path(model_dir)):
-        return _load_gguf_structure(Path(model_dir), task=task, dtype=dtype)
+        return _load_gguf_structure(Path(model_dir), task=task, dtype=dtype, quantization=quantization)
     config_json = read_config_json(model_dir)
     key = structure_cache.structure_key(config_json, model_dir=Path(model_dir), task=task, dtype=dtype,
-                                        trust_remote_code=trust_remote_code, format_version=FORMAT_VERSION)
+                                        trust_remote_code=trust_remote_code, format_version=FORMAT_VERSION,
+                                        quantization=quantization)
     structure = _STRUCTURES.get(key) or _from_disk(key)
     if structure is None:
         config = load_config(model_dir, trust_remote_code=trust_remote_code)
-        structure = structure_from_config(config, task=task, dtype=dtype, trust_remote_code=trust_remote_code)
+        structure = structure_from_config(config, task=task, dtype=dtype, trust_remote_code=trust_remote_code,
+                                          quantization=quantization)
         if read_config_json(model_dir) == config_json:  # not edited while we built: the key still holds
             structure_cache.store(key, structure.to_dict())
     return _remember(key, structure)
 
 
-def _load_gguf_structure(gguf_file: Path, *, task: Task, dtype: str) -> Structure:
+def _load_gguf_structure(gguf_file: Path, *, task: Task, dtype: str, quantization: str) -> Structure:
     """Blocks of the model a GGUF file holds, from its metadata (never its tensors). Keyed by the
     file's fingerprint; remote code does not apply (transformers builds GGUF models only from its own
     architectures)."""
     fingerprint = gguf.gguf_fingerprint(gguf_file)
     key = structure_cache.structure_key(b"", model_dir=gguf_file.parent, task=task, dtype=dtype,
                                         trust_remote_code=False, format_version=FORMAT_VERSION,
-                                        gguf_fingerprint=fingerprint)
+                                        gguf_fingerprint=fingerprint, quantization=quantization)
     structure = _STRUCTURES.get(key) or _from_disk(key)
     if structure is None:
-        structure = structure_from_config(gguf.load_gguf_config(gguf_file), task=task, dtype=dtype)
+        structure = structure_from_config(gguf.load_gguf_config(gguf_file), task=task, dtype=dtype,
+                                          quantization=quantization)
         if gguf.gguf_fingerprint(gguf_file) == fingerprint:  # not rewritten while we built
             structure_cache.store(key, structure.to_dict())
     return _remember(key, structure)

@@ -7,7 +7,7 @@ small JSON file and read back in milliseconds. The key is a SHA-256 over:
 - the bytes of ``config.json`` (any edit, even whitespace, is a new key); for a GGUF file, which has
   no config.json, its fingerprint instead (``model.gguf``: size, mtime in ns, and the header and
   metadata bytes, so a rewritten file is a new key);
-- the task, the dtype and ``trust_remote_code``; with ``trust_remote_code``, also the bytes of every
+- the task, the dtype, the quantization (only when not ``none``) and ``trust_remote_code``; with ``trust_remote_code``, also the bytes of every
   ``*.py`` file in the model directory (remote code on the Hub, outside the directory, is not covered);
 - ``structure.FORMAT_VERSION``, bumped whenever the rules that cut a model into blocks change;
 - the installed transformers *distribution* version, read from its ``.dist-info`` directory name
@@ -77,7 +77,7 @@ def _file_digest(path: Path) -> str:
 
 
 def structure_key(config_json: bytes, *, model_dir: Path, task: str, dtype: str, trust_remote_code: bool,
-                  format_version: int, gguf_fingerprint: str | None = None) -> str:
+                  format_version: int, gguf_fingerprint: str | None = None, quantization: str = "none") -> str:
     """The cache key (hex SHA-256) of one structure. See the module docstring for what it covers.
     For a GGUF file (``gguf_fingerprint`` given), ``config_json`` is empty and the fingerprint stands
     for it."""
@@ -91,6 +91,8 @@ def structure_key(config_json: bytes, *, model_dir: Path, task: str, dtype: str,
     }
     if gguf_fingerprint is not None:
         parts["gguf"] = gguf_fingerprint
+    if quantization != "none":  # sizes change with it; unquantized keys stay as they were
+        parts["quantization"] = quantization
     if trust_remote_code:
         parts["remote_code"] = _remote_code(Path(model_dir))
     return hashlib.sha256(json.dumps(parts, sort_keys=True).encode()).hexdigest()

@@ -93,6 +93,11 @@ class Plan:
     node_map: dict[str, int] = field(default_factory=dict)
     nodes: tuple[NodePlan, ...] = ()
     device_nodes: tuple[int, ...] = ()  # the node of each entry of ``devices``
+    quantization: str = "none"  # spec.model.quantization: block sizes are the quantized bytes
+
+    @property
+    def is_quantized(self) -> bool:
+        return self.quantization != "none"
 
     def to_dict(self) -> dict[str, Any]:
         data = asdict(self)
@@ -100,6 +105,8 @@ class Plan:
         data["notes"] = list(self.notes)
         for d in data["devices"]:
             d["blocks"] = list(d["blocks"])
+        if not self.is_quantized:  # unquantized plans keep their exact former shape
+            data.pop("quantization")
         if not self.nodes:  # one-node plans keep their exact former shape
             for key in ("node_map", "nodes", "device_nodes"):
                 data.pop(key)
@@ -130,11 +137,13 @@ class Plan:
 
 
 def _digest(name: str, architecture: str, dtype: str, device_map: dict[str, Device],
-            node_map: dict[str, int] | None = None) -> str:
+            node_map: dict[str, int] | None = None, quantization: str = "none") -> str:
     decided: dict[str, Any] = {"name": name, "architecture": architecture, "dtype": dtype,
                                "device_map": list(device_map.items())}
     if node_map:  # only multi-node plans: one-node digests stay what they were
         decided["node_map"] = list(node_map.items())
+    if quantization != "none":  # only quantized plans: others keep their digest
+        decided["quantization"] = quantization
     payload = json.dumps(decided, separators=(",", ":"))
     return "sha256:" + hashlib.sha256(payload.encode()).hexdigest()
 
@@ -415,8 +424,9 @@ def _assemble(structure: Structure, spec: Spec, *, name: str, gpus: list[int], r
         name=name, architecture=structure.architecture, dtype=structure.dtype,
         balance=spec.placement.balance, device_map=device_map, devices=tuple(devices),
         bottleneck_factor=factor, total_bytes=sum(d.bytes for d in devices),
-        kv_cache_tokens=tokens or None, notes=tuple(notes),
-        digest=_digest(name, structure.architecture, structure.dtype, device_map))
+        kv_cache_tokens=tokens or None, notes=tuple(notes), quantization=spec.model.quantization,
+        digest=_digest(name, structure.architecture, structure.dtype, device_map,
+                       quantization=spec.model.quantization))
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -566,6 +576,7 @@ def _plan_nodes(structure: Structure, spec: Spec, inventory: Inventory, *, name:
         name=name, architecture=structure.architecture, dtype=structure.dtype,
         balance=spec.placement.balance, device_map=device_map, devices=tuple(rebased),
         bottleneck_factor=factor, total_bytes=sum(d.bytes for d in rebased),
-        kv_cache_tokens=tokens or None, notes=tuple(notes),
-        digest=_digest(name, structure.architecture, structure.dtype, device_map, node_map),
+        kv_cache_tokens=tokens or None, notes=tuple(notes), quantization=spec.model.quantization,
+        digest=_digest(name, structure.architecture, structure.dtype, device_map, node_map,
+                       spec.model.quantization),
         node_map=node_map, nodes=tuple(nodes), device_nodes=tuple(device_nodes))

@@ -25,7 +25,7 @@ def structure_for(loaded: LoadedManifest) -> Structure:
         raise CheckpointError(f"{loaded.source}: spec.model.path: {str(loaded.model_path)!r} is neither a "
                               "model directory nor a GGUF file")
     return load_structure(loaded.model_path, task=model.task, dtype=model.dtype,
-                          trust_remote_code=model.trust_remote_code)
+                          trust_remote_code=model.trust_remote_code, quantization=model.quantization)
 
 
 def inventory_for(loaded: LoadedManifest, devices: str | None) -> Inventory:
