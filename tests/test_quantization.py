@@ -123,3 +123,144 @@ def test_quantized_plan_balances_the_quantized_bytes(tiny_model, tmp_path):
     unquantized = _plan(model, "none", tmp_path, devices="2x1GiB", gpus="[0, 1]")
     assert gpu0.weight_bytes < unquantized.devices[0].weight_bytes
     assert plan.bottleneck_factor is not None and plan.bottleneck_factor <= unquantized.bottleneck_factor + 0.2
+
+
+# ---------------------------------------------------------------------------------------------------
+# Laid out quantized, loaded, answered.
+
+
+def _quantized_manifest(directory: Path, model: Path, scheme: str, **kwargs) -> Path:
+    from manifests import write_manifest
+
+    path = write_manifest(directory, model, **kwargs)
+    path.write_text(path.read_text().replace("    dtype: float32\n",
+                                             f"    dtype: float32\n    quantization: {scheme}\n"))
+    return path
+
+
+def _apply(manifest: Path, store, **options):
+    from deploykit.control.reconciler import ApplyOptions, apply
+    from deploykit.spec.manifest import load_manifests
+
+    [loaded] = load_manifests(manifest)
+    return apply(loaded, store=store, options=ApplyOptions(**options))
+
+
+@pytest.fixture
+def store(tmp_path):
+    from deploykit.control.state import StateStore
+
+    return StateStore(tmp_path / "state")
+
+
+def _shard_tensors(directory: Path) -> dict[str, tuple[str, list[int]]]:
+    from deploykit.model.safetensors_io import read_header
+
+    found = {}
+    for file in sorted(directory.glob("*.safetensors")):
+        found.update({t.name: (t.dtype, list(t.shape)) for t in read_header(file).tensors})
+    return found
+
+
+def _dequantized_model(shards: Path, reference_dir: Path):
+    """The float32 model whose weights are what the shards store, dequantized by the documented format
+    (docs/quantization.md), independently of deploykit's loader."""
+    import torch
+    from transformers import AutoModelForCausalLM
+    from safetensors.torch import load_file
+
+    stored: dict[str, torch.Tensor] = {}
+    for file in shards.glob("*.safetensors"):
+        stored.update(load_file(file))
+    model = AutoModelForCausalLM.from_pretrained(reference_dir, dtype=torch.float32)
+    state = model.state_dict()
+    for name in list(state):
+        if name + "_scale" not in stored:
+            continue
+        q, scale = stored[name], stored[name + "_scale"]
+        if q.dtype == torch.int8:
+            state[name] = q.float() * scale[:, None]
+        else:
+            values = torch.stack([q & 15, q >> 4], dim=-1).reshape(q.shape[0], -1, 32).float()
+            state[name] = ((values - 8) * scale[..., None] + stored[name + "_zero"][..., None]).reshape(q.shape[0], -1)
+    model.load_state_dict(state)
+    return model
+
+
+@pytest.mark.parametrize("scheme", ["int8", "int4"])
+def test_apply_lays_out_quantized_shards_loads_them_and_answers(model, store, tmp_path, scheme):
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from deploykit.artifacts.verify import read_lock, verify
+    from deploykit.engine.quantized import QuantizedLinear
+
+    outcome = _apply(_quantized_manifest(tmp_path, model, scheme), store, keep_model=True)
+    assert outcome.status == "applied" and outcome.plan.quantization == scheme
+    # on disk: the documented format, every shard checksummed, the planned bytes
+    tensors = _shard_tensors(outcome.shards)
+    stored = "I8" if scheme == "int8" else "U8"
+    assert tensors["model.layers.0.mlp.down_proj.weight"] == (stored, [64, 128 if scheme == "int8" else 64])
+    assert tensors["model.layers.0.mlp.down_proj.weight_scale"][1] == ([64] if scheme == "int8" else [64, 4])
+    assert ("model.layers.0.mlp.down_proj.weight_zero" in tensors) == (scheme == "int4")
+    assert tensors["model.embed_tokens.weight"] == ("F32", [256, 64])  # embeddings stay at dtype
+    assert tensors["model.norm.weight"] == ("F32", [64])
+    lock = read_lock(outcome.shards)
+    assert lock["layout"]["quantization"] == scheme and all(s["hash"] for s in lock["shards"])
+    assert verify(outcome.shards) == []
+    assert lock["total_size"] == _expected_bytes(model, scheme) - 64  # the plan's bytes, less unsaved buffers
+    assert outcome.plan.total_bytes == _expected_bytes(model, scheme)
+    # loaded with the quantized modules; logits are those of the stored weights; greedy answer as float32
+    served = outcome.loaded.model
+    assert isinstance(served.model.layers[0].mlp.down_proj, QuantizedLinear)
+    ids = torch.tensor([[1, 7, 42, 100, 3, 9, 11, 200]])
+    dequantized = _dequantized_model(outcome.shards, model)
+    with torch.no_grad():
+        got, want = served(ids).logits, dequantized(ids).logits
+    assert torch.allclose(got, want, atol=0.02), (got - want).abs().max()  # kernels compute in bfloat16
+    greedy = dict(max_new_tokens=8, do_sample=False)
+    answer = served.generate(ids, **greedy)
+    assert torch.equal(answer, dequantized.generate(ids, **greedy))
+    if scheme == "int8":  # this close to float32 that the random tiny model answers the same
+        reference = AutoModelForCausalLM.from_pretrained(model, dtype=torch.float32)
+        assert torch.equal(answer, reference.generate(ids, **greedy))
+
+
+def test_second_apply_is_a_no_op_and_a_new_quantization_lays_out_again(model, store, tmp_path):
+    first = _apply(_quantized_manifest(tmp_path, model, "int8"), store)
+    mtimes = sorted(p.stat().st_mtime_ns for p in first.shards.iterdir())
+    again = _apply(_quantized_manifest(tmp_path, model, "int8"), store)
+    assert again.status == "unchanged" and again.revision == 1 and list(again.timings) == ["validate"]
+    assert sorted(p.stat().st_mtime_ns for p in first.shards.iterdir()) == mtimes
+    int4 = _apply(_quantized_manifest(tmp_path, model, "int4"), store)
+    assert int4.status == "applied" and int4.revision == 2 and int4.shards != first.shards
+    assert _shard_tensors(int4.shards)["model.layers.0.mlp.up_proj.weight"][0] == "U8"
+    plain = _apply(_quantized_manifest(tmp_path, model, "none"), store)
+    assert plain.revision == 3 and plain.shards not in (first.shards, int4.shards)
+    assert _shard_tensors(plain.shards)["model.layers.0.mlp.up_proj.weight"][0] == "F32"
+
+
+def test_kill_9_during_the_quantizing_reshard_then_apply_finishes(model, tmp_path):
+    import os
+    import signal
+
+    from deploykit.artifacts.verify import verify
+    from deploykit.control.state import StateStore
+
+    manifest = _quantized_manifest(tmp_path, model, "int4", shard="20KiB")
+    state = tmp_path / "state"
+    env = {**os.environ, "DEPLOYKIT_STATE": str(state)}
+
+    def cli(failpoint: str = "") -> subprocess.CompletedProcess:
+        return subprocess.run([sys.executable, "-m", "deploykit.cli", "apply", str(manifest), "-q"],
+                              capture_output=True, text=True, timeout=300,
+                              env={**env, "DEPLOYKIT_FAILPOINT": failpoint})
+
+    assert cli("after-shard-3").returncode == -signal.SIGKILL
+    done = cli()
+    assert done.returncode == 0, done.stderr
+    history = StateStore(state).history("tiny")
+    assert [(r.revision, r.phase) for r in history] == [(1, "Failed"), (2, "Ready")]
+    shards = Path(history[-1].shards_path or "")
+    assert verify(shards) == [] and not list(shards.glob("*.partial"))
+    assert _shard_tensors(shards)["model.layers.3.mlp.down_proj.weight"][0] == "U8"

@@ -43,6 +43,7 @@ from ..names import DTYPE_SIZES, FLOAT_DTYPES, FROM_TORCH, TORCH_NAMES, DType
 from ..placement.planner import placement_key
 from ..units import format_size
 from .fsutil import copy_file_synced, exchange_dirs, fsync_dir, write_atomic
+from .quantize import Quantize, file_rows, tensor_rows, write_quantized
 from .verify import LOCK_VERSION, file_hash, read_lock, shard_problem
 
 log = logging.getLogger(__name__)
@@ -76,6 +77,7 @@ class Layout:
     device_aligned: bool
     oversized: tuple[str, ...] = ()
     digest: str = ""
+    quantize: Quantize | None = None  # linear weights written quantized (artifacts/quantize.py)
 
     @property
     def total_size(self) -> int:
@@ -95,6 +97,23 @@ def output_nbytes(tensor: Tensor, dtype: str | None) -> int:
     return tensor.nbytes // DTYPE_SIZES[tensor.dtype] * DTYPE_SIZES[out]
 
 
+def _entries(t: Tensor, dtype: str | None,
+             quantize: Quantize | None) -> list[tuple[str, str, tuple[int, ...], int]]:
+    """What source tensor ``t`` is written as: (name, dtype, shape, nbytes) for each output tensor."""
+    if quantize is not None and quantize.covers(t):
+        return quantize.entries(t)
+    return [(t.name, output_dtype(t, dtype), t.shape, output_nbytes(t, dtype))]
+
+
+def _output_nbytes(t: Tensor, dtype: str | None, quantize: Quantize | None) -> int:
+    return sum(e[3] for e in _entries(t, dtype, quantize))
+
+
+def output_names(names: Iterable[str], by_name: dict[str, Tensor], quantize: Quantize | None) -> list[str]:
+    """The tensors a shard holds, for source tensors ``names`` (a quantized weight adds its scales)."""
+    return [e[0] for n in names for e in _entries(by_name[n], None, quantize)]
+
+
 def _module_of(name: str, modules: dict[str, int]) -> int | None:
     """Index (in execution order) of the device_map module that owns tensor ``name``."""
     key = placement_key(name, modules)
@@ -102,14 +121,15 @@ def _module_of(name: str, modules: dict[str, int]) -> int | None:
 
 
 def plan_layout(checkpoint: Checkpoint, *, max_shard_size: int, dtype: str | None = None,
-                device_map: dict[str, Any] | None = None) -> Layout:
+                device_map: dict[str, Any] | None = None, quantize: Quantize | None = None) -> Layout:
     """Cut the checkpoint's tensors into shards of at most ``max_shard_size`` bytes, converting floating
     tensors to ``dtype`` ("float32" | "float16" | "bfloat16") if given.
 
     Without a device_map, tensors go in natural name order. With one (a Plan's), they follow its
     module order (execution order) and a shard never mixes tensors of two devices or tiers, so each
     device's loader reads only its own files. A tensor larger than ``max_shard_size`` gets a shard of
-    its own and is listed in ``oversized``.
+    its own and is listed in ``oversized``. ``quantize`` sizes (and later writes) the weights it covers
+    quantized.
     """
     if max_shard_size <= 0:
         raise ValueError("max_shard_size must be positive")
@@ -131,7 +151,7 @@ def plan_layout(checkpoint: Checkpoint, *, max_shard_size: int, dtype: str | Non
     groups: list[tuple[str | None, list[Tensor], int]] = []
     oversized = []
     for t in tensors:
-        size = output_nbytes(t, dtype)
+        size = _output_nbytes(t, dtype, quantize)
         device = device_of.get(t.name)
         if size > max_shard_size:
             oversized.append(t.name)
@@ -144,18 +164,22 @@ def plan_layout(checkpoint: Checkpoint, *, max_shard_size: int, dtype: str | Non
     n = len(groups)
     shards = tuple(ShardSpec(f"model-{i + 1:05d}-of-{n:05d}.safetensors", tuple(t.name for t in members),
                              total, device) for i, (device, members, total) in enumerate(groups))
-    payload = json.dumps({"shards": [asdict(s) for s in shards], "dtype": dtype,
-                          "max_shard_size": max_shard_size}, separators=(",", ":"))
+    decided: dict[str, Any] = {"shards": [asdict(s) for s in shards], "dtype": dtype,
+                               "max_shard_size": max_shard_size}
+    if quantize is not None:  # unquantized layouts keep their digest
+        decided["quantize"] = quantize.digest_part()
+    payload = json.dumps(decided, separators=(",", ":"))
     return Layout(shards, max_shard_size, dtype, bool(device_map), tuple(oversized),
-                  "sha256:" + hashlib.sha256(payload.encode()).hexdigest())
+                  "sha256:" + hashlib.sha256(payload.encode()).hexdigest(), quantize)
 
 
 def fits_layout(checkpoint: Checkpoint, *, max_shard_size: int, dtype: str | None,
-                device_map: dict[str, Any] | None) -> bool:
+                device_map: dict[str, Any] | None, quantize: Quantize | None = None) -> bool:
     """Whether the checkpoint on disk already has the wanted layout, so no resharding is needed:
     safetensors files within the size limit (or holding one tensor), at the wanted dtype, each read by
-    one device only."""
-    if checkpoint.format != "safetensors":
+    one device only, nothing to quantize."""
+    if checkpoint.format != "safetensors" or (quantize is not None and any(map(quantize.covers,
+                                                                               checkpoint.tensors))):
         return False
     target = FROM_TORCH[dtype] if dtype else None
     if target and any(t.dtype in FLOAT_DTYPES and t.dtype != target for t in checkpoint.tensors):
@@ -279,7 +303,11 @@ class _Sources:
 
 
 def _write_tensor(t: Tensor, out_dtype: str, sources: _Sources, dst: int, offset: int,
-                  advance: Callable[[int], None]) -> int:
+                  advance: Callable[[int], None], quantize: Quantize | None = None) -> int:
+    if quantize is not None and quantize.covers(t):
+        rows = (file_rows(sources.fd(t.file), t, sources.converter.raw) if t.begin >= 0
+                else tensor_rows(sources.pickle_tensor(t)))
+        return write_quantized(t, quantize, rows, dst, offset, advance)
     if t.begin >= 0 and out_dtype == t.dtype:  # same bytes: copy them in the kernel, no decoding
         _copy_range(sources.fd(t.file), t.begin, dst, offset, t.nbytes, advance)
         return t.nbytes
@@ -289,19 +317,19 @@ def _write_tensor(t: Tensor, out_dtype: str, sources: _Sources, dst: int, offset
     return sources.converter.write(sources.pickle_tensor(t).reshape(-1), target, dst, offset, advance)
 
 
-def _write_shard(spec: ShardSpec, by_name: dict[str, Tensor], dtype: str | None, staging: Path,
+def _write_shard(spec: ShardSpec, by_name: dict[str, Tensor], layout: Layout, staging: Path,
                  sources: _Sources, advance: Callable[[int], None]) -> Path:
     """Write one shard as ``<file>.partial`` (not yet durable: ``_finalize_shard`` makes it so)."""
     partial = staging / (spec.file + ".partial")
     tensors = [by_name[n] for n in spec.tensors]
-    header = encode_header([(t.name, output_dtype(t, dtype), t.shape, output_nbytes(t, dtype))
-                            for t in tensors])
+    dtype = layout.dtype
+    header = encode_header([e for t in tensors for e in _entries(t, dtype, layout.quantize)])
     fd = os.open(partial, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
     try:
         os.pwrite(fd, header, 0)
         offset = len(header)
         for t in tensors:
-            offset += _write_tensor(t, output_dtype(t, dtype), sources, fd, offset, advance)
+            offset += _write_tensor(t, output_dtype(t, dtype), sources, fd, offset, advance, layout.quantize)
     finally:
         os.close(fd)
     return partial
@@ -401,14 +429,17 @@ def _check_space(staging: Path, needed: int) -> None:
 
 def _lock_document(checkpoint: Checkpoint, layout: Layout, done: dict[str, dict],
                    files: list[dict]) -> dict:
+    by_name = {t.name: t for t in checkpoint.tensors}
     return {
         "version": LOCK_VERSION,
         "source": {"path": str(checkpoint.path.resolve()), "fingerprint": checkpoint.fingerprint},
         "layout": {"digest": layout.digest, "max_shard_size": layout.max_shard_size,
-                   "dtype": layout.dtype, "device_aligned": layout.device_aligned},
+                   "dtype": layout.dtype, "device_aligned": layout.device_aligned,
+                   **({"quantization": layout.quantize.scheme} if layout.quantize else {})},
         "total_size": layout.total_size,
         "shards": [{"file": s.file, "device": s.device, "size": done[s.file]["size"],
-                    "hash": done[s.file]["hash"], "tensors": list(s.tensors)} for s in layout.shards],
+                    "hash": done[s.file]["hash"], "tensors": output_names(s.tensors, by_name, layout.quantize)}
+                   for s in layout.shards],
         "files": files,
         "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
     }
@@ -416,7 +447,9 @@ def _lock_document(checkpoint: Checkpoint, layout: Layout, done: dict[str, dict]
 
 def _finish_staging(checkpoint: Checkpoint, layout: Layout, staging: Path,
                     done: dict[str, dict]) -> None:
-    weight_map = {name: s.file for s in layout.shards for name in s.tensors}
+    by_name = {t.name: t for t in checkpoint.tensors}
+    weight_map = {name: s.file for s in layout.shards
+                  for name in output_names(s.tensors, by_name, layout.quantize)}
     index = {"metadata": {"total_size": layout.total_size}, "weight_map": weight_map}
     write_atomic(staging / INDEX, json.dumps(index, indent=2).encode())
     files = []
@@ -468,12 +501,13 @@ def _load_journal(staging: Path, key: str, layout: Layout) -> dict[str, dict]:
 
 def reshard(src: str | Path | Checkpoint, dst: str | Path, *, max_shard_size: int, dtype: str | None = None,
             device_map: dict[str, Any] | None = None, allow_pickle: bool = False,
-            progress: ProgressSink | None = None) -> ReshardResult:
+            progress: ProgressSink | None = None, quantize: Quantize | None = None) -> ReshardResult:
     """Reshard the checkpoint at ``src`` into ``dst``. See the module docstring for guarantees.
 
     ``src`` is a path, or a Checkpoint already opened (and fingerprinted) by the caller.
     ``dtype`` is "float32" | "float16" | "bfloat16" to convert floating tensors, or None to keep
-    them. ``device_map`` (a Plan's) makes the layout device-aligned.
+    them. ``device_map`` (a Plan's) makes the layout device-aligned. ``quantize`` writes the linear
+    weights it covers quantized, a few rows at a time (artifacts/quantize.py).
     """
     started = time.perf_counter()
     dst = Path(dst)
@@ -482,7 +516,8 @@ def reshard(src: str | Path | Checkpoint, dst: str | Path, *, max_shard_size: in
     _check_paths(src.path if isinstance(src, Checkpoint) else Path(src), dst)
     _recover_interrupted_swap(dst)
     checkpoint = src if isinstance(src, Checkpoint) else open_checkpoint(src, allow_pickle=allow_pickle)
-    layout = plan_layout(checkpoint, max_shard_size=max_shard_size, dtype=dtype, device_map=device_map)
+    layout = plan_layout(checkpoint, max_shard_size=max_shard_size, dtype=dtype, device_map=device_map,
+                         quantize=quantize)
     warnings = [f"tensor {name!r} is larger than max_shard_size ({format_size(max_shard_size)}): it gets "
                 "a shard of its own" for name in layout.oversized]
     for w in warnings:
@@ -536,7 +571,7 @@ def _write_all(checkpoint: Checkpoint, layout: Layout, staging: Path, key: str,
     with ThreadPoolExecutor(max_workers=1, thread_name_prefix="deploykit-finish") as finisher:
         try:
             for number, spec in enumerate(todo, 1):
-                partial = _write_shard(spec, by_name, layout.dtype, staging, sources, advance)
+                partial = _write_shard(spec, by_name, layout, staging, sources, advance)
                 pending.append((spec, finisher.submit(_finalize_shard, partial)))
                 ready = [p for p in pending if p[1].done()]
                 if ready:

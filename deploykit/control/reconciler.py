@@ -37,6 +37,7 @@ from typing import TYPE_CHECKING
 from ..artifacts.fsutil import discard_dir
 from ..artifacts.gguf import import_dir, import_gguf, import_problem, source_fingerprint
 from ..artifacts.reshard import ProgressSink, ReshardResult, fits_layout, plan_layout, reshard
+from ..artifacts.quantize import quantize_for
 from ..artifacts.verify import checksums, read_lock, shard_problem
 from ..errors import CheckpointError, DeploykitError, ManifestError
 from ..model.checkpoint import Checkpoint, open_checkpoint
@@ -344,7 +345,9 @@ def _lay_out(loaded: LoadedManifest, store: StateStore, checkpoint: Checkpoint, 
     written for this (content, layout), laid out again if a previous copy is damaged."""
     spec = loaded.manifest.spec
     layout_args = {"max_shard_size": spec.sharding.max_shard_size, "dtype": spec.model.dtype,
-                   "device_map": plan.device_map}
+                   "device_map": plan.device_map,
+                   "quantize": quantize_for(checkpoint.path, scheme=spec.model.quantization, dtype=spec.model.dtype,
+                                            task=spec.model.task, trust_remote_code=spec.model.trust_remote_code)}
     if fits_layout(checkpoint, **layout_args):  # type: ignore[arg-type]
         return checkpoint.path, None
     layout = plan_layout(checkpoint, **layout_args)  # type: ignore[arg-type]

@@ -87,27 +87,35 @@ def _check_loading_info(info: dict[str, Any], source: Path) -> None:
 
 
 def check_shapes(checkpoint_dir: Path, *, task: str, trust_remote_code: bool = False,
-                 allow_pickle: bool = False) -> None:
-    """Every checkpoint tensor the model has must have the shape its config.json implies.
+                 allow_pickle: bool = False, quantization: str = "none", dtype: str = "float32") -> list[str]:
+    """Every checkpoint tensor the model has must have the shape its config.json implies (quantized
+    linear weights: the shapes of their stored form). Returns the quantized linear modules.
 
     transformers reports a mismatch only as "ignore_mismatched_sizes is False" after logging the
     details; deploykit names the tensors and both shapes, before anything is loaded.
     """
     from ..model.checkpoint import open_checkpoint
-    from ..model.structure import build_meta_model, load_config
+    from ..model.quantization import quantized_tensors
+    from ..model.structure import build_meta_model, load_config, quantized_linears
 
     model = build_meta_model(load_config(checkpoint_dir, trust_remote_code=trust_remote_code),
                              task=task, trust_remote_code=trust_remote_code)  # type: ignore[arg-type]
     expected = {n: tuple(t.shape) for n, t in model.state_dict().items()}
+    linears = quantized_linears(model, quantization)
+    for module, shape in linears.items():
+        expected.update({name: dims for name, _, dims in
+                         quantized_tensors(f"{module}.weight", shape, quantization, dtype)})
     prefix = getattr(model, "base_model_prefix", "")
     wrong = []
     for t in open_checkpoint(checkpoint_dir, allow_pickle=allow_pickle).tensors:
         name = t.name if t.name in expected else t.name.removeprefix(f"{prefix}.")
         if name in expected and expected[name] != t.shape:
-            wrong.append(f"{t.name} is {list(t.shape)} in the checkpoint, {list(expected[name])} by config.json")
+            wrong.append(f"{t.name} is {list(t.shape)} in the checkpoint, {list(expected[name])} expected")
     if wrong:
-        raise ApplyError(f"{checkpoint_dir}: {len(wrong)} weight(s) do not match config.json: "
+        what = f"quantization {quantization}" if linears else "config.json"
+        raise ApplyError(f"{checkpoint_dir}: {len(wrong)} weight(s) do not match {what}: "
                          + "; ".join(wrong[:3]) + ("; ..." if len(wrong) > 3 else ""))
+    return sorted(linears)
 
 
 _MADV_WILLNEED, _MADV_POPULATE_READ = 3, 22
@@ -161,8 +169,12 @@ def load(plan: Plan, checkpoint_dir: Path, options: LoadOptions) -> LoadedModel:
             kwargs["offload_folder"] = str(offload_dir)
     else:
         kwargs["device_map"] = "cpu"
-    check_shapes(checkpoint_dir, task=task, trust_remote_code=trust_remote_code,
-                 allow_pickle=options.allow_pickle)
+    quantized = check_shapes(checkpoint_dir, task=task, trust_remote_code=trust_remote_code,
+                             allow_pickle=options.allow_pickle, quantization=plan.quantization, dtype=dtype)
+    if plan.is_quantized:
+        from .quantized import quantization_config
+
+        kwargs["quantization_config"] = quantization_config(plan.quantization, quantized)
     try:
         with quiet_transformers(progress=show_progress):
             model, info = auto_class(task).from_pretrained(str(checkpoint_dir), **kwargs)

@@ -1,0 +1,178 @@
+"""Loading quantized shards (``model.quantization``'s format) with kernels that run on this host.
+
+transformers does the loading: deploykit registers a small quantizer (transformers' ``HfQuantizer`` API,
+``register_quantizer``) whose only job is to swap the quantized ``nn.Linear`` modules for
+``QuantizedLinear`` on the meta model before the weights are read; transformers then reads the int8 / int4
+tensors and their scales straight into those modules (memory-mapped, never expanded to full precision),
+and handles device maps, tied weights and buffers as for any model.
+
+Kernels, chosen by measurement on this CPU (docs/quantization.md has the figures):
+
+- CPU, int8: ``torch._weight_int8pack_mm`` (weight-only int8 matmul) with bfloat16 activations for up to
+  ``_SMALL`` rows (decoding: as fast as float32 or faster); for more rows (prefill) the weights are
+  dequantized to bfloat16 for that call and multiplied by oneDNN's bfloat16 GEMM, faster than float32
+  there. The same kernels with float32 activations run 10-20x slower than float32, hence bfloat16.
+- CPU, int4: ``torch._weight_int4pack_mm_for_cpu`` (groups of 32, scales and zeros) with bfloat16
+  activations; its weights are repacked once at load into the kernel's layout (same size).
+- CUDA (unverified here: no GPU on the machine these were measured on): the weights are dequantized to the
+  activation dtype per call and multiplied with ``F.linear``: correct, memory-saving, not fast.
+
+Outputs are returned in the activation dtype, so the rest of the model runs at ``spec.model.dtype``.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+from torch.nn import functional as F
+from transformers.quantizers import HfQuantizer, register_quantization_config, register_quantizer
+from transformers.utils.quantization_config import QuantizationConfigMixin
+
+from ..model.quantization import GROUP_SIZE
+
+METHOD = "deploykit"
+_SMALL = 32  # rows up to which the weight-only kernels beat dequantize + bfloat16 GEMM (measured)
+_COMPUTE = torch.bfloat16
+_ALIGN = 64  # bytes: what torch's CPU allocator gives and the int8 kernel's vector loads need
+_MADV_DONTNEED = 4
+
+
+class QuantizedLinear(nn.Module):
+    """``nn.Linear`` with int8 (per output channel) or int4 (groups of 32) weights, as laid out on disk."""
+
+    def __init__(self, in_features: int, out_features: int, *, bias: bool, scheme: str, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.in_features, self.out_features, self.scheme = in_features, out_features, scheme
+        frozen = {"requires_grad": False}
+        if scheme == "int8":
+            self.weight = nn.Parameter(torch.empty(out_features, in_features, dtype=torch.int8), **frozen)
+            self.weight_scale = nn.Parameter(torch.empty(out_features, dtype=dtype), **frozen)
+        else:
+            groups = in_features // GROUP_SIZE
+            self.weight = nn.Parameter(torch.empty(out_features, in_features // 2, dtype=torch.uint8), **frozen)
+            self.weight_scale = nn.Parameter(torch.empty(out_features, groups, dtype=dtype), **frozen)
+            self.weight_zero = nn.Parameter(torch.empty(out_features, groups, dtype=dtype), **frozen)
+        self.bias = nn.Parameter(torch.empty(out_features, dtype=dtype), **frozen) if bias else None
+        self._packed: torch.Tensor | None = None  # int4 on CPU: the kernel's layout
+        self._scales: torch.Tensor | None = None  # bfloat16 scales (int8) or scales and zeros (int4)
+
+    def extra_repr(self) -> str:
+        return f"in_features={self.in_features}, out_features={self.out_features}, scheme={self.scheme}"
+
+    def prepare(self) -> None:
+        """After loading: the CPU kernels' forms of the weights (int4 replaces its stored weight)."""
+        if self.weight.device.type != "cpu":
+            return
+        stored = self.weight.detach()
+        if self.scheme == "int8":
+            self._scales = self.weight_scale.detach().to(_COMPUTE)
+            if stored.data_ptr() % _ALIGN == 0:
+                return
+            # safetensors aligns tensor data to 8 bytes only; the int8 kernel's vector loads need 64
+            self.weight = nn.Parameter(stored.clone(), requires_grad=False)
+        else:
+            self._packed = torch._convert_weight_to_int4pack_for_cpu(_unpack_int4(stored), 1)
+            self._scales = torch.stack([self.weight_scale.t(), self.weight_zero.t()], dim=-1).to(_COMPUTE).contiguous()
+            self.weight = nn.Parameter(self._packed, requires_grad=False)  # the stored layout is no longer needed
+        _release_pages(stored)
+
+    def dequantized(self, dtype: torch.dtype) -> torch.Tensor:
+        """The full weight at ``dtype`` (for a call with many rows, or on a GPU)."""
+        if self.scheme == "int8":
+            return self.weight.to(dtype) * self.weight_scale.to(dtype)[:, None]
+        q = _unpack_int4(self.weight).to(dtype).reshape(self.out_features, -1, GROUP_SIZE)
+        w = (q - 8) * self.weight_scale.to(dtype)[..., None] + self.weight_zero.to(dtype)[..., None]
+        return w.reshape(self.out_features, self.in_features)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.device.type != "cpu" or self._scales is None:
+            return F.linear(x, self.dequantized(x.dtype), self.bias)
+        rows = x.reshape(-1, self.in_features).to(_COMPUTE)
+        if self._packed is not None:  # int4
+            y = torch._weight_int4pack_mm_for_cpu(rows, self._packed, GROUP_SIZE, self._scales)
+        elif rows.shape[0] <= _SMALL:
+            y = torch._weight_int8pack_mm(rows, self.weight, self._scales)
+        else:
+            y = F.linear(rows, self.weight.to(_COMPUTE) * self._scales[:, None])
+        y = y.to(x.dtype).reshape(*x.shape[:-1], self.out_features)
+        return y + self.bias if self.bias is not None else y
+
+
+def _release_pages(t: torch.Tensor) -> None:
+    """Drop the memory pages wholly inside ``t`` from this process once a copy replaced it and nothing
+    reads ``t`` any more. The weights are memory-mapped from the shard files (read-only), so a dropped
+    page is never lost (it would be read again from the file), and a page of heap memory wholly inside
+    ``t`` holds only ``t``'s bytes; without this, the replaced weights would stay in resident memory."""
+    import ctypes
+    import mmap
+
+    start = -(-t.data_ptr() // mmap.PAGESIZE) * mmap.PAGESIZE
+    end = (t.data_ptr() + t.numel() * t.element_size()) // mmap.PAGESIZE * mmap.PAGESIZE
+    if end > start:
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+        libc.madvise(start, end - start, _MADV_DONTNEED)
+
+
+def _unpack_int4(packed: torch.Tensor) -> torch.Tensor:
+    """[out, in / 2] bytes -> [out, in] int32 values 0..15 (low nibble first)."""
+    return torch.stack([packed & 15, packed >> 4], dim=-1).reshape(packed.shape[0], -1).to(torch.int32)
+
+
+class DeploykitQuantConfig(QuantizationConfigMixin):
+    """The quantization transformers sees: ``scheme`` for the linear ``modules`` (names in the model)."""
+
+    def __init__(self, scheme: str = "int8", modules: list[str] | None = None, **_: Any) -> None:
+        self.quant_method = METHOD  # type: ignore[assignment]
+        self.scheme = scheme
+        self.modules = list(modules or [])
+
+
+class DeploykitQuantizer(HfQuantizer):
+    """Swaps the quantized linears before loading and prepares their kernels after. Weights are read as
+    stored: nothing is quantized at load time (the reshard did it)."""
+
+    requires_calibration = False
+    quantization_config: DeploykitQuantConfig
+
+    def _process_model_before_weight_loading(self, model: Any, **kwargs: Any) -> Any:
+        dtype = kwargs.get("dtype") or torch.float32
+        for name in self.quantization_config.modules:
+            parent_name, _, child = name.rpartition(".")
+            parent = model.get_submodule(parent_name) if parent_name else model
+            linear = getattr(parent, child)
+            with torch.device("meta"):
+                replacement = QuantizedLinear(linear.in_features, linear.out_features, bias=linear.bias is not None,
+                                              scheme=self.quantization_config.scheme, dtype=dtype)
+            setattr(parent, child, replacement)
+        return model
+
+    def _process_model_after_weight_loading(self, model: Any, **kwargs: Any) -> Any:
+        for module in model.modules():
+            if isinstance(module, QuantizedLinear):
+                module.prepare()
+        return model
+
+    def is_serializable(self) -> bool:
+        return False
+
+    @property
+    def is_trainable(self) -> bool:
+        return False
+
+
+def _register() -> None:
+    from transformers.quantizers.auto import AUTO_QUANTIZATION_CONFIG_MAPPING, AUTO_QUANTIZER_MAPPING
+
+    if METHOD not in AUTO_QUANTIZATION_CONFIG_MAPPING:
+        register_quantization_config(METHOD)(DeploykitQuantConfig)
+    if METHOD not in AUTO_QUANTIZER_MAPPING:
+        register_quantizer(METHOD)(DeploykitQuantizer)
+
+
+def quantization_config(scheme: str, modules: list[str]) -> DeploykitQuantConfig:
+    """What to pass as ``from_pretrained(quantization_config=...)`` for shards quantized with ``scheme``."""
+    _register()
+    return DeploykitQuantConfig(scheme=scheme, modules=sorted(modules))
