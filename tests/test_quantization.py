@@ -162,9 +162,10 @@ def _shard_tensors(directory: Path) -> dict[str, tuple[str, list[int]]]:
     return found
 
 
-def _dequantized_model(shards: Path, reference_dir: Path):
+def _dequantized_model(shards: Path, reference):
     """The float32 model whose weights are what the shards store, dequantized by the documented format
-    (docs/quantization.md), independently of deploykit's loader."""
+    (docs/quantization.md), independently of deploykit's loader. ``reference``: a checkpoint directory or
+    a float32 model of the same architecture, whose weights are replaced."""
     import torch
     from transformers import AutoModelForCausalLM
     from safetensors.torch import load_file
@@ -172,7 +173,8 @@ def _dequantized_model(shards: Path, reference_dir: Path):
     stored: dict[str, torch.Tensor] = {}
     for file in shards.glob("*.safetensors"):
         stored.update(load_file(file))
-    model = AutoModelForCausalLM.from_pretrained(reference_dir, dtype=torch.float32)
+    model = (AutoModelForCausalLM.from_pretrained(reference, dtype=torch.float32) if isinstance(reference, Path)
+             else reference)
     state = model.state_dict()
     for name in list(state):
         if name + "_scale" not in stored:
@@ -264,3 +266,33 @@ def test_kill_9_during_the_quantizing_reshard_then_apply_finishes(model, tmp_pat
     shards = Path(history[-1].shards_path or "")
     assert verify(shards) == [] and not list(shards.glob("*.partial"))
     assert _shard_tensors(shards)["model.layers.3.mlp.down_proj.weight"][0] == "U8"
+
+
+@pytest.mark.parametrize("scheme", ["int8", "int4"])
+def test_gguf_source_is_imported_quantized_without_a_full_precision_copy(store, tmp_path, scheme):
+    """A GGUF file is imported one tensor at a time straight to quantized shards: no file anywhere in
+    the state directory holds a linear weight at full precision, and the model answers from what the
+    shards store."""
+    import torch
+
+    from deploykit.artifacts.gguf import import_problem, read_record
+    from test_gguf import reference, write_tiny_gguf
+
+    gguf_file = write_tiny_gguf(tmp_path / "tiny.gguf")
+    outcome = _apply(_quantized_manifest(tmp_path, gguf_file, scheme), store, keep_model=True)
+    assert outcome.status == "applied"
+    record = read_record(outcome.shards)  # the import, served in place: every file checksummed
+    assert record is not None and import_problem(outcome.shards, record["fingerprint"], hashes=True) is None
+    linears = {}
+    for directory in {f.parent for f in store.directory.rglob("*.safetensors")}:
+        linears.update({n: d for n, (d, _) in _shard_tensors(directory).items()
+                        if n.endswith(("_proj.weight"))})
+    assert len(linears) == 2 * 7 and set(linears.values()) == {"I8" if scheme == "int8" else "U8"}
+    ids = torch.tensor([[1, 7, 42, 100, 3]])
+    dequantized = _dequantized_model(outcome.shards, reference(gguf_file))
+    with torch.no_grad():
+        got, want = outcome.loaded.model(ids).logits, dequantized(ids).logits
+    assert torch.allclose(got, want, atol=0.02), (got - want).abs().max()
+    if scheme == "int8":
+        with torch.no_grad():
+            assert torch.allclose(got, reference(gguf_file)(ids).logits, atol=0.02)

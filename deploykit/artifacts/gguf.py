@@ -46,11 +46,13 @@ RECORD_VERSION = 1
 Say = Callable[[str], None]
 
 
-def source_fingerprint(gguf_file: Path, *, dtype: str, max_shard_size: int) -> str:
-    """What an import of ``gguf_file`` at ``dtype``/``max_shard_size`` holds: the checkpoint fingerprint
-    a revision records for a GGUF source. Reads only the GGUF's metadata."""
-    parts = {"gguf": gguf_fingerprint(gguf_file), "dtype": dtype, "max_shard_size": int(max_shard_size),
-             "version": RECORD_VERSION}
+def source_fingerprint(gguf_file: Path, *, dtype: str, max_shard_size: int, quantization: str = "none") -> str:
+    """What an import of ``gguf_file`` at ``dtype``/``max_shard_size`` (and ``quantization``) holds: the
+    checkpoint fingerprint a revision records for a GGUF source. Reads only the GGUF's metadata."""
+    parts: dict[str, Any] = {"gguf": gguf_fingerprint(gguf_file), "dtype": dtype,
+                             "max_shard_size": int(max_shard_size), "version": RECORD_VERSION}
+    if quantization != "none":  # imported quantized (gguf_quantized); unquantized imports keep their key
+        parts["quantization"] = quantization
     return "sha256:" + hashlib.sha256(json.dumps(parts, sort_keys=True).encode()).hexdigest()
 
 
@@ -84,13 +86,16 @@ def import_problem(directory: Path, fingerprint: str, *, hashes: bool) -> str | 
 
 
 def import_gguf(gguf_file: Path, dest_root: Path, *, dtype: str, max_shard_size: int,
-                progress: Say | None = None, verify: bool = True) -> Path:
+                progress: Say | None = None, verify: bool = True, quantization: str = "none") -> Path:
     """The checkpoint directory holding ``gguf_file`` at ``dtype`` in shards of ``max_shard_size``:
     an existing import if it is intact (contents checked unless ``verify`` is False), else a new
-    conversion. ``progress`` receives one line per stage (they are logged at INFO too)."""
+    conversion. ``progress`` receives one line per stage (they are logged at INFO too). With
+    ``quantization``, the linear weights of the layers are imported quantized, one tensor at a time
+    (``gguf_quantized``): no full-precision copy is made."""
     gguf_file = Path(gguf_file).resolve()
     say = _sayer(progress)
-    fingerprint = source_fingerprint(gguf_file, dtype=dtype, max_shard_size=max_shard_size)
+    fingerprint = source_fingerprint(gguf_file, dtype=dtype, max_shard_size=max_shard_size,
+                                     quantization=quantization)
     dest = import_dir(Path(dest_root), fingerprint)
     if dest.is_dir():
         problem = import_problem(dest, fingerprint, hashes=verify)
@@ -102,8 +107,13 @@ def import_gguf(gguf_file: Path, dest_root: Path, *, dtype: str, max_shard_size:
     _remove_dead_temps(dest)
     tmp = Path(tempfile.mkdtemp(prefix=f".{dest.name}.tmp-{os.getpid()}-", dir=dest.parent))
     try:
-        _convert(gguf_file, tmp, dtype=dtype, max_shard_size=max_shard_size, say=say)
-        if source_fingerprint(gguf_file, dtype=dtype, max_shard_size=max_shard_size) != fingerprint:
+        if quantization == "none":
+            _convert(gguf_file, tmp, dtype=dtype, max_shard_size=max_shard_size, say=say)
+        else:
+            _convert_quantized(gguf_file, tmp, dtype=dtype, max_shard_size=max_shard_size, scheme=quantization,
+                               say=say)
+        if source_fingerprint(gguf_file, dtype=dtype, max_shard_size=max_shard_size,
+                              quantization=quantization) != fingerprint:
             raise CheckpointError(f"{gguf_file}: changed while it was being converted; apply again")
         _write_record(tmp, gguf_file, fingerprint, dtype=dtype, max_shard_size=max_shard_size)
         return _publish(tmp, dest, fingerprint)
@@ -161,6 +171,24 @@ def _convert(gguf_file: Path, out: Path, *, dtype: str, max_shard_size: int, say
     if not any(out.glob("*.safetensors")) or not (out / "config.json").is_file():
         raise CheckpointError(f"{gguf_file}: the conversion wrote no safetensors weights or config.json")
     say(f"converted {gguf_file.name} in {time.perf_counter() - started:.1f}s")
+
+
+def _convert_quantized(gguf_file: Path, out: Path, *, dtype: str, max_shard_size: int, scheme: str,
+                       say: Say) -> None:
+    from ..model.gguf import load_gguf_config
+    from .gguf_quantized import convert_quantized
+
+    meta = gguf_metadata(gguf_file)
+    started = time.perf_counter()
+    try:
+        convert_quantized(gguf_file, out, dtype=dtype, max_shard_size=max_shard_size, scheme=scheme,
+                          config=load_gguf_config(gguf_file), say=say)
+    except (ValueError, KeyError, NotImplementedError) as exc:
+        raise CheckpointError(f"{gguf_file}: cannot import this GGUF file quantized: "
+                              f"{str(exc).splitlines()[0] if str(exc) else type(exc).__name__}") from None
+    if has_tokenizer(meta):
+        _save_tokenizer(gguf_file, out)
+    say(f"imported {gguf_file.name} as {scheme} in {time.perf_counter() - started:.1f}s")
 
 
 def _save_tokenizer(gguf_file: Path, out: Path) -> None:

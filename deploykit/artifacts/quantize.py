@@ -103,13 +103,13 @@ def write_quantized(t: Tensor, quantize: Quantize, read_rows: Callable[[int, int
         last = min(out, first + step)
         pieces = quantize_rows(read_rows(first, last), quantize.scheme, dtype)
         for piece, start, size in zip(pieces, starts, row_bytes):
-            _pwrite_all(dst, memoryview(piece.contiguous().view(torch.uint8).numpy()).cast("B"),
+            pwrite_all(dst, memoryview(piece.contiguous().view(torch.uint8).numpy()).cast("B"),
                         start + first * size)
             advance(piece.numel() * piece.element_size())
     return sum(nbytes for _, _, _, nbytes in entries)
 
 
-def _pwrite_all(fd: int, data: memoryview, offset: int) -> None:
+def pwrite_all(fd: int, data: memoryview, offset: int) -> None:
     while data:
         n = os.pwrite(fd, data, offset)
         data, offset = data[n:], offset + n

@@ -211,7 +211,8 @@ def _open_source(loaded: LoadedManifest) -> tuple[Checkpoint | None, str]:
     spec = loaded.manifest.spec
     if is_gguf(loaded.model_path):
         return None, source_fingerprint(loaded.model_path, dtype=spec.model.dtype,
-                                        max_shard_size=spec.sharding.max_shard_size)
+                                        max_shard_size=spec.sharding.max_shard_size,
+                                        quantization=spec.model.quantization)
     checkpoint = open_checkpoint(loaded.model_path, allow_pickle=spec.model.allow_pickle)
     return checkpoint, checkpoint.fingerprint
 
@@ -221,7 +222,8 @@ def existing_import(loaded: LoadedManifest, store: StateStore) -> tuple[Path, Ch
     if it is already there and intact by size (None: an apply converts it first). Converts nothing."""
     spec = loaded.manifest.spec
     fingerprint = source_fingerprint(loaded.model_path, dtype=spec.model.dtype,
-                                     max_shard_size=spec.sharding.max_shard_size)
+                                     max_shard_size=spec.sharding.max_shard_size,
+                                     quantization=spec.model.quantization)
     directory = import_dir(imports_root(store), fingerprint)
     if import_problem(directory, fingerprint, hashes=False) is not None:
         return directory, None
@@ -235,10 +237,12 @@ def _import(loaded: LoadedManifest, store: StateStore, fingerprint: str, timer: 
     spec = loaded.manifest.spec
     with timer.step("import"):
         directory = import_gguf(loaded.model_path, imports_root(store), dtype=spec.model.dtype,
-                                max_shard_size=spec.sharding.max_shard_size)  # it logs each stage
+                                max_shard_size=spec.sharding.max_shard_size,
+                                quantization=spec.model.quantization)  # it logs each stage
         checkpoint = open_checkpoint(directory)
     if source_fingerprint(loaded.model_path, dtype=spec.model.dtype,
-                          max_shard_size=spec.sharding.max_shard_size) != fingerprint:
+                          max_shard_size=spec.sharding.max_shard_size,
+                          quantization=spec.model.quantization) != fingerprint:
         raise CheckpointError(f"{loaded.model_path}: changed during this apply; apply again")
     return replace(checkpoint, fingerprint=fingerprint)
 
