@@ -296,3 +296,12 @@ def test_gguf_source_is_imported_quantized_without_a_full_precision_copy(store, 
     if scheme == "int8":
         with torch.no_grad():
             assert torch.allclose(got, reference(gguf_file)(ids).logits, atol=0.02)
+
+
+def test_quantization_on_a_ray_cluster_is_refused_where_it_is_written(tmp_path):
+    text = _manifest(tmp_path, "int8") + "  cluster: {address: local}\n"
+    with pytest.raises(ManifestError) as err:
+        parse_manifests(text.encode(), source="m.yaml", base_dir=tmp_path)
+    [issue] = err.value.issues
+    assert (issue.line, issue.column, issue.field) == (8, 19, "spec.model.quantization")
+    assert "not available on a Ray cluster" in issue.message

@@ -27,6 +27,7 @@ from pydantic import (
     WithJsonSchema,
     field_validator,
     model_serializer,
+    model_validator,
 )
 from pydantic_core import PydanticCustomError
 
@@ -294,6 +295,15 @@ class Spec(_Strict):
                 "nodes_without_cluster", "{n} nodes need a cluster: add spec.cluster.address (a Ray "
                 "address, 'auto' or 'local'), or set nodes to 1", {"n": placement.nodes, "at": "nodes"})
         return placement
+
+    @model_validator(mode="after")
+    def _quantization_in_process(self) -> Spec:
+        if self.cluster is not None and self.model.quantization != "none":
+            raise PydanticCustomError(
+                "quantization_cluster", "quantization {q} is not available on a Ray cluster yet (its replicas "
+                "and pipeline stages load full-precision weights); remove spec.cluster or set quantization "
+                "to none", {"q": self.model.quantization, "at": "model.quantization"})
+        return self
 
     @model_serializer(mode="wrap")
     def _omit_defaults(self, handler: SerializerFunctionWrapHandler) -> dict[str, Any]:
