@@ -305,3 +305,79 @@ def test_quantization_on_a_ray_cluster_is_refused_where_it_is_written(tmp_path):
     [issue] = err.value.issues
     assert (issue.line, issue.column, issue.field) == (8, 19, "spec.model.quantization")
     assert "not available on a Ray cluster" in issue.message
+
+
+# ---------------------------------------------------------------------------------------------------
+# Served like any other model.
+
+
+def _chat_manifest(model: Path, scheme: str) -> str:
+    from test_serve import chat_manifest
+
+    return chat_manifest(model, strategy="blue-green").replace(
+        "dtype: float32}", f"dtype: float32, quantization: {scheme}}}")
+
+
+def _greedy_reference(shards: Path, model: Path, prompt: str, max_tokens: int) -> str:
+    import torch
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(model)
+    ids = tokenizer(prompt, return_tensors="pt")["input_ids"]
+    out = _dequantized_model(shards, model).generate(ids, max_new_tokens=max_tokens, do_sample=False,
+                                                      attention_mask=torch.ones_like(ids))
+    return tokenizer.decode(out[0, ids.shape[1]:], skip_special_tokens=True)
+
+
+def test_served_quantized_answers_and_hot_reloads_int8_to_int4_without_failures(tmp_path):
+    import openai
+
+    from chatmodel import build_chat_model
+    from deploykit.control.state import StateStore
+    from servers import Server
+    from test_serve_reload import Streams, replace_like_an_editor, status, wait_for
+
+    model = build_chat_model(tmp_path / "model")
+    manifests = tmp_path / "manifests"
+    manifests.mkdir()
+    path = manifests / "chat.yaml"
+    path.write_text(_chat_manifest(model, "int8"))
+    store = StateStore(tmp_path / "state")
+
+    def answer(client: openai.OpenAI) -> str:
+        return client.completions.create(model="tiny-chat", prompt="Hello there", max_tokens=10,
+                                         temperature=0).choices[0].text
+
+    with Server(manifests, tmp_path / "state") as server, Streams(server.url) as streams:
+        client = openai.OpenAI(base_url=f"{server.url}/v1", api_key="none", max_retries=0, timeout=60)
+        int8 = Path(store.current("tiny-chat").shards_path or "")
+        assert answer(client) == _greedy_reference(int8, model, "Hello there", 10)
+        wait_for(lambda: len(streams.texts) >= 3)
+        replace_like_an_editor(path, _chat_manifest(model, "int4"))
+        wait_for(lambda: status(server.url)["generation"] == 2)
+        served = len(streams.texts)
+        wait_for(lambda: len(streams.texts) >= served + 3)
+        int4 = Path(store.current("tiny-chat").shards_path or "")
+        assert int4 != int8
+        assert answer(client) == _greedy_reference(int4, model, "Hello there", 10)
+    assert streams.failures == []
+
+
+def test_acquire_yields_a_module_whose_forward_returns_logits(tmp_path):
+    import torch
+
+    from chatmodel import build_chat_model
+    from deploykit.control.deployment import Deployment
+    from deploykit.engine.quantized import QuantizedLinear
+
+    model = build_chat_model(tmp_path / "model")
+    (tmp_path / "chat.yaml").write_text(_chat_manifest(model, "int4"))
+    dep = Deployment.from_manifest(tmp_path / "chat.yaml", state_dir=tmp_path / "state")
+    try:
+        with dep.acquire() as module:
+            assert any(isinstance(m, QuantizedLinear) for m in module.modules())
+            with torch.no_grad():
+                logits = module(torch.tensor([[1, 2, 3, 4]])).logits
+        assert logits.shape[:2] == (1, 4) and torch.isfinite(logits).all()
+    finally:
+        dep.close()
