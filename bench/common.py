@@ -31,6 +31,7 @@ CHECKPOINTS = {
     # name: hidden, intermediate, layers, dtype
     "llama-1.5g": (2048, 5632, 12, "float16"),  # 1.5 GB
     "llama-fp32-600m": (1024, 2816, 12, "float32"),  # 0.6 GB, float32 for CPU forwards
+    "llama-fp32-1.3g": (1280, 3456, 12, "float32"),  # 1.3 GB, float32: bench/quantize.py's apply peak
 }
 
 
