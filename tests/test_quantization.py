@@ -381,3 +381,19 @@ def test_acquire_yields_a_module_whose_forward_returns_logits(tmp_path):
         assert logits.shape[:2] == (1, 4) and torch.isfinite(logits).all()
     finally:
         dep.close()
+
+
+def test_reshard_command_quantizes_and_a_second_run_writes_nothing(tiny_model, tmp_path):
+    from deploykit.artifacts.verify import verify
+
+    dst = tmp_path / "dst"
+    command = [sys.executable, "-m", "deploykit.cli", "reshard", str(tiny_model("llama")), str(dst),
+               "--max-shard-size", "100KiB", "--quantization", "int8", "-q"]
+    first = subprocess.run(command, capture_output=True, text=True, cwd=REPO, timeout=120)
+    assert first.returncode == 0, first.stderr
+    assert verify(dst) == []
+    tensors = _shard_tensors(dst)
+    assert tensors["model.layers.2.self_attn.o_proj.weight"] == ("I8", [64, 64])
+    assert tensors["model.layers.2.self_attn.o_proj.weight_scale"] == ("F32", [64])
+    again = subprocess.run(command, capture_output=True, text=True, cwd=REPO, timeout=120)
+    assert again.returncode == 0 and "up to date" in again.stdout, again.stderr

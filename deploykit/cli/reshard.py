@@ -14,18 +14,24 @@ from .console import EXIT_FAILED, Bar, err, fail, handle_errors, out, show_progr
 @click.option("--max-shard-size", required=True, metavar="SIZE", help="Largest shard, e.g. 2GiB.")
 @click.option("--dtype", type=click.Choice(["float32", "float16", "bfloat16"]), default=None,
               help="Convert floating tensors (decodes a chunk at a time); default: keep each dtype.")
+@click.option("--quantization", type=click.Choice(["none", "int8", "int4"]), default="none",
+              help="Quantize the linear weights of the layers (docs/quantization.md); scales at --dtype, "
+                   "float32 without it.")
+@click.option("--task", type=click.Choice(["causal-lm", "seq2seq-lm", "feature-extraction"]), default="causal-lm",
+              help="The model class whose layers --quantization finds (SRC's config.json).")
 @click.option("--allow-pickle", is_flag=True,
               help="Accept *.bin/*.pt checkpoints (read with torch.load(weights_only=True)).")
 @click.option("--quiet", "-q", is_flag=True, help="No progress bar.")
 @handle_errors
-def reshard(src: str, dst: str, max_shard_size: str, dtype: str | None, allow_pickle: bool,
-            quiet: bool) -> None:
+def reshard(src: str, dst: str, max_shard_size: str, dtype: str | None, quantization: str, task: str,
+            allow_pickle: bool, quiet: bool) -> None:
     """Rewrite the checkpoint SRC into DST with shards of at most --max-shard-size.
 
     Streams tensor by tensor with bounded memory, writes atomically (DST is either as it was or
     complete, even after kill -9), resumes an interrupted run, and does nothing when DST is already
     up to date.
     """
+    from ..artifacts.quantize import quantize_for
     from ..artifacts.reshard import reshard as run
     from ..units import parse_size
 
@@ -35,11 +41,13 @@ def reshard(src: str, dst: str, max_shard_size: str, dtype: str | None, allow_pi
         raise click.BadParameter(str(exc), param_hint="--max-shard-size") from None
     if size <= 0:
         raise click.BadParameter("must be greater than 0", param_hint="--max-shard-size")
+    quantize = quantize_for(src, scheme=quantization, dtype=dtype or "float32", task=task)
     if show_progress(quiet):
         with Bar("resharding") as bar:
-            result = run(src, dst, max_shard_size=size, dtype=dtype, allow_pickle=allow_pickle, progress=bar)
+            result = run(src, dst, max_shard_size=size, dtype=dtype, allow_pickle=allow_pickle, progress=bar,
+                         quantize=quantize)
     else:
-        result = run(src, dst, max_shard_size=size, dtype=dtype, allow_pickle=allow_pickle)
+        result = run(src, dst, max_shard_size=size, dtype=dtype, allow_pickle=allow_pickle, quantize=quantize)
     for warning in result.warnings:
         err.print(f"warning: {warning}", markup=False)
     if result.status == "unchanged":
