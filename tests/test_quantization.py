@@ -397,3 +397,23 @@ def test_reshard_command_quantizes_and_a_second_run_writes_nothing(tiny_model, t
     assert tensors["model.layers.2.self_attn.o_proj.weight_scale"] == ("F32", [64])
     again = subprocess.run(command, capture_output=True, text=True, cwd=REPO, timeout=120)
     assert again.returncode == 0 and "up to date" in again.stdout, again.stderr
+
+
+def test_smollm2_plan_bytes_are_its_weights_once(tmp_path):
+    """SmolLM2 ties lm_head to the embeddings: the plan counts that tensor once, so its float32 bytes are
+    the GGUF's parameters x 4 (plus the rotary buffers), and int8 / int4 shrink them as documented."""
+    gguf = pytest.importorskip("gguf")
+    from test_serve_smollm2 import smollm2_file
+
+    from deploykit.placement.planning import plan_manifest
+
+    path = smollm2_file()
+    reader = gguf.GGUFReader(str(path))
+    parameters = sum(int(t.n_elements) for t in reader.tensors)
+    assert all(t.name != "output.weight" for t in reader.tensors)  # tied: no separate lm_head
+    plans = {}
+    for scheme in ("none", "int8", "int4"):
+        [loaded] = parse_manifests(_manifest(path, scheme).encode(), source="m.yaml", base_dir=tmp_path)
+        plans[scheme] = plan_manifest(loaded).total_bytes
+    assert plans["none"] == parameters * 4 + 2 * 32 * 4  # inv_freq and original_inv_freq, head_dim 64
+    assert plans["int8"] <= 0.5 * plans["none"] and plans["int4"] <= 0.4 * plans["none"]
