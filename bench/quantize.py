@@ -137,6 +137,7 @@ def serve_once(manifest: Path, state: Path, log: Path, *, clients: int, max_toke
     try:
         server.start(base, 600)
         assert server.proc is not None
+        _wait_ready(f"http://127.0.0.1:{port}/readyz", 600)  # /v1/models answers before the model is loaded
         with RssSampler(server.proc.pid) as rss:
             _, _, usage = asyncio.run(warm_up(base, "smollm2", 8, 600, 600))
             rss.reset()
@@ -145,6 +146,22 @@ def serve_once(manifest: Path, state: Path, log: Path, *, clients: int, max_toke
         return tokens / wall, rss.peak, sum(1 for r in results if r.error)
     finally:
         server.stop()
+
+
+def _wait_ready(url: str, timeout: float) -> None:
+    import time
+
+    import httpx
+
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        try:
+            if httpx.get(url, timeout=5).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.5)
+    raise TimeoutError(f"{url} not ready in {timeout:.0f} s")
 
 
 def smollm2_gguf() -> Path:

@@ -36,7 +36,10 @@ def main() -> None:
     parser.add_argument("--rows", default="1,4,16,64,512")
     parser.add_argument("--runs", type=int, default=3)
     parser.add_argument("--calls", type=int, default=50)
+    parser.add_argument("--threads", type=int, default=torch.get_num_threads(),
+                        help="torch threads; 1 gives steadier figures on a shared, loaded machine")
     args = parser.parse_args()
+    torch.set_num_threads(args.threads)
     torch.manual_seed(0)
     out, inputs, group = args.out, args.inputs, 32
     w = torch.randn(out, inputs) * 0.05
