@@ -27,12 +27,14 @@ from pydantic import (
     WithJsonSchema,
     field_validator,
     model_serializer,
+    model_validator,
 )
 from pydantic_core import PydanticCustomError
 
 from ..errors import Issue, ManifestError
 from ..units import SIZE_UNITS_TEXT, format_duration, parse_duration, parse_size
 from .yamlsource import Document, load_documents
+from .tensor_parallel import heads_issues
 
 API_VERSION = "deploykit/v1"
 KIND = "ModelDeployment"
@@ -119,13 +121,29 @@ class Placement(_Strict):
     nodes: int = Field(1, ge=1, description="Pipeline stages, one per node of spec.cluster: layers are split "
                                             "node-major (contiguous runs per node, then per GPU within a node; "
                                             "embeddings on the first node's first GPU). 1: one host.")
+    tensor_parallel: int = Field(1, ge=1, description="Ranks every attention and MLP layer is split across "
+                                                      "(transformers' tp_plan): one per listed GPU, or that many "
+                                                      "worker processes on a CPU-only host. Must divide the "
+                                                      "attention and key-value heads. 1: no split.")
 
     @model_serializer(mode="wrap")
     def _omit_default_nodes(self, handler: SerializerFunctionWrapHandler) -> dict[str, Any]:
         data: dict[str, Any] = handler(self)
         if self.nodes == 1:  # manifests that never name nodes keep their digest
             data.pop("nodes", None)
+        if self.tensor_parallel == 1:
+            data.pop("tensor_parallel", None)
         return data
+
+    @field_validator("tensor_parallel")
+    @classmethod
+    def _ranks_fit_placement(cls, ranks: int, info: ValidationInfo) -> int:
+        from .tensor_parallel import placement_problem
+
+        problem = placement_problem(ranks, gpus=info.data.get("gpus"), nodes=info.data.get("nodes"))
+        if problem:
+            raise PydanticCustomError("tensor_parallel", problem)
+        return ranks
 
     @field_validator("gpus")
     @classmethod
@@ -283,6 +301,17 @@ class Spec(_Strict):
                 "nodes_without_cluster", "{n} nodes need a cluster: add spec.cluster.address (a Ray "
                 "address, 'auto' or 'local'), or set nodes to 1", {"n": placement.nodes, "at": "nodes"})
         return placement
+
+    @model_validator(mode="after")
+    def _tensor_parallel_alone(self) -> Spec:
+        from .tensor_parallel import spec_problem
+
+        problem = spec_problem(self.placement.tensor_parallel, cluster=self.cluster is not None,
+                               offload=self.offload.disk is not None,
+                               task=self.model.task)
+        if problem:
+            raise PydanticCustomError("tensor_parallel", problem, {"at": "placement.tensor_parallel"})
+        return self
 
     @model_serializer(mode="wrap")
     def _omit_defaults(self, handler: SerializerFunctionWrapHandler) -> dict[str, Any]:
@@ -564,6 +593,8 @@ def check_on_host(loaded: LoadedManifest) -> list[Issue]:
     elif not (model_dir / "config.json").is_file():
         issues.append(loaded.issue("spec.model.path", f"{str(model_dir)!r} holds no config.json",
                                    hint="point path at a Hugging Face checkpoint directory or a .gguf file"))
+    if not issues:
+        issues.extend(heads_issues(loaded))
     disk = loaded.manifest.spec.offload.disk
     if disk is not None:
         disk_dir = loaded.resolve(disk.path)
