@@ -320,7 +320,7 @@ def _act(loaded: LoadedManifest, store: StateStore, checkpoint: Checkpoint, deci
             shards, result = _lay_out(loaded, store, checkpoint, plan, progress)
         store.set_plan(loaded.name, revision, plan_json=json.dumps(plan.to_dict()), plan_digest=plan.digest,
                        shards_path=str(shards),
-                       checksums=None if result is not None else _in_place_checksums(checkpoint))
+                       checksums=None if result is not None or shards != checkpoint.path else _in_place_checksums(checkpoint))
         if options.before_load is not None:
             with timer.step("drain"):
                 options.before_load()
@@ -343,6 +343,8 @@ def _lay_out(loaded: LoadedManifest, store: StateStore, checkpoint: Checkpoint, 
     """The directory the plan loads from: the checkpoint itself when its layout fits, else shards
     written for this (content, layout), laid out again if a previous copy is damaged."""
     spec = loaded.manifest.spec
+    if spec.placement.tensor_parallel > 1:
+        return _lay_out_ranks(loaded, store, checkpoint), None
     layout_args = {"max_shard_size": spec.sharding.max_shard_size, "dtype": spec.model.dtype,
                    "device_map": plan.device_map}
     if fits_layout(checkpoint, **layout_args):  # type: ignore[arg-type]
@@ -355,6 +357,22 @@ def _lay_out(loaded: LoadedManifest, store: StateStore, checkpoint: Checkpoint, 
         discard_dir(shards)
     shards.parent.mkdir(parents=True, exist_ok=True)
     return shards, reshard(checkpoint, shards, progress=progress, **layout_args)  # type: ignore[arg-type]
+
+
+def _lay_out_ranks(loaded: LoadedManifest, store: StateStore, checkpoint: Checkpoint) -> Path:
+    """Tensor parallel: one file per rank (its slices and what it replicates), with checksums."""
+    from ..artifacts.rank_shards import rank_layout, write_rank_shards
+
+    model = loaded.manifest.spec.model
+    layout = rank_layout(checkpoint, ranks=loaded.manifest.spec.placement.tensor_parallel, dtype=model.dtype,
+                         task=model.task, trust_remote_code=model.trust_remote_code)
+    shards = shards_dir(loaded, store, checkpoint.fingerprint, layout.digest)
+    lock = read_lock(shards)
+    if lock is not None and (problem := shard_problem(shards, lock, hashes=True)) is not None:
+        log.warning("%s: %s; laying the rank shards out again from %s", loaded.name, problem, checkpoint.path)
+        discard_dir(shards)
+    shards.parent.mkdir(parents=True, exist_ok=True)
+    return write_rank_shards(checkpoint, shards, layout)
 
 
 def _in_place_checksums(checkpoint: Checkpoint) -> dict[str, dict]:

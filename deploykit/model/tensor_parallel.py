@@ -84,3 +84,14 @@ def tied_sources(model: Any, available: set[str]) -> dict[str, str]:
             if n not in available and present:
                 out[n] = present[0]
     return out
+
+
+def rank_split(model_dir: Any, *, task: str, trust_remote_code: bool = False,
+               available: set[str]) -> tuple[dict[str, int], dict[str, str]]:
+    """For the checkpoint at ``model_dir`` (its config.json only): the split parameters with their
+    dimension, and the tied names missing from ``available`` with the name that holds their tensor."""
+    from .structure import build_meta_model, load_config
+
+    model = build_meta_model(load_config(model_dir, trust_remote_code=trust_remote_code), task=task,  # type: ignore[arg-type]
+                             trust_remote_code=trust_remote_code)
+    return split_parameters(model), tied_sources(model, available)
