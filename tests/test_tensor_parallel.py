@@ -100,3 +100,138 @@ def test_the_default_keeps_manifest_digests():
 
     assert "tensor_parallel" not in Placement().model_dump()
     assert Placement(tensor_parallel=2).model_dump()["tensor_parallel"] == 2
+
+
+# ---------------------------------------------------------------------------------------------------
+# Per-rank shards and ranks started by deploykit (real processes, gloo, on this CPU).
+
+CHAT = """\
+apiVersion: deploykit/v1
+kind: ModelDeployment
+metadata:
+  name: {name}
+spec:
+  model:
+    path: {path}
+    dtype: float32
+  placement:
+    tensor_parallel: {ranks}
+  serving: {{max_tokens: 64, default_max_tokens: 12, max_concurrent: 4}}
+"""
+
+
+@pytest.fixture(scope="module")
+def chat_model(tmp_path_factory) -> Path:
+    from chatmodel import build_chat_model
+
+    return build_chat_model(tmp_path_factory.mktemp("tp") / "chat")
+
+
+def chat_manifest(tmp_path: Path, model: Path, *, ranks: int = 2, name: str = "tp-chat",
+                  file: str = "chat.yaml") -> Path:
+    path = tmp_path / file
+    path.write_text(CHAT.format(path=model, ranks=ranks, name=name))
+    return path
+
+
+def reference(model_dir: Path, prompt: str, max_new_tokens: int) -> str:
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(model_dir)
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    ids = torch.tensor([tok(prompt)["input_ids"]])
+    out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new_tokens, do_sample=False)
+    return tok.decode(out[0, ids.shape[1]:].tolist(), skip_special_tokens=True)
+
+
+def test_rank_files_hold_each_ranks_slices_with_checksums(tmp_path, chat_model):
+    import torch
+    from safetensors.torch import load_file
+
+    from deploykit.artifacts.rank_shards import rank_layout, write_rank_shards
+    from deploykit.artifacts.verify import read_lock, shard_problem
+    from deploykit.model.checkpoint import open_checkpoint
+
+    checkpoint = open_checkpoint(chat_model)
+    dst = write_rank_shards(checkpoint, tmp_path / "ranks", rank_layout(checkpoint, ranks=2, dtype="float32"))
+    full = load_file(str(chat_model / "model.safetensors"))
+    r0, r1 = (load_file(str(dst / f"rank-{r}-of-2.safetensors")) for r in (0, 1))
+    q = "model.layers.0.self_attn.q_proj.weight"  # colwise: rows split
+    o = "model.layers.0.self_attn.o_proj.weight"  # rowwise: columns split
+    norm = "model.layers.0.input_layernorm.weight"  # replicated
+    assert torch.equal(torch.cat([r0[q], r1[q]], 0), full[q]) and r0[q].shape[0] == full[q].shape[0] // 2
+    assert torch.equal(torch.cat([r0[o], r1[o]], 1), full[o]) and r0[o].shape[1] == full[o].shape[1] // 2
+    assert torch.equal(r0[norm], full[norm]) and torch.equal(r1[norm], full[norm])
+    assert set(r0) == set(r1) == set(full)
+    lock = read_lock(dst)
+    assert lock is not None and [s["file"] for s in lock["shards"]] == ["rank-0-of-2.safetensors",
+                                                                       "rank-1-of-2.safetensors"]
+    assert shard_problem(dst, lock, hashes=True) is None
+    size = sum((dst / s["file"]).stat().st_size for s in lock["shards"])
+    assert size < 1.05 * (chat_model / "model.safetensors").stat().st_size  # slices, not copies
+    with open(dst / "rank-1-of-2.safetensors", "r+b") as fh:  # a flipped byte is caught
+        fh.seek(-1, 2)
+        last = fh.read(1)
+        fh.seek(-1, 2)
+        fh.write(bytes([last[0] ^ 1]))
+    assert "differs from its recorded checksum" in shard_problem(dst, lock, hashes=True)
+
+
+def test_a_tied_head_gets_its_slices_from_the_embeddings(tmp_path, tiny_model):
+    import torch
+    from safetensors.torch import load_file
+
+    from deploykit.artifacts.rank_shards import rank_layout, write_rank_shards
+    from deploykit.model.checkpoint import open_checkpoint
+
+    source = tiny_model("llama-tied")
+    checkpoint = open_checkpoint(source)
+    dst = write_rank_shards(checkpoint, tmp_path / "ranks", rank_layout(checkpoint, ranks=2, dtype="float32"))
+    full = load_file(str(source / "model.safetensors"))
+    assert "lm_head.weight" not in full
+    r1 = load_file(str(dst / "rank-1-of-2.safetensors"))
+    assert torch.equal(r1["lm_head.weight"], full["model.embed_tokens.weight"][128:])
+
+
+def test_library_greedy_equals_one_process_and_ranks_read_only_their_file(tmp_path, chat_model):
+    from concurrent.futures import ThreadPoolExecutor
+
+    from deploykit import Deployment
+
+    prompts = ["hello there", "tensor parallel", "a", "the quick brown fox"]
+    expected = {p: reference(chat_model, p, 12) for p in prompts}
+    with Deployment.from_manifest(chat_manifest(tmp_path, chat_model), state_dir=tmp_path / "state") as dep:
+        group, shards = _ranks_of(dep)
+        infos = group.info()
+        assert [i["rank"] for i in infos] == [0, 1]
+        assert [i["files_read"] for i in infos] == [[str(shards / f"rank-{r}-of-2.safetensors")] for r in (0, 1)]
+        assert [dep.generate(p, max_tokens=12).text for p in prompts] == [expected[p] for p in prompts]
+        with ThreadPoolExecutor(4) as pool:  # together: one left-padded batch on the ranks
+            texts = list(pool.map(lambda p: dep.generate(p, max_tokens=12).text, prompts))
+        assert texts == [expected[p] for p in prompts]
+        pids = group.pids
+        assert all(_alive(pid) for pid in pids)
+    assert not any(_alive(pid) for pid in pids)  # close stopped every rank
+
+
+def _ranks_of(dep) -> tuple:
+    gen = dep.pool.pin(10)
+    try:
+        return gen.runtime.ranks, gen.loaded.source
+    finally:
+        dep.pool.unpin(gen)
+
+
+def _alive(pid: int) -> bool:
+    import os
+
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    try:  # a zombie (exited, not yet reaped) is not running
+        with open(f"/proc/{pid}/stat") as fh:
+            return fh.read().split(")")[-1].split()[0] != "Z"
+    except OSError:
+        return False

@@ -86,7 +86,9 @@ def _rank_tensors(checkpoint: Checkpoint, layout: RankLayout, rank: int) -> dict
             if file not in handles:
                 handles[file] = safe_open(str(file), framework="pt").__enter__()
             t = _slice(handles[file], source, dim, rank, layout.ranks)
-            out[name] = (t.to(dtype) if t.is_floating_point() else t).contiguous()
+            t = t.to(dtype) if t.is_floating_point() else t
+            # an own copy: slices of one mapped file (a tied head's and its embeddings') may share storage
+            out[name] = t.clone(memory_format=torch.contiguous_format)
     finally:
         for h in handles.values():
             h.__exit__(None, None, None)
@@ -114,7 +116,7 @@ def write_rank_shards(checkpoint: Checkpoint, dst: Path, layout: RankLayout) -> 
     staging = dst.parent / f".{dst.name}.deploykit-ranks"
     shutil.rmtree(staging, ignore_errors=True)
     staging.mkdir(parents=True)
-    shards = []
+    shards: list[dict[str, Any]] = []
     for rank in range(layout.ranks):
         tensors = _rank_tensors(checkpoint, layout, rank)
         file = staging / rank_file(rank, layout.ranks)
@@ -130,7 +132,7 @@ def write_rank_shards(checkpoint: Checkpoint, dst: Path, layout: RankLayout) -> 
     lock = {"version": LOCK_VERSION,
             "source": {"path": str(checkpoint.path.resolve()), "fingerprint": checkpoint.fingerprint},
             "layout": {"digest": layout.digest, "tensor_parallel": layout.ranks, "dtype": layout.dtype},
-            "total_size": sum(s["size"] for s in shards), "shards": shards, "files": files,
+            "total_size": sum(int(s["size"]) for s in shards), "shards": shards, "files": files,
             "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
     write_atomic(staging / LOCK, json.dumps(lock, indent=2).encode())
     fsync_dir(staging)

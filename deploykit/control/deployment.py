@@ -165,8 +165,8 @@ class Deployment:
         try:
             assert gen.loaded is not None  # pinned generations are never freed
             if gen.loaded.model is None:
-                raise ApplyError(f"{self.name!r} runs as pipeline stages on a Ray cluster: there is no model "
-                                 "in this process; use generate/chat or the API")
+                raise ApplyError(f"{self.name!r} runs outside this process (pipeline stages on a Ray cluster, or "
+                                 "tensor-parallel ranks): there is no model here; use generate/chat or the API")
             if gen.forward_lock is not None:  # accelerate offload hooks: one forward at a time
                 with gen.forward_lock:
                     yield gen.loaded

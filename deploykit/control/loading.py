@@ -61,6 +61,8 @@ def load_checked(loaded: LoadedManifest, plan: Plan, shards: Path, timer: StepTi
         return _start_pipeline(loaded, plan, shards, timer)
     if is_replicated(loaded):
         return _start_replicas(loaded, plan, timer)
+    if is_tensor_parallel(loaded):
+        return _start_ranks(loaded, plan, shards, timer)
     with timer.step("load"):
         model = load_model(loaded, plan, shards, show_progress=show_progress)
     with timer.step("health-check"):
@@ -79,6 +81,34 @@ def is_replicated(loaded: LoadedManifest) -> bool:
     """Replicas on Ray Serve (``spec.replicas`` of them) rather than a model in this process."""
     spec = loaded.manifest.spec
     return spec.cluster is not None and spec.placement.nodes == 1
+
+
+def is_tensor_parallel(loaded: LoadedManifest) -> bool:
+    """Rank processes, each holding its slices of every layer, rather than one model in this process."""
+    return loaded.manifest.spec.placement.tensor_parallel > 1
+
+
+def _start_ranks(loaded: LoadedManifest, plan: Plan, shards: Path, timer: StepTimer) -> tuple[LoadedModel, str]:
+    """Start the ranks on their own rank files and check them through one forward across all of them."""
+    from ..engine.loader import LoadedModel
+    from ..engine.tensor_parallel.runtime import RankOptions, build_tensor_parallel_runtime
+    from .pool import limits_of
+
+    spec = loaded.manifest.spec
+    gpus = tuple(d.device for d in plan.devices if isinstance(d.device, int))
+    options = RankOptions(ranks=spec.placement.tensor_parallel, dtype=spec.model.dtype, gpus=gpus,
+                          trust_remote_code=spec.model.trust_remote_code)
+    with timer.step("load"):
+        runtime = build_tensor_parallel_runtime(shards, options, limits_of(loaded),
+                                                tokenizer_source=loaded.model_path)
+    try:
+        with timer.step("health-check"):
+            hc = spec.rollout.health_check
+            health = runtime.health_check(hc.input, timeout=hc.timeout)
+    except BaseException:
+        runtime.close()
+        raise
+    return LoadedModel(None, plan, shards, "cpu", False, runtime.tokenizer, runtime=runtime), health.detail
 
 
 def _start_replicas(loaded: LoadedManifest, plan: Plan, timer: StepTimer) -> tuple[LoadedModel, str]:

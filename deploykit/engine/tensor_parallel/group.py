@@ -109,17 +109,17 @@ class RankGroup:
                 raise RankFailed(f"ranks {sorted(pending.values())} did not answer within {timeout:.0f}s")
             for item in ready:
                 if item in pending:
-                    rank = pending.pop(item)  # type: ignore[call-overload]
+                    rank = pending.pop(item)
                     try:
-                        status, value = item.recv()  # type: ignore[union-attr]
+                        status, value = item.recv()
                     except (EOFError, OSError):
                         raise RankFailed(self._death(rank)) from None
                     if status != "ok":
                         raise RankFailed(f"rank {rank} failed: {value}")
                     answers[rank] = value
             for item in ready:
-                if item in sentinels and sentinels[item] in pending.values():  # type: ignore[index]
-                    raise RankFailed(self._death(sentinels[item]))  # type: ignore[index]
+                if item in sentinels and sentinels[item] in pending.values():
+                    raise RankFailed(self._death(sentinels[item]))
         return [answers[r] for r in range(len(self.conns))]
 
     def _death(self, rank: int) -> str:
