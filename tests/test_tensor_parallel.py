@@ -235,3 +235,85 @@ def _alive(pid: int) -> bool:
             return fh.read().split(")")[-1].split()[0] != "Z"
     except OSError:
         return False
+
+
+def _children(pid: int) -> set[int]:
+    """Live rank processes whose parent is ``pid`` (from /proc; not multiprocessing's resource tracker)."""
+    import os
+
+    found = set()
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                with open(f"/proc/{entry}/stat") as fh:
+                    fields = fh.read().rsplit(")", 1)[1].split()
+            except OSError:
+                continue
+            if int(fields[1]) == pid and fields[0] != "Z" and _is_rank(int(entry)):
+                found.add(int(entry))
+    return found
+
+
+def _is_rank(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/cmdline", "rb") as fh:
+            return b"spawn_main" in fh.read()
+    except OSError:
+        return False
+
+
+def test_serve_completions_reloads_a_dying_rank_and_sigterm(tmp_path, chat_model):
+    import threading
+
+    import openai
+
+    from manifests import replace_like_an_editor
+    from servers import Server
+    from test_serve_reload import status, wait_for
+
+    prompts = ["hello there", "tensor parallel", "a", "the quick brown fox"]
+    expected = {p: reference(chat_model, p, 12) for p in prompts}
+    manifests = tmp_path / "manifests"
+    manifests.mkdir()
+    path = chat_manifest(manifests, chat_model)
+    failpoint = tmp_path / "failpoint"
+    with Server(manifests, tmp_path / "state", env={"DEPLOYKIT_TP_FAILPOINT": str(failpoint)}) as server:
+        client = openai.OpenAI(base_url=f"{server.url}/v1", api_key="none", max_retries=0, timeout=120)
+
+        def complete(prompt: str) -> str:
+            return client.completions.create(model="tp-chat", prompt=prompt, max_tokens=12, temperature=0).choices[0].text
+
+        assert server.process is not None
+        first = _children(server.process.pid)
+        assert len(first) == 2, first  # the ranks are the server's own children
+        assert [complete(p) for p in prompts] == [expected[p] for p in prompts]
+        results: dict[str, str] = {}
+        threads = [threading.Thread(target=lambda p=p: results.__setitem__(p, complete(p))) for p in prompts]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(120)
+        assert results == expected
+
+        # a new revision whose rank 1 dies at its first step (the health check): the old one keeps serving
+        failpoint.write_text("exit-on-step:1")
+        replace_like_an_editor(path, CHAT.format(path=chat_model, ranks=2, name="tp-chat").replace(
+            "default_max_tokens: 12", "default_max_tokens: 11"))
+        wait_for(lambda: "rank 1" in (status(server.url)["last_error"] or ""), timeout=180)
+        assert "exited with code 17" in status(server.url)["last_error"]
+        assert status(server.url)["generation"] == 1
+        assert [complete(p) for p in prompts] == [expected[p] for p in prompts]
+        wait_for(lambda: _children(server.process.pid) == first)  # the failed generation's ranks are gone
+
+        # blue-green, then recreate: new ranks serve the same greedy tokens, the old ones exit
+        failpoint.unlink()
+        for generation, strategy in ((2, "blue-green"), (3, "recreate")):
+            replace_like_an_editor(path, CHAT.format(path=chat_model, ranks=2, name="tp-chat").replace(
+                "max_concurrent: 4", f"max_concurrent: {generation + 2}") + f"  rollout: {{strategy: {strategy}}}\n")
+            wait_for(lambda: status(server.url)["generation"] == generation, timeout=180)
+            assert [complete(p) for p in prompts] == [expected[p] for p in prompts]
+            wait_for(lambda: len(_children(server.process.pid) & first) == 0)
+        ranks = _children(server.process.pid)
+        assert len(ranks) == 2
+    assert server.process.returncode == 0
+    assert not any(_alive(pid) for pid in ranks | first)  # SIGTERM stopped every rank

@@ -25,7 +25,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-FAILPOINT_ENV = "DEPLOYKIT_TP_FAILPOINT"  # "exit-on-step:R": rank R exits at its first step (tests)
+# Tests: a file whose text, read when a rank starts, is "exit-on-step:R" makes rank R exit at its first
+# step (a rank dying during a generation's health check).
+FAILPOINT_ENV = "DEPLOYKIT_TP_FAILPOINT"
 
 
 @dataclass(frozen=True)
@@ -63,7 +65,7 @@ def main(spec: RankSpec, conn: Any, parent: int) -> None:
         conn.send(("error", f"{type(exc).__name__}: {exc}"))
         return
     conn.send(("ok", rank.info()))
-    failpoint = os.environ.get(FAILPOINT_ENV, "")
+    failpoint = _failpoint()
     while True:
         try:
             message = conn.recv()
@@ -78,6 +80,14 @@ def main(spec: RankSpec, conn: Any, parent: int) -> None:
         except Exception as exc:
             conn.send(("error", f"{type(exc).__name__}: {exc}"))
     rank.close()
+
+
+def _failpoint() -> str:
+    path = os.environ.get(FAILPOINT_ENV)
+    try:
+        return Path(path).read_text().strip() if path else ""
+    except OSError:
+        return ""
 
 
 class RankModel:
