@@ -317,3 +317,38 @@ def test_serve_completions_reloads_a_dying_rank_and_sigterm(tmp_path, chat_model
         assert len(ranks) == 2
     assert server.process.returncode == 0
     assert not any(_alive(pid) for pid in ranks | first)  # SIGTERM stopped every rank
+
+
+def test_rank_peak_rss_is_its_share_plus_the_runtime(tmp_path, chat_model):
+    """Each rank of a ~190 MB model stays within a tiny model's rank (the runtime: torch, transformers)
+    plus its half and a quarter of the model; a rank that read the whole checkpoint would not."""
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from deploykit.artifacts.rank_shards import rank_layout, write_rank_shards
+    from deploykit.engine.tensor_parallel.runtime import RankOptions, rank_specs
+    from deploykit.engine.tensor_parallel.group import RankGroup
+    from deploykit.model.checkpoint import open_checkpoint
+
+    big = tmp_path / "big"
+    config = LlamaConfig(hidden_size=512, intermediate_size=2048, num_hidden_layers=4, num_attention_heads=8,
+                         num_key_value_heads=4, vocab_size=32000, max_position_embeddings=128)
+    LlamaForCausalLM(config).save_pretrained(big)
+    full = (big / "model.safetensors").stat().st_size
+    assert full > 150 * 2**20
+
+    def peaks(model: Path) -> list[int]:
+        checkpoint = open_checkpoint(model)
+        shards = write_rank_shards(checkpoint, tmp_path / f"{model.name}-ranks",
+                                   rank_layout(checkpoint, ranks=2, dtype="float32"))
+        group = RankGroup.start(rank_specs(shards, RankOptions(ranks=2)))
+        try:
+            ids = torch.tensor([[1, 2, 3]])
+            group.step("g", ids, torch.ones_like(ids), torch.arange(3)[None])
+            return [i["peak_rss"] for i in group.info()]
+        finally:
+            group.close()
+
+    runtime = max(peaks(chat_model))
+    for peak in peaks(big):
+        assert peak < runtime + full / 2 + full / 4, (peak, runtime, full)
