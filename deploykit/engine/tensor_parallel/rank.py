@@ -45,7 +45,15 @@ class RankSpec:
 
 
 def peak_rss() -> int:
-    """This process's peak resident memory in bytes (Linux reports KiB)."""
+    """This process's peak resident memory in bytes: ``VmHWM``, which starts afresh at ``exec``
+    (``getrusage``'s ``ru_maxrss`` keeps the high-water mark of the process that spawned this one)."""
+    try:
+        with open("/proc/self/status") as fh:
+            for line in fh:
+                if line.startswith("VmHWM:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
 
 
