@@ -4,9 +4,14 @@ and ranks started by deploykit serving greedy tokens equal to one process."""
 from __future__ import annotations
 
 import json
+import os
+import signal
+import time
 from pathlib import Path
 
 import pytest
+
+from deploykit.engine.text import RequestError
 
 from test_cli import deploykit
 
@@ -210,9 +215,46 @@ def test_library_greedy_equals_one_process_and_ranks_read_only_their_file(tmp_pa
         with ThreadPoolExecutor(4) as pool:  # together: one left-padded batch on the ranks
             texts = list(pool.map(lambda p: dep.generate(p, max_tokens=12).text, prompts))
         assert texts == [expected[p] for p in prompts]
+        assert [i["open_groups"] for i in group.info()] == [[], []]  # each batch freed its KV caches
         pids = group.pids
         assert all(_alive(pid) for pid in pids)
+        os.kill(pids[1], signal.SIGKILL)  # a rank dies under a serving generation: requests fail, none hang
+        with pytest.raises(RequestError, match=r"rank 1 \(pid \d+\) exited with code -9"):
+            dep.generate("hello there", max_tokens=4)
+        assert not group.alive() and not _alive(pids[0])  # the broken group stopped its other rank
     assert not any(_alive(pid) for pid in pids)  # close stopped every rank
+
+
+def test_ranks_exit_when_their_driver_is_killed(tmp_path, chat_model):
+    import subprocess
+    import sys
+
+    from deploykit.artifacts.rank_shards import rank_layout, write_rank_shards
+    from deploykit.model.checkpoint import open_checkpoint
+
+    checkpoint = open_checkpoint(chat_model)
+    shards = write_rank_shards(checkpoint, tmp_path / "ranks", rank_layout(checkpoint, ranks=2, dtype="float32"))
+    driver = subprocess.Popen([sys.executable, "-c", f"""
+import sys, time
+from pathlib import Path
+from deploykit.engine.tensor_parallel.group import RankGroup
+from deploykit.engine.tensor_parallel.runtime import RankOptions, rank_specs
+if __name__ == "__main__":
+    group = RankGroup.start(rank_specs(Path({str(shards)!r}), RankOptions(ranks=2)))
+    print(*group.pids, flush=True)
+    sys.stdin.read()
+"""], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    try:
+        pids = [int(p) for p in driver.stdout.readline().split()]
+        assert len(pids) == 2 and all(_alive(p) for p in pids)
+        driver.kill()  # no close, no atexit: the ranks must notice on their own
+        driver.wait(30)
+        deadline = time.monotonic() + 30
+        while any(_alive(p) for p in pids):
+            assert time.monotonic() < deadline, "a rank outlived its driver"
+            time.sleep(0.1)
+    finally:
+        driver.kill()
 
 
 def _ranks_of(dep) -> tuple:
