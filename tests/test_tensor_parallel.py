@@ -323,7 +323,8 @@ def test_serve_completions_reloads_a_dying_rank_and_sigterm(tmp_path, chat_model
         client = openai.OpenAI(base_url=f"{server.url}/v1", api_key="none", max_retries=0, timeout=120)
 
         def complete(prompt: str) -> str:
-            return client.completions.create(model="tp-chat", prompt=prompt, max_tokens=12, temperature=0).choices[0].text
+            answer = client.completions.create(model="tp-chat", prompt=prompt, max_tokens=12, temperature=0)
+            return answer.choices[0].text
 
         assert server.process is not None
         first = _children(server.process.pid)
@@ -394,3 +395,19 @@ def test_rank_peak_rss_is_its_share_plus_the_runtime(tmp_path, chat_model):
     runtime = max(peaks(chat_model))
     for peak in peaks(big):
         assert peak < runtime + full / 2 + full / 4, (peak, runtime, full)
+
+
+def test_a_warm_tensor_parallel_plan_imports_no_torch(tmp_path, llama):
+    import subprocess
+    import sys
+
+    path = write(tmp_path, llama)
+    assert deploykit("plan", str(path), "--devices", "cpu=8GiB").returncode == 0  # warms the structure cache
+    probe = subprocess.run([sys.executable, "-c", f"""
+import sys
+from deploykit.spec.manifest import load_manifests
+from deploykit.placement.planning import plan_manifest
+plan = plan_manifest(load_manifests({str(path)!r})[0], devices="cpu=8GiB")
+print(len(plan.devices), 'torch' in sys.modules, 'transformers' in sys.modules)
+"""], capture_output=True, text=True, timeout=60)
+    assert probe.stdout.split() == ["2", "False", "False"], probe.stderr

@@ -318,9 +318,9 @@ def _act(loaded: LoadedManifest, store: StateStore, checkpoint: Checkpoint, deci
     try:
         with timer.step("reshard"):
             shards, result = _lay_out(loaded, store, checkpoint, plan, progress)
+        in_place = result is None and shards == checkpoint.path
         store.set_plan(loaded.name, revision, plan_json=json.dumps(plan.to_dict()), plan_digest=plan.digest,
-                       shards_path=str(shards),
-                       checksums=None if result is not None or shards != checkpoint.path else _in_place_checksums(checkpoint))
+                       shards_path=str(shards), checksums=_in_place_checksums(checkpoint) if in_place else None)
         if options.before_load is not None:
             with timer.step("drain"):
                 options.before_load()

@@ -92,6 +92,6 @@ def rank_split(model_dir: Any, *, task: str, trust_remote_code: bool = False,
     dimension, and the tied names missing from ``available`` with the name that holds their tensor."""
     from .structure import build_meta_model, load_config
 
-    model = build_meta_model(load_config(model_dir, trust_remote_code=trust_remote_code), task=task,  # type: ignore[arg-type]
-                             trust_remote_code=trust_remote_code)
+    config = load_config(model_dir, trust_remote_code=trust_remote_code)
+    model = build_meta_model(config, task=task, trust_remote_code=trust_remote_code)  # type: ignore[arg-type]
     return split_parameters(model), tied_sources(model, available)

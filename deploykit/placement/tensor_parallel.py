@@ -70,7 +70,10 @@ def plan_tensor_parallel(structure: Structure, spec: Spec, inventory: Inventory,
                 digest=_digest(name, structure, device_map, ranks))
 
 
-def _rank_devices(spec: Spec, inventory: Inventory, ranks: int) -> list[tuple[Device, Literal['gpu', 'cpu'], int | None]]:
+RankDevice = tuple[Device, Literal["gpu", "cpu"], int | None]
+
+
+def _rank_devices(spec: Spec, inventory: Inventory, ranks: int) -> list[RankDevice]:
     """(device, tier, budget) of each rank: the listed GPUs, else worker processes sharing the host RAM."""
     gpus = [g.index for g in inventory.gpus] if spec.placement.gpus == "all" else list(spec.placement.gpus)
     if not gpus:
@@ -79,7 +82,7 @@ def _rank_devices(spec: Spec, inventory: Inventory, ranks: int) -> list[tuple[De
     if len(gpus) != ranks:
         raise PlanInfeasible(f"tensor_parallel {ranks} needs one GPU per rank; placement.gpus gives {len(gpus)} "
                              f"on this inventory ({inventory.describe()})", field=FIELD)
-    out: list[tuple[Device, Literal['gpu', 'cpu'], int | None]] = []
+    out: list[RankDevice] = []
     for g in gpus:
         gpu = inventory.gpu(g)
         if gpu is None:
