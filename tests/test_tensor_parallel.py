@@ -84,6 +84,7 @@ def test_ranks_must_divide_the_heads_at_the_fields_line(tmp_path, llama):
     ("", 2, "[0, 1, 2]", "tensor_parallel 2 needs one GPU per rank, but gpus lists 3"),
     ("  cluster: {address: local}\n", 2, "[]", "tensor_parallel with spec.cluster"),
     ("  offload: {disk: {path: /tmp}}\n", 2, "[]", "tensor_parallel with spec.offload.disk is not supported"),
+    ("  serving: {batching: continuous}\n", 2, "[]", "tensor_parallel runs deploykit's padded batch loop"),
 ])
 def test_combinations_not_run_are_refused_at_the_field(tmp_path, llama, extra, ranks, gpus, message):
     path = write(tmp_path, llama, ranks=ranks, gpus=gpus, extra=extra)
@@ -411,3 +412,23 @@ plan = plan_manifest(load_manifests({str(path)!r})[0], devices="cpu=8GiB")
 print(len(plan.devices), 'torch' in sys.modules, 'transformers' in sys.modules)
 """], capture_output=True, text=True, timeout=60)
     assert probe.stdout.split() == ["2", "False", "False"], probe.stderr
+
+
+def test_a_restart_verifies_the_rank_files_and_lays_a_damaged_one_out_again(tmp_path, chat_model, caplog):
+    from deploykit import Deployment
+
+    manifest = chat_manifest(tmp_path, chat_model)
+    expected = reference(chat_model, "hello there", 8)
+    with Deployment.from_manifest(manifest, state_dir=tmp_path / "state") as dep:
+        _, shards = _ranks_of(dep)
+        revision = dep.last_outcome.revision
+    damaged = shards / "rank-0-of-2.safetensors"
+    data = bytearray(damaged.read_bytes())
+    data[-1] ^= 1  # same size, other content
+    damaged.write_bytes(bytes(data))
+    with caplog.at_level("WARNING"), Deployment.from_manifest(manifest, state_dir=tmp_path / "state") as dep:
+        assert dep.generate("hello there", max_tokens=8).text == expected
+        _, again = _ranks_of(dep)
+        assert again == shards and dep.last_outcome.revision == revision + 1
+    assert "rank-0-of-2.safetensors: content differs from its recorded checksum" in caplog.text
+    assert "laying the rank shards out again" in caplog.text

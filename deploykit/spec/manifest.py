@@ -308,7 +308,7 @@ class Spec(_Strict):
 
         problem = spec_problem(self.placement.tensor_parallel, cluster=self.cluster is not None,
                                offload=self.offload.disk is not None,
-                               task=self.model.task)
+                               task=self.model.task, batching=self.serving.batching)
         if problem:
             raise PydanticCustomError("tensor_parallel", problem, {"at": "placement.tensor_parallel"})
         return self

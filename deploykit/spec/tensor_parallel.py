@@ -33,7 +33,8 @@ def placement_problem(ranks: int, *, gpus: Any, nodes: Any) -> str | None:
     return None
 
 
-def spec_problem(ranks: int, *, cluster: bool, offload: bool, task: str | None) -> str | None:
+def spec_problem(ranks: int, *, cluster: bool, offload: bool, task: str | None,
+                 batching: str = "padded") -> str | None:
     """Why the rest of the spec cannot run ``ranks`` tensor-parallel ranks (None: it can)."""
     if ranks == 1:
         return None
@@ -45,6 +46,9 @@ def spec_problem(ranks: int, *, cluster: bool, offload: bool, task: str | None) 
                 "memory; remove spec.offload.disk or set tensor_parallel to 1")
     if task is not None and task != "causal-lm":
         return f"tensor_parallel serves causal-lm models only, not {task}; set tensor_parallel to 1"
+    if batching != "padded":
+        return (f"tensor_parallel runs deploykit's padded batch loop across the ranks, not {batching} batching; "
+                "set spec.serving.batching to padded or tensor_parallel to 1")
     return None
 
 
