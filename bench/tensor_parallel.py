@@ -2,7 +2,7 @@
 deploykit, gloo) against one process holding the whole model, and each rank's peak RSS.
 Run: .venv/bin/python bench/tensor_parallel.py [--layers 4 --hidden 1024 --tokens 32 --runs 3]
 
-Both contenders decode the same prompt greedily through the same ``step(group, ids, mask, positions)``
+The contenders (one process with 2 torch threads, the same with 1 thread, 2 ranks of 1 thread each) decode the same prompt greedily through the same ``step(group, ids, mask, positions)``
 interface the serving engine drives (outputs checked equal); they are loaded once and then run
 alternately, ``--runs`` times each; the table gives the median of the runs. The machine's load average is
 printed before and after: on a shared 2-core host the figures move with it.
@@ -24,17 +24,19 @@ from pipeline import build, timed_greedy  # noqa: E402
 class OneProcess:
     """The whole model in this process, stepped like the ranks (a DynamicCache per group)."""
 
-    def __init__(self, model_dir: Path) -> None:
+    def __init__(self, model_dir: Path, threads: int) -> None:
         import torch
         from transformers import AutoModelForCausalLM
 
         self.model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
         self.caches: dict = {}
+        self.threads = threads
 
     def step(self, group: str, ids, mask, positions):
         import torch
         from transformers import DynamicCache
 
+        torch.set_num_threads(self.threads)
         with torch.inference_mode():
             cache = self.caches.setdefault(group, DynamicCache(config=self.model.config))
             out = self.model(input_ids=ids, attention_mask=mask, position_ids=positions, past_key_values=cache,
@@ -67,8 +69,6 @@ def main() -> None:
     from deploykit.model.checkpoint import open_checkpoint
 
     before = loadavg()
-    threads = 2
-    torch.set_num_threads(threads)
     with tempfile.TemporaryDirectory() as tmp:
         model_dir = build(Path(tmp) / "model", args.layers, args.hidden)
         size = (model_dir / "model.safetensors").stat().st_size
@@ -76,17 +76,19 @@ def main() -> None:
         t0 = time.perf_counter()
         shards = write_rank_shards(checkpoint, Path(tmp) / "ranks", rank_layout(checkpoint, ranks=2, dtype="float32"))
         t_shards = time.perf_counter() - t0
-        one = OneProcess(model_dir)
+        one = OneProcess(model_dir, threads=2)
+        one_thread = OneProcess(model_dir, threads=1)  # the same weights, stepped with one thread
+        one_thread.model = one.model
         one_rss = peak_rss()
         t0 = time.perf_counter()
         group = RankGroup.start(rank_specs(shards, RankOptions(ranks=2, threads=1)))
         t_start = time.perf_counter() - t0
         prompt = [(7 * i + 3) % 32000 for i in range(args.prompt)]
-        results: dict[str, list[tuple[float, float]]] = {"one": [], "tp": []}
+        results: dict[str, list[tuple[float, float]]] = {"one": [], "one-1t": [], "tp": []}
         try:
             reference = None
             for _ in range(args.runs):
-                for name, stepper in (("one", one), ("tp", group)):  # alternated
+                for name, stepper in (("one", one), ("tp", group), ("one-1t", one_thread)):  # alternated
                     t0 = time.perf_counter()
                     tokens, _, steps = timed_greedy(stepper.step, stepper.release, prompt, args.tokens)
                     total = time.perf_counter() - t0
@@ -101,8 +103,10 @@ def main() -> None:
     rows = [("model", f"Llama {args.layers} layers, hidden {args.hidden}, float32, {size / 2**20:.0f} MiB"),
             ("prompt / new tokens", f"{args.prompt} / {args.tokens} (greedy, outputs equal)"),
             ("one process (2 threads): ms/token, median of runs", f"{1000 * med('one', 0):.1f}"),
+            ("one process (1 thread): ms/token", f"{1000 * med('one-1t', 0):.1f}"),
             ("TP=2 ranks (1 thread each): ms/token", f"{1000 * med('tp', 0):.1f}"),
-            ("one process: tokens/s (incl. prefill)", f"{med('one', 1):.1f}"),
+            ("one process (2 threads): tokens/s (incl. prefill)", f"{med('one', 1):.1f}"),
+            ("one process (1 thread): tokens/s (incl. prefill)", f"{med('one-1t', 1):.1f}"),
             ("TP=2: tokens/s (incl. prefill)", f"{med('tp', 1):.1f}"),
             ("one process: peak RSS of this process (it also built the model), MiB", f"{one_rss / 2**20:.0f}"),
             *[(f"TP=2 rank {i['rank']}: peak RSS, MiB", f"{i['peak_rss'] / 2**20:.0f}") for i in infos],
