@@ -432,3 +432,18 @@ def test_a_restart_verifies_the_rank_files_and_lays_a_damaged_one_out_again(tmp_
         assert again == shards and dep.last_outcome.revision == revision + 1
     assert "rank-0-of-2.safetensors: content differs from its recorded checksum" in caplog.text
     assert "laying the rank shards out again" in caplog.text
+
+
+def test_blue_green_room_counts_every_cpu_rank(tmp_path, llama):
+    """A simulated host's memory left beside a serving tensor-parallel generation is net of all its
+    ranks, so a rollout does not plan a second copy into memory the first one holds."""
+    from deploykit.control.pool import Generation
+    from deploykit.control.rollout import inventory_beside
+    from deploykit.placement.inventory import resolve
+    from deploykit.placement.planning import plan_manifest
+    from deploykit.spec.manifest import load_manifests
+
+    plan = plan_manifest(load_manifests(write(tmp_path, llama))[0], devices="cpu=8GiB")
+    assert [d.tier for d in plan.devices] == ["cpu", "cpu"]
+    beside = inventory_beside(resolve("cpu=8GiB"), Generation(1, 1, None, plan))
+    assert beside.cpu == 8 * 2**30 - plan.devices[0].bytes - plan.devices[1].bytes

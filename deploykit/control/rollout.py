@@ -46,7 +46,8 @@ def inventory_beside(inventory: Inventory, gen: Generation | None) -> Inventory:
         return inventory  # a probed host already reports the old generation's memory as used
     held = {d.device: d.bytes for d in gen.plan.devices}
     gpus = tuple(Gpu(g.index, max(0, g.memory - held.get(g.index, 0)), g.name) for g in inventory.gpus)
-    cpu = None if inventory.cpu is None else max(0, inventory.cpu - held.get("cpu", 0))
+    held_cpu = sum(d.bytes for d in gen.plan.devices if d.tier == "cpu")  # "cpu", or tensor-parallel "cpu:R"
+    cpu = None if inventory.cpu is None else max(0, inventory.cpu - held_cpu)
     return replace(inventory, gpus=gpus, cpu=cpu)
 
 
