@@ -447,3 +447,16 @@ def test_blue_green_room_counts_every_cpu_rank(tmp_path, llama):
     assert [d.tier for d in plan.devices] == ["cpu", "cpu"]
     beside = inventory_beside(resolve("cpu=8GiB"), Generation(1, 1, None, plan))
     assert beside.cpu == 8 * 2**30 - plan.devices[0].bytes - plan.devices[1].bytes
+
+
+def test_cli_apply_lays_out_rank_files_and_checks_the_ranks(tmp_path, chat_model):
+    manifest = chat_manifest(tmp_path, chat_model)
+    env = {"DEPLOYKIT_STATE": str(tmp_path / "state")}
+    result = deploykit("apply", str(manifest), env=env)
+    assert result.returncode == 0, result.stderr
+    files = sorted(p.name for p in (tmp_path / "state" / "shards" / "tp-chat").glob("*/rank-*.safetensors"))
+    assert files == ["rank-0-of-2.safetensors", "rank-1-of-2.safetensors"]
+    [status] = json.loads(deploykit("status", "-o", "json", env=env).stdout)
+    assert status["phase"] == "Ready" and [d["device"] for d in status["plan"]["devices"]] == ["cpu:0", "cpu:1"]
+    [revision] = json.loads(deploykit("history", "tp-chat", "-o", "json", env=env).stdout)
+    assert revision["reason"].startswith("causal-lm forward through 2 tensor-parallel ranks")

@@ -107,6 +107,7 @@ class RankModel:
         torch.set_num_threads(max(1, spec.threads))
         self.spec = spec
         self.caches: dict[str, Any] = {}
+        self.device = "cpu" if spec.device == "cpu" else f"cuda:{spec.gpu or 0}"
         self.mesh = self._join()
         self.model, self.config = self._build()
         self.files_read = [str(self._file())]
@@ -127,7 +128,7 @@ class RankModel:
         if spec.device == "cuda":
             import torch
 
-            torch.cuda.set_device(spec.gpu or 0)
+            torch.cuda.set_device(self.device)
         dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{spec.port}", rank=spec.rank,
                                 world_size=spec.ranks, timeout=timedelta(seconds=spec.timeout))
         return init_device_mesh(spec.device, (spec.ranks,), mesh_dim_names=("tp",))
@@ -146,8 +147,7 @@ class RankModel:
             model = AutoModelForCausalLM.from_config(config, dtype=getattr(torch, spec.dtype),
                                                      trust_remote_code=spec.trust_remote_code)
         apply_tensor_parallelism(model, self.mesh, resolved_plan(model))
-        device = "cpu" if spec.device == "cpu" else f"cuda:{spec.gpu or 0}"
-        state = load_file(str(self._file()), device=device)
+        state = load_file(str(self._file()), device=self.device)
         self._fill(model, state)
         self._rebuild_meta_buffers(model, config)
         model.eval()
@@ -208,6 +208,7 @@ class RankModel:
                 cache = self.caches.get(group)
                 if cache is None:
                     cache = self.caches[group] = DynamicCache(config=self.config)
+                ids, mask, positions = (t.to(self.device) for t in (ids, mask, positions))
                 out = self.model(input_ids=ids, attention_mask=mask, position_ids=positions, past_key_values=cache,
                                  use_cache=True, logits_to_keep=1)
                 return out.logits[:, -1].float().cpu() if self.spec.rank == 0 else None
