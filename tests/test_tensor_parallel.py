@@ -338,6 +338,9 @@ def test_serve_completions_reloads_a_dying_rank_and_sigterm(tmp_path, chat_model
         for t in threads:
             t.join(120)
         assert results == expected
+        stream = client.completions.create(model="tp-chat", prompt=prompts[3], max_tokens=12, temperature=0,
+                                           stream=True)
+        assert "".join(chunk.choices[0].text for chunk in stream) == expected[prompts[3]]
 
         # a new revision whose rank 1 dies at its first step (the health check): the old one keeps serving
         failpoint.write_text("exit-on-step:1")
