@@ -156,7 +156,7 @@ def test_rank_files_hold_each_ranks_slices_with_checksums(tmp_path, chat_model):
     from safetensors.torch import load_file
 
     from deploykit.artifacts.rank_shards import rank_layout, write_rank_shards
-    from deploykit.artifacts.verify import read_lock, shard_problem
+    from deploykit.artifacts.verify import read_lock, shard_problem, verify
     from deploykit.model.checkpoint import open_checkpoint
 
     checkpoint = open_checkpoint(chat_model)
@@ -174,6 +174,7 @@ def test_rank_files_hold_each_ranks_slices_with_checksums(tmp_path, chat_model):
     assert lock is not None and [s["file"] for s in lock["shards"]] == ["rank-0-of-2.safetensors",
                                                                        "rank-1-of-2.safetensors"]
     assert shard_problem(dst, lock, hashes=True) is None
+    assert verify(dst) == []
     size = sum((dst / s["file"]).stat().st_size for s in lock["shards"])
     assert size < 1.05 * (chat_model / "model.safetensors").stat().st_size  # slices, not copies
     with open(dst / "rank-1-of-2.safetensors", "r+b") as fh:  # a flipped byte is caught
@@ -182,6 +183,8 @@ def test_rank_files_hold_each_ranks_slices_with_checksums(tmp_path, chat_model):
         fh.seek(-1, 2)
         fh.write(bytes([last[0] ^ 1]))
     assert "differs from its recorded checksum" in shard_problem(dst, lock, hashes=True)
+    assert verify(dst) == [f"{dst / 'rank-1-of-2.safetensors'}: content hash differs from the lock file (the file "
+                           "was modified)"]
 
 
 def test_a_tied_head_gets_its_slices_from_the_embeddings(tmp_path, tiny_model):

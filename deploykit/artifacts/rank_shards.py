@@ -117,11 +117,13 @@ def write_rank_shards(checkpoint: Checkpoint, dst: Path, layout: RankLayout) -> 
     shutil.rmtree(staging, ignore_errors=True)
     staging.mkdir(parents=True)
     shards: list[dict[str, Any]] = []
+    total = 0  # tensor bytes, as verify() sums them from the headers
     for rank in range(layout.ranks):
         tensors = _rank_tensors(checkpoint, layout, rank)
         file = staging / rank_file(rank, layout.ranks)
         save_file(tensors, str(file), metadata={"format": "pt", "rank": str(rank), "ranks": str(layout.ranks)})
         _fsync(file)
+        total += sum(t.numel() * t.element_size() for t in tensors.values())
         shards.append({"file": file.name, "device": f"rank{rank}", "size": file.stat().st_size,
                        "hash": file_hash(file), "tensors": sorted(tensors)})
         del tensors
@@ -132,7 +134,7 @@ def write_rank_shards(checkpoint: Checkpoint, dst: Path, layout: RankLayout) -> 
     lock = {"version": LOCK_VERSION,
             "source": {"path": str(checkpoint.path.resolve()), "fingerprint": checkpoint.fingerprint},
             "layout": {"digest": layout.digest, "tensor_parallel": layout.ranks, "dtype": layout.dtype},
-            "total_size": sum(int(s["size"]) for s in shards), "shards": shards, "files": files,
+            "total_size": total, "shards": shards, "files": files,
             "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
     write_atomic(staging / LOCK, json.dumps(lock, indent=2).encode())
     fsync_dir(staging)
