@@ -466,3 +466,15 @@ def test_cli_apply_lays_out_rank_files_and_checks_the_ranks(tmp_path, chat_model
     assert status["phase"] == "Ready" and [d["device"] for d in status["plan"]["devices"]] == ["cpu:0", "cpu:1"]
     [revision] = json.loads(deploykit("history", "tp-chat", "-o", "json", env=env).stdout)
     assert revision["reason"].startswith("causal-lm forward through 2 tensor-parallel ranks")
+
+
+def test_cli_reshard_writes_rank_files_and_verify_checks_them(tmp_path, chat_model):
+    dst = tmp_path / "ranks"
+    result = deploykit("reshard", str(chat_model), str(dst), "--max-shard-size", "1GiB", "--dtype", "float32",
+                       "--tensor-parallel", "2")
+    assert result.returncode == 0, result.stderr
+    assert sorted(p.name for p in dst.glob("*.safetensors")) == ["rank-0-of-2.safetensors", "rank-1-of-2.safetensors"]
+    assert deploykit("verify", str(dst)).returncode == 0
+    no_dtype = deploykit("reshard", str(chat_model), str(tmp_path / "x"), "--max-shard-size", "1GiB",
+                         "--tensor-parallel", "2")
+    assert no_dtype.returncode == 2 and "--dtype" in no_dtype.stderr
