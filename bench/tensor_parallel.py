@@ -47,6 +47,25 @@ class OneProcess:
         self.caches.pop(group, None)
 
 
+_ONE_PROCESS_RSS = """
+import sys, torch
+from transformers import AutoModelForCausalLM
+model = AutoModelForCausalLM.from_pretrained(sys.argv[1], dtype=torch.float32).eval()
+with torch.inference_mode():
+    model(torch.tensor([[1, 2, 3]]))
+print(next(int(l.split()[1]) * 1024 for l in open("/proc/self/status") if l.startswith("VmHWM:")))
+"""
+
+
+def one_process_rss(model_dir: Path) -> int:
+    """Peak RSS of a fresh process that loads the model and runs one forward (what one process costs)."""
+    import subprocess
+
+    out = subprocess.run([sys.executable, "-c", _ONE_PROCESS_RSS, str(model_dir)], capture_output=True, text=True,
+                         check=True)
+    return int(out.stdout.split()[-1])
+
+
 def loadavg() -> str:
     return Path("/proc/loadavg").read_text().split(" ")[:3].__str__()
 
@@ -64,7 +83,6 @@ def main() -> None:
 
     from deploykit.artifacts.rank_shards import rank_layout, write_rank_shards
     from deploykit.engine.tensor_parallel.group import RankGroup
-    from deploykit.engine.tensor_parallel.rank import peak_rss
     from deploykit.engine.tensor_parallel.runtime import RankOptions, rank_specs
     from deploykit.model.checkpoint import open_checkpoint
 
@@ -79,7 +97,7 @@ def main() -> None:
         one = OneProcess(model_dir, threads=2)
         one_thread = OneProcess(model_dir, threads=1)  # the same weights, stepped with one thread
         one_thread.model = one.model
-        one_rss = peak_rss()
+        one_rss = one_process_rss(model_dir)
         t0 = time.perf_counter()
         group = RankGroup.start(rank_specs(shards, RankOptions(ranks=2, threads=1)))
         t_start = time.perf_counter() - t0
@@ -108,7 +126,7 @@ def main() -> None:
             ("one process (2 threads): tokens/s (incl. prefill)", f"{med('one', 1):.1f}"),
             ("one process (1 thread): tokens/s (incl. prefill)", f"{med('one-1t', 1):.1f}"),
             ("TP=2: tokens/s (incl. prefill)", f"{med('tp', 1):.1f}"),
-            ("one process: peak RSS of this process (it also built the model), MiB", f"{one_rss / 2**20:.0f}"),
+            ("one process (loads the model, one forward): peak RSS, MiB", f"{one_rss / 2**20:.0f}"),
             *[(f"TP=2 rank {i['rank']}: peak RSS, MiB", f"{i['peak_rss'] / 2**20:.0f}") for i in infos],
             ("rank files written, s", f"{t_shards:.1f}"),
             ("2 ranks started (spawn, join, load), s", f"{t_start:.1f}"),

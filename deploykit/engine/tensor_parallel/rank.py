@@ -125,6 +125,8 @@ class RankModel:
 
         spec = self.spec
         backend = "nccl" if spec.device == "cuda" else "gloo"
+        # the ranks share one host: gloo over loopback, whatever the host name resolves to
+        os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
         if spec.device == "cuda":
             import torch
 
