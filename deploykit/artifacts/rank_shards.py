@@ -20,6 +20,7 @@ import json
 import os
 import shutil
 import time
+from contextlib import ExitStack
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -80,18 +81,15 @@ def _rank_tensors(checkpoint: Checkpoint, layout: RankLayout, rank: int) -> dict
     dtype = getattr(torch, layout.dtype)
     out: dict[str, Any] = {}
     handles: dict[Path, Any] = {}
-    try:
+    with ExitStack() as stack:
         for name, (source, dim) in layout.tensors.items():
             file = where[source]
             if file not in handles:
-                handles[file] = safe_open(str(file), framework="pt").__enter__()
+                handles[file] = stack.enter_context(safe_open(str(file), framework="pt"))
             t = _slice(handles[file], source, dim, rank, layout.ranks)
             t = t.to(dtype) if t.is_floating_point() else t
             # an own copy: slices of one mapped file (a tied head's and its embeddings') may share storage
             out[name] = t.clone(memory_format=torch.contiguous_format)
-    finally:
-        for h in handles.values():
-            h.__exit__(None, None, None)
     return out
 
 
