@@ -478,3 +478,18 @@ def test_cli_reshard_writes_rank_files_and_verify_checks_them(tmp_path, chat_mod
     no_dtype = deploykit("reshard", str(chat_model), str(tmp_path / "x"), "--max-shard-size", "1GiB",
                          "--tensor-parallel", "2")
     assert no_dtype.returncode == 2 and "--dtype" in no_dtype.stderr
+
+
+def test_a_rank_that_cannot_build_fails_the_start_and_stops_the_others(tmp_path, chat_model):
+    from deploykit.artifacts.rank_shards import rank_layout, write_rank_shards
+    from deploykit.engine.tensor_parallel.group import RankFailed, RankGroup
+    from deploykit.engine.tensor_parallel.runtime import RankOptions, rank_specs
+    from deploykit.model.checkpoint import open_checkpoint
+
+    checkpoint = open_checkpoint(chat_model)
+    shards = write_rank_shards(checkpoint, tmp_path / "ranks", rank_layout(checkpoint, ranks=2, dtype="float32"))
+    (shards / "rank-1-of-2.safetensors").unlink()
+    before = _children(os.getpid())
+    with pytest.raises(RankFailed, match=r"rank 1 failed: .*rank-1-of-2\.safetensors"):
+        RankGroup.start(rank_specs(shards, RankOptions(ranks=2)), timeout=120)
+    assert _children(os.getpid()) == before  # the rank that built its share was stopped too
