@@ -115,12 +115,21 @@ class RankGroup:
                     except (EOFError, OSError):
                         raise RankFailed(self._death(rank)) from None
                     if status != "ok":
-                        raise RankFailed(f"rank {rank} failed: {value}")
+                        raise RankFailed(self._cause(rank, value))
                     answers[rank] = value
             for item in ready:
                 if item in sentinels and sentinels[item] in pending.values():
                     raise RankFailed(self._death(sentinels[item]))
         return [answers[r] for r in range(len(self.conns))]
+
+    def _cause(self, rank: int, error: str) -> str:
+        """What to report for ``rank``'s error: a dead peer first (its collectives fail because of it)."""
+        others = [(r, p) for r, p in enumerate(self.processes) if r != rank]
+        wait([p.sentinel for _, p in others], 1.0)
+        dead = [r for r, p in others if not p.is_alive()]
+        if dead:
+            return f"{self._death(dead[0])} (rank {rank} then failed: {error})"
+        return f"rank {rank} failed: {error}"
 
     def _death(self, rank: int) -> str:
         p = self.processes[rank]
