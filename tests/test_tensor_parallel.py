@@ -212,6 +212,7 @@ def test_library_greedy_equals_one_process_and_ranks_read_only_their_file(tmp_pa
     expected = {p: reference(chat_model, p, 12) for p in prompts}
     with Deployment.from_manifest(chat_manifest(tmp_path, chat_model), state_dir=tmp_path / "state") as dep:
         group, shards = _ranks_of(dep)
+        engine = _runtime_of(dep).engine
         infos = group.info()
         assert [i["rank"] for i in infos] == [0, 1]
         assert [i["files_read"] for i in infos] == [[str(shards / f"rank-{r}-of-2.safetensors")] for r in (0, 1)]
@@ -219,7 +220,11 @@ def test_library_greedy_equals_one_process_and_ranks_read_only_their_file(tmp_pa
         with ThreadPoolExecutor(4) as pool:  # together: one left-padded batch on the ranks
             texts = list(pool.map(lambda p: dep.generate(p, max_tokens=12).text, prompts))
         assert texts == [expected[p] for p in prompts]
-        assert [i["open_groups"] for i in group.info()] == [[], []]  # each batch freed its KV caches
+        deadline = time.monotonic() + 30  # a batch frees its caches on every rank just after its last token
+        while engine.stats() != {"running": 0, "waiting": 0}:
+            assert time.monotonic() < deadline, engine.stats()
+            time.sleep(0.05)
+        assert [i["open_groups"] for i in group.info()] == [[], []]
         pids = group.pids
         assert all(_alive(pid) for pid in pids)
         os.kill(pids[1], signal.SIGKILL)  # a rank dies under a serving generation: requests fail, none hang
@@ -259,6 +264,14 @@ if __name__ == "__main__":
             time.sleep(0.1)
     finally:
         driver.kill()
+
+
+def _runtime_of(dep):
+    gen = dep.pool.pin(10)
+    try:
+        return gen.runtime
+    finally:
+        dep.pool.unpin(gen)
 
 
 def _ranks_of(dep) -> tuple:
