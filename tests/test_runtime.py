@@ -96,10 +96,11 @@ def test_reload_under_load_never_fails_a_request(model, tmp_path):
             replace_like_an_editor(path, text)
             assert dep.reload() is swaps
             generations.append(dep.generation)
-            assert dep.status()["phase"] == "Ready"
+            broken = dep.status()["last_error"] is not None  # pending: the last good generation serves
+            assert dep.status()["phase"] == ("Failed" if broken else "Ready") and dep.status()["serving"]
             if text.startswith("apiVersion: deploykit/v1\nkind: \"Model"):
                 assert f"{path}:2:7: invalid YAML" in dep.status()["last_error"]
-                assert dep.status()["phase"] == "Ready"  # still serving generation 3
+                assert dep.status()["phase"] == "Failed" and dep.status()["serving"]  # generation 3 serves on
             time.sleep(0.2)
     assert load.failures == []
     assert load.ok > 20 and load.generations >= {1, 2, 3}
@@ -142,12 +143,13 @@ def test_watch_reloads_on_real_file_events(model, tmp_path):
         with Load(dep, reference_logits(model), threads=2) as load:
             replace_like_an_editor(path, manifest_text(model, cpu=300_000))
             assert wait_for(lambda: dep.generation == 2)
+            revisions = len(dep.store.history(dep.name))
             path.touch()  # a touch: no content change, no reload
-            time.sleep(1.0)
-            assert dep.generation == 2 and len(dep.reloads) == 1
-            path.write_text("spec: [\n")  # broken in place
+            path.write_text("spec: [\n")  # then broken in place; file events are handled in order
             assert wait_for(lambda: dep.status()["last_error"] is not None)
             assert dep.generation == 2 and dep.status()["serving"]
+            assert len(dep.store.history(dep.name)) == revisions  # neither the touch nor the break recorded one
+            assert [r.ok for r in dep.reloads] == [True, False]  # one swap, then the failure: the touch did nothing
             replace_like_an_editor(path, manifest_text(model))  # fixed: recovers by itself
             assert wait_for(lambda: dep.generation == 3 and dep.status()["last_error"] is None)
         assert load.failures == [] and load.ok > 0

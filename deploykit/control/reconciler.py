@@ -315,6 +315,8 @@ def _act(loaded: LoadedManifest, store: StateStore, checkpoint: Checkpoint, deci
     revision = store.begin_revision(
         name=loaded.name, manifest_path=str(source), manifest_text=loaded.text, manifest_digest=loaded.digest,
         checkpoint_fingerprint=checkpoint.fingerprint, git_commit=git_commit(source))
+    if decision.actions:  # why this revision exists (a damaged shard is named here), for `deploykit history`
+        store.record_event(loaded.name, "Decided", f"revision {revision}: {decision.actions[0].reason}")
     try:
         with timer.step("reshard"):
             shards, result = _lay_out(loaded, store, checkpoint, plan, progress)

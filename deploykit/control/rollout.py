@@ -19,7 +19,7 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 from ..artifacts.reshard import ProgressSink
-from ..errors import DeploykitError, PlanInfeasible
+from ..errors import PlanInfeasible
 from ..placement.inventory import Gpu, Inventory
 from ..placement.planner import Plan
 from ..spec.manifest import LoadedManifest
@@ -114,15 +114,23 @@ class Rollout:
         options = ApplyOptions(devices=self.devices, keep_model=True, before_load=before_load, force=self._force)
         try:
             outcome = apply(loaded, store=self.store, options=options, **self._apply_args)
-        except DeploykitError:
+        except Exception:  # any failure after the drain: serve the last Ready revision again
             if drained:
-                self.restore()
+                self._restore_after_failure()
             raise
         if outcome.status == "unchanged" or outcome.loaded is None:
             return RolloutResult(False, "none", outcome)
         self.pool.install(outcome.loaded, outcome.plan, outcome.revision or 0, "recreate", loaded)
         outcome.loaded = None
         return RolloutResult(True, "recreate", outcome)
+
+    def _restore_after_failure(self) -> None:
+        """``restore``, never masking the rollout's own error: a failed restore is logged (nothing serves
+        then, and the deployment's phase says Failed)."""
+        try:
+            self.restore()
+        except Exception:
+            log.exception("%s: restoring the last Ready revision after a failed recreate failed", self.pool.name)
 
     def restore(self) -> None:
         """After a failed recreate: load the last Ready revision again (verified, health-checked)."""
