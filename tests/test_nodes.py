@@ -18,7 +18,7 @@ from test_planner import gpus, spec, structure
 from deploykit.errors import InventoryError, ManifestError, PlanInfeasible
 from deploykit.placement.inventory import Inventory, Node, parse_devices
 from deploykit.placement.planner import Plan, min_max_stages, plan
-from deploykit.spec.manifest import Spec, parse_manifests
+from deploykit.spec.manifest import Spec, check_on_host, parse_manifests
 
 def nspec(**placement) -> Spec:
     offload = placement.pop("offload", {})
@@ -46,10 +46,26 @@ def test_manifest_fields_and_defaults():
     assert "cluster" not in plain.text and "replicas" not in plain.text and "nodes" not in plain.text
 
 
-def test_nodes_without_cluster_is_located_on_nodes():
-    text = HEADER + "  placement:\n    gpus: all\n    nodes: 2\n"
-    assert issues(text) == ["m.yaml:10:12: spec.placement.nodes: 2 nodes need a cluster: add "
-                            "spec.cluster.address (a Ray address, 'auto' or 'local'), or set nodes to 1"]
+NO_CLUSTER = ("apiVersion: deploykit/v1\nkind: ModelDeployment\nmetadata:\n  name: x\nspec:\n  model:\n"
+              "    path: {path}\n  placement:\n    gpus: all\n    nodes: 2\n")
+NO_CLUSTER_ERROR = ("spec.placement.nodes: 2 nodes need a cluster: add spec.cluster.address (a Ray address, "
+                    "'auto' or 'local'), or set nodes to 1")
+
+
+def test_nodes_without_cluster_plan_but_do_not_deploy(tmp_path):
+    """Planning against a simulated inventory needs no cluster; deploying it does (located error)."""
+    manifest = tmp_path / "m.yaml"
+    manifest.write_text(NO_CLUSTER.format(path=REPO / "manifests" / "configs" / "llama-3.1-405b"))
+    planned = deploykit("plan", str(manifest), "--devices", "2x(8x80GiB)", "--output", "json")
+    assert planned.returncode == 0, planned.stderr
+    assert len(json.loads(planned.stdout)["nodes"]) == 2
+    loaded = parse_manifests(manifest.read_bytes(), source="m.yaml", base_dir=tmp_path)[0]
+    assert [str(i) for i in check_on_host(loaded)] == [f"m.yaml:10:12: {NO_CLUSTER_ERROR}"]
+    for verb in ("validate", "apply"):
+        refused = deploykit(verb, str(manifest), env={"DEPLOYKIT_STATE": str(tmp_path / "state")})
+        assert refused.returncode == 2, (verb, refused.stdout, refused.stderr)
+        assert f"{manifest}:10:12: {NO_CLUSTER_ERROR}" in " ".join(refused.stderr.split()), refused.stderr
+    assert not (tmp_path / "state" / "shards").exists()
 
 
 def test_replicas_nodes_and_address_validated():

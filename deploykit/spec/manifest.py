@@ -274,16 +274,6 @@ class Spec(_Strict):
     rollout: Rollout = Field(default_factory=Rollout, description="How a change goes live.")
     serving: Serving = Field(default_factory=Serving, description="Limits of the inference API.")
 
-    @field_validator("placement")
-    @classmethod
-    def _nodes_need_a_cluster(cls, placement: Placement, info: ValidationInfo) -> Placement:
-        # a cluster that was given but is invalid is absent from info.data, and already reported
-        if placement.nodes > 1 and "cluster" in info.data and info.data["cluster"] is None:
-            raise PydanticCustomError(
-                "nodes_without_cluster", "{n} nodes need a cluster: add spec.cluster.address (a Ray "
-                "address, 'auto' or 'local'), or set nodes to 1", {"n": placement.nodes, "at": "nodes"})
-        return placement
-
     @model_serializer(mode="wrap")
     def _omit_defaults(self, handler: SerializerFunctionWrapHandler) -> dict[str, Any]:
         data: dict[str, Any] = handler(self)
@@ -564,7 +554,11 @@ def check_on_host(loaded: LoadedManifest) -> list[Issue]:
     elif not (model_dir / "config.json").is_file():
         issues.append(loaded.issue("spec.model.path", f"{str(model_dir)!r} holds no config.json",
                                    hint="point path at a Hugging Face checkpoint directory or a .gguf file"))
-    disk = loaded.manifest.spec.offload.disk
+    spec = loaded.manifest.spec
+    if spec.placement.nodes > 1 and spec.cluster is None:  # a plan against `--devices` needs none; serving does
+        issues.append(loaded.issue("spec.placement.nodes", f"{spec.placement.nodes} nodes need a cluster: add "
+                                   "spec.cluster.address (a Ray address, 'auto' or 'local'), or set nodes to 1"))
+    disk = spec.offload.disk
     if disk is not None:
         disk_dir = loaded.resolve(disk.path)
         if disk_dir.exists() and not disk_dir.is_dir():
