@@ -12,18 +12,16 @@ stage when the batch ends, whether it finished, was cancelled or failed. Samplin
 
 from __future__ import annotations
 
-import itertools
 import logging
 import threading
 import uuid
-from collections import deque
 from pathlib import Path
 from typing import Any, Callable
 
 from ..engine.health import HealthResult, within
 from ..errors import ApplyError
-from ..engine.batching import (GenerationRequest, GenerationResult, QueueFull, RequestHandle, request_generator,
-                               sample_token)
+from ..engine.admission import Admission, stop_reason
+from ..engine.batching import GenerationRequest, GenerationResult, RequestHandle, request_generator, sample_token
 from ..engine.runtime import MAX_DEFAULT_CONTEXT, Limits, TextRuntime
 from ..engine.text import RequestError
 from ..placement.planner import Plan
@@ -41,68 +39,35 @@ class PipelineEngine:
                  max_queued: int = 64) -> None:
         self.pipeline, self.tokenizer, self.eos_ids = pipeline, tokenizer, set(eos_ids)
         self.max_batch_size, self.max_queued = max_batch_size, max_queued
-        self._waiting: deque[RequestHandle] = deque()
-        self._running = 0
-        self._cond, self._closing, self._ids = threading.Condition(), threading.Event(), itertools.count()
+        self._queue = Admission(max_queued=max_queued)
         self._thread = threading.Thread(target=self._loop, name="deploykit-pipeline-engine", daemon=True)
         self._thread.start()
 
     def submit(self, request: GenerationRequest,
                listener: Callable[[int | GenerationResult], None] | None = None) -> RequestHandle:
-        if self._closing.is_set():
-            raise RuntimeError("engine is closed")
-        if not request.prompt_ids or request.max_new_tokens < 1:
-            raise ValueError("need a non-empty prompt and max_new_tokens >= 1")
-        h = RequestHandle(request, f"req-{next(self._ids)}", rng=request_generator(request), listener=listener)
-        with self._cond:
-            if len(self._waiting) >= self.max_queued:
-                self._waiting = deque(w for w in self._waiting if not w.done)
-            if len(self._waiting) >= self.max_queued:
-                raise QueueFull(f"{self.max_queued} requests already waiting")
-            self._waiting.append(h)
-            self._cond.notify()
+        h = RequestHandle(request, self._queue.check(request), rng=request_generator(request), listener=listener)
+        self._queue.put(h)
         return h
 
     def cancel(self, handle: RequestHandle) -> None:
         handle.finish("cancelled")  # its row is skipped; a batch of only finished rows ends at once
 
     def stats(self) -> dict[str, int]:
-        with self._cond:
-            waiting = sum(not h.done for h in self._waiting)
-        return {"running": self._running, "waiting": waiting}
+        return self._queue.stats()
 
     def close(self, timeout: float | None = None) -> None:
-        self._closing.set()
-        with self._cond:
-            self._cond.notify_all()
+        self._queue.close()
         self._thread.join(timeout)
 
-    def _stop_hit(self, h: RequestHandle, tok: int) -> str | None:
-        r = h.request
-        tail = self.tokenizer.decode(h.tokens[-(max(map(len, r.stop_strings)) + 8):]) if r.stop_strings else ""
-        if tok in self.eos_ids or tok in r.stop_token_ids or any(s in tail for s in r.stop_strings):
-            return "stop"
-        return "length" if len(h.tokens) >= r.max_new_tokens else None
-
     def _loop(self) -> None:
-        while True:
-            with self._cond:
-                self._cond.wait_for(lambda: bool(self._waiting) or self._closing.is_set(), 0.5)
-                if not self._waiting:
-                    if self._closing.is_set():
-                        return
-                    continue
-                batch: list[RequestHandle] = []
-                while self._waiting and len(batch) < self.max_batch_size:
-                    h = self._waiting.popleft()
-                    if not h.done:
-                        batch.append(h)
-                self._running = len(batch)
+        while self._queue.wait_for_work(0.5):
+            batch = self._queue.take(self.max_batch_size)
             if batch:
+                self._queue.running = len(batch)
                 try:
                     self._run(batch)
                 finally:
-                    self._running = 0
+                    self._queue.running = 0
 
     def _run(self, rows: list[RequestHandle]) -> None:
         import torch
@@ -125,8 +90,8 @@ class PipelineEngine:
                         tok = sample_token(logits[i], h.request, h.rng)
                         h.push(tok)
                         last.append(tok)
-                        if reason := self._stop_hit(h, tok):
-                            h.finish(reason)  # type: ignore[arg-type]
+                        if reason := stop_reason(h, tok, eos_ids=self.eos_ids, tokenizer=self.tokenizer):
+                            h.finish(reason)
                     ids = torch.tensor(last)[:, None]
                     mask = torch.cat([mask, torch.ones(len(rows), 1, dtype=mask.dtype)], 1)
                     positions = mask.sum(1, keepdim=True) - 1
