@@ -44,7 +44,7 @@ from ..model.gguf import is_gguf
 from ..placement.inventory import Inventory
 from ..placement.planner import Plan
 from ..spec.manifest import LoadedManifest, check_on_host
-from .loading import StepTimer, is_pipeline, load_checked, shards_problem
+from .loading import StepTimer, load_checked, shards_problem
 from .state import Revision, StateStore
 
 if TYPE_CHECKING:
@@ -284,11 +284,11 @@ def deployment_inventory(loaded: LoadedManifest, devices: str | None) -> Invento
 
     from ..placement.planning import inventory_for
 
-    if devices is None and not os.environ.get("DEPLOYKIT_DEVICES") and is_pipeline(loaded):
+    cluster = loaded.manifest.spec.cluster
+    if devices is None and not os.environ.get("DEPLOYKIT_DEVICES") and cluster and loaded.manifest.spec.placement.nodes > 1:
         from ..cluster.inventory import probe_cluster  # imports ray: only for such manifests
 
-        assert loaded.manifest.spec.cluster is not None
-        return probe_cluster(loaded.manifest.spec.cluster.address)
+        return probe_cluster(cluster.address)
     return inventory_for(loaded, devices)
 
 

@@ -24,7 +24,7 @@ from ..placement.inventory import Gpu, Inventory
 from ..placement.planner import Plan
 from ..spec.manifest import LoadedManifest
 from .pool import Generation, GenerationPool
-from .loading import load_revision, recorded_manifest
+from .loading import load_revision, recorded_manifest, serving_of
 from .reconciler import ApplyOptions, ApplyOutcome, apply
 from .state import StateStore
 
@@ -99,7 +99,7 @@ class Rollout:
                                                                        force=self._force), **self._apply_args)
         if outcome.status == "unchanged" or outcome.loaded is None:
             return RolloutResult(False, "none", outcome)
-        self.pool.install(outcome.loaded, outcome.plan, outcome.revision or 0, "blue-green", loaded)
+        self.pool.install(outcome.loaded, outcome.plan, outcome.revision or 0, "blue-green", serving_of(loaded))
         outcome.loaded = None  # the pool owns the model now: a kept outcome must not pin it
         return RolloutResult(True, "blue-green", outcome)
 
@@ -120,7 +120,7 @@ class Rollout:
             raise
         if outcome.status == "unchanged" or outcome.loaded is None:
             return RolloutResult(False, "none", outcome)
-        self.pool.install(outcome.loaded, outcome.plan, outcome.revision or 0, "recreate", loaded)
+        self.pool.install(outcome.loaded, outcome.plan, outcome.revision or 0, "recreate", serving_of(loaded))
         outcome.loaded = None
         return RolloutResult(True, "recreate", outcome)
 
@@ -131,5 +131,5 @@ class Rollout:
             return
         model = load_revision(current)
         self.pool.install(model, Plan.from_dict(current.plan), current.revision, "restore",
-                          recorded_manifest(current))
+                          serving_of(recorded_manifest(current)))
         log.warning("%s: restored revision %d after a failed recreate", self.pool.name, current.revision)

@@ -18,6 +18,7 @@ from .text import RequestError, TextStream, check_length
 
 if TYPE_CHECKING:
     from .loader import LoadedModel
+    from .serving import TextEngine
 
 log = logging.getLogger(__name__)
 MAX_DEFAULT_CONTEXT = 8192
@@ -77,7 +78,7 @@ class TextRuntime:
         self.tokenizer = loaded.tokenizer
         self.limits = limits
         self.context_length = context_length(loaded.model, limits)
-        self.engine: Engine = Engine(loaded.model, loaded.tokenizer, max_batch_size=limits.max_concurrent,
+        self.engine: TextEngine = Engine(loaded.model, loaded.tokenizer, max_batch_size=limits.max_concurrent,
                                      max_queued=limits.max_queued, kv_cache_bytes=kv_cache_bytes,
                                      forward_lock=forward_lock,
                                      backend="continuous" if limits.batching == "continuous" else "padded")

@@ -31,6 +31,7 @@ from pydantic import (
 from pydantic_core import PydanticCustomError
 
 from ..errors import Issue, ManifestError
+from ..names import Task
 from ..units import SIZE_UNITS_TEXT, format_duration, parse_duration, parse_size
 from .yamlsource import Document, load_documents
 
@@ -554,15 +555,28 @@ def check_on_host(loaded: LoadedManifest) -> list[Issue]:
     elif not (model_dir / "config.json").is_file():
         issues.append(loaded.issue("spec.model.path", f"{str(model_dir)!r} holds no config.json",
                                    hint="point path at a Hugging Face checkpoint directory or a .gguf file"))
-    spec = loaded.manifest.spec
-    if spec.placement.nodes > 1 and spec.cluster is None:  # a plan against `--devices` needs none; serving does
-        issues.append(loaded.issue("spec.placement.nodes", f"{spec.placement.nodes} nodes need a cluster: add "
-                                   "spec.cluster.address (a Ray address, 'auto' or 'local'), or set nodes to 1"))
-    disk = spec.offload.disk
+    issues.extend(_scale_out_issues(loaded))
+    disk = loaded.manifest.spec.offload.disk
     if disk is not None:
         disk_dir = loaded.resolve(disk.path)
         if disk_dir.exists() and not disk_dir.is_dir():
             issues.append(loaded.issue("spec.offload.disk.path", f"{str(disk_dir)!r} is not a directory"))
+    return issues
+
+
+def _scale_out_issues(loaded: LoadedManifest) -> list[Issue]:
+    """What a deployment on a Ray cluster cannot serve. Planning does not need these (a plan against
+    ``--devices`` needs no cluster); deploying does."""
+    spec, issues = loaded.manifest.spec, []
+    if spec.placement.nodes > 1 and spec.cluster is None:
+        issues.append(loaded.issue("spec.placement.nodes", f"{spec.placement.nodes} nodes need a cluster: add "
+                                   "spec.cluster.address (a Ray address, 'auto' or 'local'), or set nodes to 1"))
+    if spec.replicas > 1 and spec.cluster is None:
+        issues.append(loaded.issue("spec.replicas", f"{spec.replicas} replicas need a cluster: add "
+                                   "spec.cluster.address (a Ray address, 'auto' or 'local'), or set replicas to 1"))
+    if spec.cluster is not None and spec.model.task != Task.CAUSAL_LM:
+        issues.append(loaded.issue("spec.model.task", f"a cluster (replicas, pipeline stages) serves causal-lm "
+                                   f"models only, not {spec.model.task}", hint="remove spec.cluster"))
     return issues
 
 
