@@ -24,6 +24,7 @@ from servers import Server  # noqa: E402
 from test_serve import reference_text  # noqa: E402
 
 NODE = dict(num_cpus=2, object_store_memory=80 * 2**20, include_dashboard=False)
+BOUNDED = "max_tokens: 32, max_concurrent: 1, max_queued: 1"
 
 
 @pytest.fixture(scope="module")
@@ -118,6 +119,7 @@ def test_replica_engine_streams_as_produced_and_bounds_its_queue(cluster, model,
     finally:
         runtime.close()
         serve.shutdown()
+        ray.shutdown()  # this process leaves the cluster (the next test connects its own way)
 
 
 def test_pipeline_replicas_scale_one_to_two_without_failures(cluster, model, tmp_path):
@@ -129,7 +131,7 @@ def test_pipeline_replicas_scale_one_to_two_without_failures(cluster, model, tmp
     manifests = tmp_path / "manifests"
     manifests.mkdir()
     path = manifests / "piped.yaml"
-    path.write_text(manifest(model, cluster.address, name="piped", nodes=2, serving="max_tokens: 32"))
+    path.write_text(manifest(model, cluster.address, name="piped", nodes=2, serving=BOUNDED))
     tokenizer = AutoTokenizer.from_pretrained(model)
     want, _ = reference_text(model, tokenizer("hello")["input_ids"], 8)
 
@@ -153,7 +155,7 @@ def test_pipeline_replicas_scale_one_to_two_without_failures(cluster, model, tmp
         asker.start()
         try:
             replace_like_an_editor(path, manifest(model, cluster.address, name="piped", nodes=2, replicas=2,
-                                                  serving="max_tokens: 32"))
+                                                  serving=BOUNDED))
             deadline = time.monotonic() + 300
             while generation() != 2:
                 assert time.monotonic() < deadline and not failures, failures
@@ -170,6 +172,10 @@ def test_pipeline_replicas_scale_one_to_two_without_failures(cluster, model, tmp
         finally:
             stop.set()
             asker.join(60)
+        # a burst beyond 2 replicas x max_concurrent 1 in flight + max_queued 1 waiting: 429 + Retry-After
+        codes, retry_after = _burst(client, 8)
+        assert codes.count(429) >= 1 and set(codes) <= {200, 429} and codes.count(200) >= 3, codes
+        assert retry_after and all(int(v) >= 1 for v in retry_after)
         # each replica owns its stages: two STRICT_SPREAD groups of two bundles, the old pipeline's gone
         ray.init(address=cluster.address)
         try:
@@ -181,6 +187,29 @@ def test_pipeline_replicas_scale_one_to_two_without_failures(cluster, model, tmp
             ray.shutdown()
     assert failures == []
     assert set(texts) == {want} and len(texts) >= 5
+
+
+def _burst(client: openai.OpenAI, n: int) -> tuple[list[int], list[str]]:
+    """``n`` completions sent at once: their status codes, and the Retry-After of every 429."""
+    barrier, codes, retry_after = threading.Barrier(n), [], []
+
+    def one() -> None:
+        barrier.wait()
+        try:
+            client.completions.create(model="piped", prompt="hello", max_tokens=32, temperature=0)
+            codes.append(200)
+        except openai.RateLimitError as exc:
+            codes.append(429)
+            retry_after.append(exc.response.headers.get("retry-after", ""))
+        except openai.APIStatusError as exc:
+            codes.append(exc.status_code)
+
+    threads = [threading.Thread(target=one) for _ in range(n)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(120)
+    return codes, retry_after
 
 
 def _pipeline_groups() -> list[dict]:
