@@ -68,6 +68,22 @@ def test_nodes_without_cluster_plan_but_do_not_deploy(tmp_path):
     assert not (tmp_path / "state" / "shards").exists()
 
 
+def test_what_a_cluster_cannot_serve_is_refused_where_it_is_written(tmp_path):
+    """replicas > 1 without a cluster was silently served as one copy; a cluster serves text models only."""
+    model = REPO / "manifests" / "configs" / "llama-3.1-405b"
+    text = HEADER.replace("/m", str(model)) + "  replicas: 3\n"
+    loaded = parse_manifests(text.encode(), source="m.yaml", base_dir=tmp_path)[0]
+    assert [str(i) for i in check_on_host(loaded)] == [
+        "m.yaml:8:13: spec.replicas: 3 replicas need a cluster: add spec.cluster.address (a Ray address, "
+        "'auto' or 'local'), or set replicas to 1"]
+    text = (HEADER.replace("/m", str(model)) + "    task: feature-extraction\n"
+            + "  cluster: {address: local}\n")
+    loaded = parse_manifests(text.encode(), source="m.yaml", base_dir=tmp_path)[0]
+    [issue] = check_on_host(loaded)
+    assert str(issue).startswith("m.yaml:8:11: spec.model.task: a cluster (replicas, pipeline stages) serves "
+                                 "causal-lm models only, not feature-extraction")
+
+
 def test_replicas_nodes_and_address_validated():
     text = HEADER + "  cluster: {address: 'not an address'}\n  replicas: 0\n  placement: {nodes: 0}\n"
     found = issues(text)
