@@ -35,6 +35,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from ..artifacts.fsutil import discard_dir
+from ..names import Phase
 from ..artifacts.gguf import import_dir, import_gguf, import_problem, source_fingerprint
 from ..artifacts.reshard import ProgressSink, ReshardResult, fits_layout, plan_layout, reshard
 from ..artifacts.verify import checksums, read_lock, shard_problem
@@ -365,7 +366,7 @@ def collect_old_shards(loaded: LoadedManifest, store: StateStore) -> None:
     """Keep the shards of the current and the previous Ready revision (for rollback); remove the rest."""
     root = shards_root(loaded, store)
     keep = [Path(r.shards_path) for r in store.history(loaded.name)
-            if r.phase == "Ready" and r.shards_path][-2:]
+            if r.phase == Phase.READY and r.shards_path][-2:]
     if not root.is_dir():
         return
     for child in root.iterdir():

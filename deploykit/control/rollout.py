@@ -20,6 +20,7 @@ from typing import Any
 
 from ..artifacts.reshard import ProgressSink
 from ..errors import DeploykitError, PlanInfeasible
+from ..names import Strategy
 from ..placement.inventory import Gpu, Inventory
 from ..placement.planner import Plan
 from ..spec.manifest import LoadedManifest
@@ -31,13 +32,13 @@ from .state import StateStore
 log = logging.getLogger(__name__)
 
 
-def choose_strategy(requested: str, *, fits_beside: bool) -> str | None:
+def choose_strategy(requested: str, *, fits_beside: bool) -> Strategy | None:
     """The strategy a rollout runs: None when blue-green was asked for and does not fit."""
-    if requested == "recreate":
-        return "recreate"
+    if requested == Strategy.RECREATE:
+        return Strategy.RECREATE
     if fits_beside:
-        return "blue-green"
-    return "recreate" if requested == "auto" else None
+        return Strategy.BLUE_GREEN
+    return Strategy.RECREATE if requested == Strategy.AUTO else None
 
 
 def inventory_beside(inventory: Inventory, gen: Generation | None) -> Inventory:
@@ -79,7 +80,7 @@ class Rollout:
         requested = loaded.manifest.spec.rollout.strategy
         beside = inventory_beside(deployment_inventory(loaded, self.devices), self.pool.current)
         infeasible: PlanInfeasible | None = None
-        if requested != "recreate":
+        if requested != Strategy.RECREATE:
             try:
                 plan_manifest(loaded, inventory=beside)
             except PlanInfeasible as exc:
@@ -90,7 +91,7 @@ class Rollout:
             raise infeasible
         self._apply_args = {"progress": progress, "on_step": on_step}
         self._force = force
-        if strategy == "blue-green":
+        if strategy == Strategy.BLUE_GREEN:
             return self._blue_green(loaded, beside)
         return self._recreate(loaded)
 

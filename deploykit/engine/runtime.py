@@ -13,6 +13,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+from ..names import Task
 from .embeddings import Pooling, embed, pooling_of
 from .text import RequestError, TextStream, check_length
 
@@ -148,8 +149,8 @@ def build_runtime(loaded: LoadedModel, limits: Limits, *, task: str, kv_cache_by
     if loaded.tokenizer is None:
         log.info("%s ships no tokenizer: the inference API will not serve it", loaded.source)
         return None
-    if task == "causal-lm":
+    if task == Task.CAUSAL_LM:
         return TextRuntime(loaded, limits, kv_cache_bytes=kv_cache_bytes, forward_lock=forward_lock)
-    if task == "feature-extraction":
+    if task == Task.FEATURE_EXTRACTION:
         return EmbeddingRuntime(loaded, limits)
     return None
