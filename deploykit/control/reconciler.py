@@ -286,9 +286,11 @@ def deployment_inventory(loaded: LoadedManifest, devices: str | None) -> Invento
     from ..placement.planning import inventory_for
 
     cluster = loaded.manifest.spec.cluster
-    if devices is None and not os.environ.get("DEPLOYKIT_DEVICES") and cluster and loaded.manifest.spec.placement.nodes > 1:
+    spans_nodes = cluster is not None and loaded.manifest.spec.placement.nodes > 1
+    if devices is None and not os.environ.get("DEPLOYKIT_DEVICES") and spans_nodes:
         from ..cluster.inventory import probe_cluster  # imports ray: only for such manifests
 
+        assert cluster is not None
         return probe_cluster(cluster.address)
     return inventory_for(loaded, devices)
 
