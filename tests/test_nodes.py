@@ -224,3 +224,17 @@ def test_405b_on_two_eight_gpu_nodes_prints_each_node():
     assert table.returncode == 0, table.stderr
     assert "node 0 node0: layers 0-62" in table.stdout and "node 1 node1: layers 63-125" in table.stdout
     assert "pipeline stages" in table.stdout
+
+
+def test_each_pipeline_replica_asks_serve_for_a_bundle_per_stage():
+    """Serve's per-replica placement group: the replica with stage 0, then one bundle per stage; a GPU per
+    stage when the plan uses GPUs (as the pipeline's stage actors ask); none for a one-node plan."""
+    from deploykit.cluster.replicas import ReplicaOptions, replica_bundles
+
+    options = ReplicaOptions(num_cpus=0.25, stage_cpus=0.5)
+    gpu_plan = two_node_plan([2, 1, 1, 1, 1, 1, 1, 1, 1, 2], [100, 100])
+    assert replica_bundles(gpu_plan, options) == [{"CPU": 0.75, "GPU": 1.0}, {"CPU": 0.5, "GPU": 1.0}]
+    cpu_plan = plan(structure([1, 1, 1, 1], head=True), nspec(gpus=[], nodes=3),
+                    Inventory.of_nodes(tuple(Node(f"n{k}", (), cpu=100) for k in range(3))))
+    assert replica_bundles(cpu_plan, options) == [{"CPU": 0.75}, {"CPU": 0.5}, {"CPU": 0.5}]
+    assert replica_bundles(plan(structure([1, 1]), spec(gpus=[0]), gpus(100)), options) is None

@@ -129,8 +129,14 @@ def replica_bundles(plan: Plan, options: ReplicaOptions) -> list[dict[str, float
     each further stage in its own bundle (None: a one-node plan needs none)."""
     if not plan.nodes:
         return None
-    return ([{"CPU": options.num_cpus + options.stage_cpus}]
-            + [{"CPU": options.stage_cpus} for _ in plan.nodes[1:]])
+    gpu = {"GPU": 1.0} if _gpus(plan) else {}  # as RayPipeline asks: one GPU per stage when any uses one
+    return ([{"CPU": options.num_cpus + options.stage_cpus, **gpu}]
+            + [{"CPU": options.stage_cpus, **gpu} for _ in plan.nodes[1:]])
+
+
+def _gpus(plan: Plan) -> int:
+    """The GPUs a one-node plan uses (a replica asks Ray for them), or whether a pipeline plan uses any."""
+    return len({d for d in plan.device_map.values() if isinstance(d, int)})
 
 
 def start_serve() -> None:
@@ -158,7 +164,8 @@ def run_replicas(name: str, plan: Plan, path: str, serving: ServingSpec, replica
     deployment: Any = serve.deployment(ModelReplica, name=name)
     deployment = deployment.options(  # a replica takes what its own engine would admit, no more
         num_replicas=replicas, max_ongoing_requests=limits.max_concurrent + limits.max_queued,
-        ray_actor_options={"num_cpus": options.num_cpus, "runtime_env": {"env_vars": worker_env()}},
+        ray_actor_options={"num_cpus": options.num_cpus, "num_gpus": 0 if plan.nodes else _gpus(plan),
+                           "runtime_env": {"env_vars": worker_env()}},
         health_check_period_s=2, graceful_shutdown_timeout_s=20, **placement)
     return serve.run(deployment.bind(plan.to_json(), path, serving, options), name=name, route_prefix=None)
 
