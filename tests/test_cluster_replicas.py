@@ -122,6 +122,34 @@ def test_replica_engine_streams_as_produced_and_bounds_its_queue(cluster, model,
         ray.shutdown()  # this process leaves the cluster (the next test connects its own way)
 
 
+def test_replicas_the_cluster_cannot_place_fail_in_bounded_time(cluster, model, tmp_path):
+    """Serve waits forever for replicas no node can hold; deploykit gives up after its timeout, says what
+    did not fit and leaves no application behind."""
+    from ray import serve
+
+    from deploykit.cluster.ray_env import ClusterError
+    from deploykit.cluster.replica_runtime import build_replica_runtime
+    from deploykit.cluster.replicas import ReplicaOptions
+    from deploykit.control.loading import serving_of
+    from deploykit.placement.planning import plan_manifest
+    from deploykit.spec.manifest import parse_manifests
+
+    loaded = parse_manifests(manifest(model, cluster.address, name="huge").encode(), source="m.yaml",
+                             base_dir=tmp_path)[0]
+    started = time.monotonic()
+    try:
+        with pytest.raises(ClusterError) as info:
+            build_replica_runtime(plan_manifest(loaded, devices="cpu=4GiB"), model, serving_of(loaded),
+                                  address=cluster.address, replicas=1,
+                                  options=ReplicaOptions(num_cpus=3, timeout=15))
+        assert time.monotonic() - started < 90
+        assert "could not start 1 replica(s) of {'CPU': 3} within 15s" in str(info.value)
+        assert not [a for a in serve.status().applications if a.startswith("huge-")]
+    finally:
+        serve.shutdown()
+        ray.shutdown()
+
+
 def test_pipeline_replicas_scale_one_to_two_without_failures(cluster, model, tmp_path):
     from deploykit.control.state import StateStore
     from manifests import replace_like_an_editor

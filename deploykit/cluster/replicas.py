@@ -19,11 +19,12 @@ for twice the replicas, and Serve's default of 1 CPU each would not fit on small
 from __future__ import annotations
 
 import asyncio
+import threading
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from .ray_env import require_ray, worker_env
+from .ray_env import ClusterError, require_ray, worker_env
 
 if TYPE_CHECKING:
     from ..engine.serving import ServingSpec
@@ -35,6 +36,7 @@ class ReplicaOptions:
     num_cpus: float = 0.25  # the replica actor itself (and stage 0 of a pipeline beside it)
     stage_cpus: float = 0.25  # each pipeline stage actor
     threads: int = 1  # torch threads of the replica's model, or of each stage
+    timeout: float = 600.0  # seconds for every replica to be placed, loaded and healthy
 
 
 class ModelReplica:
@@ -167,7 +169,36 @@ def run_replicas(name: str, plan: Plan, path: str, serving: ServingSpec, replica
         ray_actor_options={"num_cpus": options.num_cpus, "num_gpus": 0 if plan.nodes else _gpus(plan),
                            "runtime_env": {"env_vars": worker_env()}},
         health_check_period_s=2, graceful_shutdown_timeout_s=20, **placement)
-    return serve.run(deployment.bind(plan.to_json(), path, serving, options), name=name, route_prefix=None)
+    app = deployment.bind(plan.to_json(), path, serving, options)
+    what = f"{replicas} replica(s) of {bundles or {'CPU': options.num_cpus}}"
+    return _run_within(app, name, options.timeout, what)
+
+
+def _run_within(app: Any, name: str, timeout: float, what: str) -> Any:
+    """``serve.run`` with a deadline: Serve waits forever for replicas the cluster cannot place, so past
+    ``timeout`` the application is deleted and a ClusterError says what did not fit."""
+    ray = require_ray()
+    from ray import serve
+
+    outcome: dict[str, Any] = {}
+
+    def run() -> None:
+        try:
+            outcome["handle"] = serve.run(app, name=name, route_prefix=None)
+        except BaseException as exc:  # handed to the caller's thread
+            outcome["error"] = exc
+
+    runner = threading.Thread(target=run, name="deploykit-serve-run", daemon=True)
+    runner.start()
+    runner.join(timeout)
+    if runner.is_alive():
+        free = ray.available_resources()
+        serve.delete(name)
+        raise ClusterError(f"Ray Serve could not start {what} within {timeout:g}s; the cluster has "
+                           f"{free.get('CPU', 0):g} CPU and {free.get('GPU', 0):g} GPU free") from None
+    if "error" in outcome:
+        raise outcome["error"]
+    return outcome["handle"]
 
 
 def replica_count(name: str) -> int:
