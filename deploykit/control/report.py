@@ -10,6 +10,7 @@ import time
 from typing import Any
 
 from ..errors import DeploykitError
+from ..names import Phase
 from .state import Revision, StateStore
 
 
@@ -19,11 +20,11 @@ def _open_failure(store: StateStore, name: str, latest: Revision | None, running
     row = store.deployment(name) or {}
     if row.get("pending_error"):
         return str(row["pending_error"])
-    if latest is None or latest.phase == "Ready" or running:
+    if latest is None or latest.phase == Phase.READY or running:
         return None
     if row.get("settled_revision") is not None and latest.revision <= row["settled_revision"]:
         return None
-    if latest.phase == "Progressing":
+    if latest.phase == Phase.PROGRESSING:
         return "interrupted: the applying process died (the next apply finishes the job)"
     return latest.reason or "failed"
 
@@ -40,17 +41,17 @@ def status_report(store: StateStore, name: str) -> dict[str, Any]:
     """Phase (Pending | Progressing | Ready | Failed), conditions with reasons, the serving revision's
     plan summary and the error that still matters: the shape of `deploykit status -o json`."""
     current, latest = store.current(name), store.latest(name)
-    running = latest is not None and latest.phase == "Progressing" and store.apply_running(name)
+    running = latest is not None and latest.phase == Phase.PROGRESSING and store.apply_running(name)
     last_error = _open_failure(store, name, latest, running)
     if running:
-        phase = "Progressing"
+        phase = Phase.PROGRESSING
     elif last_error is not None:
-        phase = "Failed"
+        phase = Phase.FAILED
     elif current is not None:
-        phase = "Ready"
+        phase = Phase.READY
     else:
-        phase = "Pending"
-    failed = latest.revision if last_error and latest is not None and latest.phase != "Ready" else None
+        phase = Phase.PENDING
+    failed = latest.revision if last_error and latest is not None and latest.phase != Phase.READY else None
     subject = f"revision {failed}" if failed else "the last change"
     conditions = [
         {"type": "Ready", "status": current is not None,
@@ -69,7 +70,7 @@ def status_report(store: StateStore, name: str) -> dict[str, Any]:
     return {
         "name": name,
         "revision": current.revision if current else None,
-        "phase": phase,
+        "phase": phase.value,
         "conditions": conditions,
         "plan": _plan_summary(current.plan if current else None),
         "shards": current.shards_path if current else None,
