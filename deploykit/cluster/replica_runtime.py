@@ -50,7 +50,7 @@ class ReplicaEngine:
     def submit(self, request: GenerationRequest,
                listener: Callable[[int | GenerationResult], None] | None = None) -> RequestHandle:
         h = RequestHandle(request, self._queue.check(request), rng=request_generator(request), listener=listener)
-        self._queue.put(h)
+        self._queue.put(h, free_slots=max(0, self.slots - self._queue.running))  # free senders take them at once
         return h
 
     def cancel(self, handle: RequestHandle) -> None:

@@ -48,7 +48,8 @@ class PipelineEngine:
     def submit(self, request: GenerationRequest,
                listener: Callable[[int | GenerationResult], None] | None = None) -> RequestHandle:
         h = RequestHandle(request, self._queue.check(request), rng=request_generator(request), listener=listener)
-        self._queue.put(h)
+        idle = self._queue.running == 0  # the next static batch starts at once only when none runs
+        self._queue.put(h, free_slots=self.max_batch_size if idle else 0)
         return h
 
     def cancel(self, handle: RequestHandle) -> None:

@@ -51,12 +51,14 @@ class Admission:
             raise ValueError("need a non-empty prompt and max_new_tokens >= 1")
         return f"{self._prefix}-{next(self._ids)}"
 
-    def put(self, handle: RequestHandle) -> None:
-        """Queue ``handle``; QueueFull when ``max_queued`` (not counting cancelled ones) already wait."""
+    def put(self, handle: RequestHandle, *, free_slots: int = 0) -> None:
+        """Queue ``handle``; QueueFull when ``max_queued`` (not counting cancelled ones, nor the
+        ``free_slots`` requests the engine's worker takes at once) already wait."""
+        room = self.max_queued + free_slots
         with self.cond:
-            if len(self._waiting) >= self.max_queued:  # purge cancelled ones before refusing
+            if len(self._waiting) >= room:  # purge cancelled ones before refusing
                 self._waiting = deque(w for w in self._waiting if not w.done)
-            if len(self._waiting) >= self.max_queued:
+            if len(self._waiting) >= room:
                 raise QueueFull(f"{self.max_queued} requests already waiting")
             self._waiting.append(handle)
             self.cond.notify_all()

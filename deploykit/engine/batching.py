@@ -143,7 +143,8 @@ class Engine:
         h = RequestHandle(request, self._queue.check(request), rng=request_generator(request), listener=listener)
         if self._cb is not None:
             return self._cb_submit(h)
-        self._queue.put(h)
+        # requests that a free batch slot takes at the next step are not queued: count only the rest
+        self._queue.put(h, free_slots=max(0, self.max_batch_size - self._queue.running))
         return h
 
     def cancel(self, handle: RequestHandle) -> None:
