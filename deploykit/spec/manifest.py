@@ -119,7 +119,9 @@ class Placement(_Strict):
     kv_cache: KVCache | None = Field(None, description="Plan KV-cache and logits memory per layer.")
     nodes: int = Field(1, ge=1, description="Pipeline stages, one per node of spec.cluster: layers are split "
                                             "node-major (contiguous runs per node, then per GPU within a node; "
-                                            "embeddings on the first node's first GPU). 1: one host.")
+                                            "embeddings on the first node's first GPU). 1: one host. "
+                                            "Deploying more than 1 needs spec.cluster; `deploykit plan "
+                                            "--devices` does not.")
 
     @model_serializer(mode="wrap")
     def _omit_default_nodes(self, handler: SerializerFunctionWrapHandler) -> dict[str, Any]:
@@ -267,8 +269,9 @@ class Spec(_Strict):
     model: ModelSpec = Field(description="The checkpoint.")
     cluster: Cluster | None = Field(None, description="Ray cluster for replicas and pipeline stages; "
                                                       "absent: in-process on this host.")
-    replicas: int = Field(1, ge=1, description="Copies of the model serving behind one endpoint (Ray Serve "
-                                               "replicas when spec.cluster is set).")
+    replicas: int = Field(1, ge=1, description="Copies of the model serving behind one endpoint: Ray Serve "
+                                               "replicas, each with its own pipeline stages when "
+                                               "placement.nodes > 1. More than 1 needs spec.cluster.")
     placement: Placement = Field(default_factory=Placement, description="GPUs and their shares.")
     sharding: Sharding = Field(default_factory=Sharding, description="Checkpoint file layout.")
     offload: Offload = Field(default_factory=Offload, description="CPU and disk tiers after the GPUs.")
