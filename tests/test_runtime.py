@@ -13,6 +13,7 @@ import torch
 from deploykit.errors import ApplyError
 from deploykit.placement.inventory import process_rss
 from deploykit.control.deployment import Deployment
+from deploykit.control.loading import serving_of
 from deploykit.spec.manifest import load_manifests
 from manifests import manifest_text, replace_like_an_editor, write_manifest
 
@@ -218,7 +219,7 @@ def test_offload_hooks_are_serialised_under_threads(model, tmp_path):
     hooked = AutoModelForCausalLM.from_pretrained(model, dtype=torch.float32, device_map=device_map,
                                                   offload_folder=str(tmp_path / "off"))
     loaded = LoadedModel(hooked, dep.pool.current.plan, model, "cpu", serialize_forward=True)
-    dep.pool.install(loaded, dep.pool.current.plan, 1, "test", load_manifests(path)[0])
+    dep.pool.install(loaded, dep.pool.current.plan, 1, "test", serving_of(load_manifests(path)[0]))
     assert dep.status()["serialize_forward"]
     active, peak = [0], [0]
     lock = threading.Lock()

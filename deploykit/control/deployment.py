@@ -32,6 +32,7 @@ from ..errors import ApplyError, DeploykitError, ManifestError, PlanInfeasible
 from ..names import Phase
 from ..placement.inventory import process_rss
 from ..spec.manifest import LoadedManifest, load_manifests
+from .loading import serving_of
 from .pool import GenerationPool
 from .report import phase_of
 from .reconciler import ApplyOptions, ApplyOutcome, apply
@@ -140,7 +141,7 @@ class Deployment:
             self._phase, self._last_error = Phase.FAILED, describe(exc, loaded)
             raise
         assert outcome.loaded is not None
-        self.pool.install(outcome.loaded, outcome.plan, outcome.revision or 0, "initial", loaded)
+        self.pool.install(outcome.loaded, outcome.plan, outcome.revision or 0, "initial", serving_of(loaded))
         outcome.loaded = None  # the pool owns the model now: a kept outcome must not pin it
         self.last_outcome = outcome
         self._phase = Phase.READY

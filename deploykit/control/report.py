@@ -54,7 +54,7 @@ def status_report(store: StateStore, name: str) -> dict[str, Any]:
     current, latest = store.current(name), store.latest(name)
     running = latest is not None and latest.phase == Phase.PROGRESSING and store.apply_running(name)
     last_error = _open_failure(store, name, latest, running)
-    phase = phase_of(progressing=running, last_error=last_error, current=current is not None).value
+    phase = phase_of(progressing=running, last_error=last_error, current=current is not None)
     failed = latest.revision if last_error and latest is not None and latest.phase != Phase.READY else None
     subject = f"revision {failed}" if failed else "the last change"
     conditions = [
@@ -74,7 +74,7 @@ def status_report(store: StateStore, name: str) -> dict[str, Any]:
     return {
         "name": name,
         "revision": current.revision if current else None,
-        "phase": phase,
+        "phase": phase.value,
         "conditions": conditions,
         "plan": _plan_summary(current.plan if current else None),
         "shards": current.shards_path if current else None,
