@@ -5,12 +5,14 @@ static-batch engine shared with tensor-parallel ranks) backed by stage actors on
 from __future__ import annotations
 
 import logging
+from dataclasses import dataclass
 from pathlib import Path
 
-from ..engine.runtime import MAX_DEFAULT_CONTEXT, Limits
+from ..engine.runtime import MAX_DEFAULT_CONTEXT
+from ..engine.serving import ServingSpec
 from ..engine.stepped import SteppedEngine, SteppedRuntime, eos_ids_of
+from ..names import Task
 from ..placement.planner import Plan
-from ..spec.manifest import LoadedManifest
 from .pipeline import RayPipeline, stages_of
 from .ray_env import ClusterError, connect
 
@@ -29,37 +31,43 @@ class PipelineRuntime(SteppedRuntime):
 PipelineEngine = SteppedEngine
 
 
-def build_pipeline_runtime(loaded_manifest: LoadedManifest, plan: Plan, limits: Limits, *,
-                           checkpoint: Path | None = None, num_cpus: float = 1.0, threads: int | None = None,
-                           timeout: float = 600.0) -> PipelineRuntime:
-    """Start the stages of a multi-node ``plan`` on the manifest's Ray cluster and return the runtime
-    that serves requests through them (see docs/scale-out.md for the contract)."""
-    spec = loaded_manifest.manifest.spec
-    if spec.cluster is None:
-        raise ClusterError(f"{loaded_manifest.name}: a pipeline needs spec.cluster")
-    if not plan.nodes or len(plan.nodes) != spec.placement.nodes:
-        raise ClusterError(f"{loaded_manifest.name}: the plan has {len(plan.nodes) or 1} node(s), the manifest "
-                           f"asks for {spec.placement.nodes}: plan it again")
-    if spec.model.task != "causal-lm":
-        raise ClusterError(f"{loaded_manifest.name}: pipeline stages serve causal-lm models only")
-    source = checkpoint or loaded_manifest.model_path
-    connect(spec.cluster.address)
+@dataclass(frozen=True)
+class PipelineOptions:
+    """How the stages are started: CPUs (fractional allowed) and torch threads per stage, how long
+    placing and building them may take, and whether they go in the placement group of the Ray Serve
+    replica that starts them (one bundle per stage) rather than in a new STRICT_SPREAD group."""
+
+    num_cpus: float = 1.0
+    threads: int | None = None  # default: max(1, int(num_cpus))
+    timeout: float = 600.0
+    in_replica_group: bool = False
+
+
+def build_pipeline_runtime(plan: Plan, path: Path, serving: ServingSpec, address: str | None,
+                           options: PipelineOptions = PipelineOptions()) -> PipelineRuntime:
+    """Start the stages of a multi-node ``plan`` (each reads its own tensors from ``path``) on the Ray
+    cluster at ``address`` (None: the one this process is connected to) and return the runtime that
+    serves requests through them (see docs/scale-out.md for the contract)."""
+    if not plan.nodes:
+        raise ClusterError(f"{serving.name}: the plan has one node: plan it with placement.nodes > 1")
+    if serving.task != Task.CAUSAL_LM:
+        raise ClusterError(f"{serving.name}: pipeline stages serve causal-lm models only")
+    if address is not None:
+        connect(address)
     from transformers import AutoConfig, AutoTokenizer
 
-    config = AutoConfig.from_pretrained(source, trust_remote_code=spec.model.trust_remote_code)
-    try:
-        tokenizer = AutoTokenizer.from_pretrained(source)
-    except (OSError, ValueError):
-        tokenizer = AutoTokenizer.from_pretrained(loaded_manifest.model_path)
-    cpus = max(0.01, num_cpus)
-    specs = stages_of(plan, source, dtype=spec.model.dtype, threads=threads or max(1, int(cpus)))
+    config = AutoConfig.from_pretrained(path, trust_remote_code=serving.load.trust_remote_code)
+    tokenizer = AutoTokenizer.from_pretrained(path)
+    cpus = max(0.01, options.num_cpus)
+    specs = stages_of(plan, path, dtype=serving.load.dtype, threads=options.threads or max(1, int(cpus)))
     num_gpus = 1.0 if any(s.device != "cpu" for s in specs) else 0.0
-    pipeline = RayPipeline.start(specs, num_cpus=cpus, num_gpus=num_gpus, timeout=timeout)
+    pipeline = RayPipeline.start(specs, num_cpus=cpus, num_gpus=num_gpus, timeout=options.timeout,
+                                 in_current_group=options.in_replica_group)
     own = getattr(config, "max_position_embeddings", None) or MAX_DEFAULT_CONTEXT
-    context = int(limits.context_length or min(own, MAX_DEFAULT_CONTEXT))
+    context = int(serving.limits.context_length or min(own, MAX_DEFAULT_CONTEXT))
     try:
-        return PipelineRuntime(pipeline, tokenizer, limits, context_length=context,
-                               eos_ids=eos_ids_of(source, config))
+        return PipelineRuntime(pipeline, tokenizer, serving.limits, context_length=context,
+                               eos_ids=eos_ids_of(path, config))
     except Exception:
         pipeline.close()
         raise

@@ -2,27 +2,25 @@
 stages on a Ray cluster, tensor-parallel rank processes): ``SteppedRuntime`` has the interface the OpenAI
 routes use of ``TextRuntime`` (``kind``, ``tokenizer``, ``limits``, ``context_length``, ``eos_ids``,
 ``complete``, ``close`` and an ``engine`` with ``submit(request, listener)`` / ``cancel`` / ``stats`` /
-``close``).
+``close``: a ``TextEngine``).
 
 The engine batches *statically*: waiting requests (up to ``max_concurrent``) start together as one
 left-padded batch and run until all of them finish or are cancelled; requests arriving meanwhile wait
 for the next batch. Each batch is one request group on the stepper: its KV caches are freed when the
 batch ends, whether it finished, was cancelled or failed. Sampling is per request (greedy, temperature,
-top_p, seed), with the same sampler as the in-process engine.
+top_p, seed), with the same sampler as the in-process engine; admission is the shared ``Admission``.
 """
 
 from __future__ import annotations
 
-import itertools
 import logging
 import threading
 import uuid
-from collections import deque
 from typing import Any, Callable, Protocol
 
 from ..errors import ApplyError
-from .batching import (GenerationRequest, GenerationResult, QueueFull, RequestHandle, request_generator,
-                       sample_token)
+from .admission import Admission, stop_reason
+from .batching import GenerationRequest, GenerationResult, RequestHandle, request_generator, sample_token
 from .health import HealthResult, within
 from .runtime import Limits, TextRuntime
 from .text import RequestError
@@ -43,68 +41,36 @@ class SteppedEngine:
                  max_queued: int = 64, name: str = "stepped") -> None:
         self.pipeline, self.tokenizer, self.eos_ids = pipeline, tokenizer, set(eos_ids)
         self.max_batch_size, self.max_queued = max_batch_size, max_queued
-        self._waiting: deque[RequestHandle] = deque()
-        self._running = 0
-        self._cond, self._closing, self._ids = threading.Condition(), threading.Event(), itertools.count()
+        self._queue = Admission(max_queued=max_queued)
         self._thread = threading.Thread(target=self._loop, name=f"deploykit-{name}-engine", daemon=True)
         self._thread.start()
 
     def submit(self, request: GenerationRequest,
                listener: Callable[[int | GenerationResult], None] | None = None) -> RequestHandle:
-        if self._closing.is_set():
-            raise RuntimeError("engine is closed")
-        if not request.prompt_ids or request.max_new_tokens < 1:
-            raise ValueError("need a non-empty prompt and max_new_tokens >= 1")
-        h = RequestHandle(request, f"req-{next(self._ids)}", rng=request_generator(request), listener=listener)
-        with self._cond:
-            if len(self._waiting) >= self.max_queued:
-                self._waiting = deque(w for w in self._waiting if not w.done)
-            if len(self._waiting) >= self.max_queued:
-                raise QueueFull(f"{self.max_queued} requests already waiting")
-            self._waiting.append(h)
-            self._cond.notify()
+        h = RequestHandle(request, self._queue.check(request), rng=request_generator(request), listener=listener)
+        idle = self._queue.running == 0  # the next static batch starts at once only when none runs
+        self._queue.put(h, free_slots=self.max_batch_size if idle else 0)
         return h
 
     def cancel(self, handle: RequestHandle) -> None:
         handle.finish("cancelled")  # its row is skipped; a batch of only finished rows ends at once
 
     def stats(self) -> dict[str, int]:
-        with self._cond:
-            waiting = sum(not h.done for h in self._waiting)
-        return {"running": self._running, "waiting": waiting}
+        return self._queue.stats()
 
     def close(self, timeout: float | None = None) -> None:
-        self._closing.set()
-        with self._cond:
-            self._cond.notify_all()
+        self._queue.close()
         self._thread.join(timeout)
 
-    def _stop_hit(self, h: RequestHandle, tok: int) -> str | None:
-        r = h.request
-        tail = self.tokenizer.decode(h.tokens[-(max(map(len, r.stop_strings)) + 8):]) if r.stop_strings else ""
-        if tok in self.eos_ids or tok in r.stop_token_ids or any(s in tail for s in r.stop_strings):
-            return "stop"
-        return "length" if len(h.tokens) >= r.max_new_tokens else None
-
     def _loop(self) -> None:
-        while True:
-            with self._cond:
-                self._cond.wait_for(lambda: bool(self._waiting) or self._closing.is_set(), 0.5)
-                if not self._waiting:
-                    if self._closing.is_set():
-                        return
-                    continue
-                batch: list[RequestHandle] = []
-                while self._waiting and len(batch) < self.max_batch_size:
-                    h = self._waiting.popleft()
-                    if not h.done:
-                        batch.append(h)
-                self._running = len(batch)
+        while self._queue.wait_for_work(0.5):
+            batch = self._queue.take(self.max_batch_size)
             if batch:
+                self._queue.running = len(batch)
                 try:
                     self._run(batch)
                 finally:
-                    self._running = 0
+                    self._queue.running = 0
 
     def _run(self, rows: list[RequestHandle]) -> None:
         import torch
@@ -127,8 +93,8 @@ class SteppedEngine:
                         tok = sample_token(logits[i], h.request, h.rng)
                         h.push(tok)
                         last.append(tok)
-                        if reason := self._stop_hit(h, tok):
-                            h.finish(reason)  # type: ignore[arg-type]
+                        if reason := stop_reason(h, tok, eos_ids=self.eos_ids, tokenizer=self.tokenizer):
+                            h.finish(reason)
                     ids = torch.tensor(last)[:, None]
                     mask = torch.cat([mask, torch.ones(len(rows), 1, dtype=mask.dtype)], 1)
                     positions = mask.sum(1, keepdim=True) - 1
@@ -156,9 +122,8 @@ class SteppedRuntime(TextRuntime):
         self.tokenizer = tokenizer
         self.limits = limits
         self.context_length = context_length
-        self.engine = SteppedEngine(pipeline, tokenizer, eos_ids,  # type: ignore[assignment]
-                                     max_batch_size=limits.max_concurrent, max_queued=limits.max_queued,
-                                    name=self.name)
+        self.engine = SteppedEngine(pipeline, tokenizer, eos_ids, max_batch_size=limits.max_concurrent,
+                                    max_queued=limits.max_queued, name=self.name)
 
     @property
     def eos_ids(self) -> set[int]:
