@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import re
 from collections.abc import Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from ..errors import DeploykitError
 from ..placement.inventory import Inventory
@@ -27,7 +27,8 @@ class BudgetError(DeploykitError):
 
 @dataclass(frozen=True)
 class Budget:
-    """The most each tier (``cpu``, ``gpu0``...) may hold; ``source`` says where it came from."""
+    """The most each tier (``cpu``, ``gpu0``...) may hold; a tier not listed is not limited (a simulated
+    host without a CPU figure). ``source`` says where it came from."""
 
     tiers: Mapping[str, int]
     source: str = "host"
@@ -38,7 +39,7 @@ class Budget:
 
     def over(self, need: Mapping[str, int]) -> dict[str, int]:
         """Bytes by which ``need`` alone exceeds each tier (empty: it fits in an empty host)."""
-        return {t: b - self.tiers.get(t, 0) for t, b in need.items() if b > self.tiers.get(t, 0)}
+        return {t: b - self.tiers[t] for t, b in need.items() if t in self.tiers and b > self.tiers[t]}
 
 
 def parse_budget(text: str, *, source: str = "--budget") -> dict[str, int]:
@@ -72,10 +73,17 @@ def host_budget(inventory: Inventory, given: Mapping[str, int] | None = None, *,
     host: dict[str, int] = {f"gpu{g.index}": g.memory for g in inventory.gpus}
     if inventory.cpu is not None:
         host["cpu"] = inventory.cpu
-    unknown = sorted(set(given or {}) - set(host))
+    unknown = sorted(set(given or {}) - set(host) - {"cpu"})  # cpu None: the host does not limit it
     if unknown:
         raise BudgetError(f"{source}: this host has no {', '.join(unknown)} (it has {', '.join(sorted(host)) or 'none'})")
     return Budget({**host, **(given or {})}, source if given else "host")
+
+
+def serve_budget(text: str | None, devices: str | None, *, source: str = "--budget") -> Budget:
+    """The budget of ``deploykit serve``: ``text`` (``--budget``) over the host (or ``devices``)."""
+    from ..placement.inventory import resolve
+
+    return host_budget(resolve(devices), parse_budget(text, source=source) if text else None, source=source)
 
 
 def plan_tiers(plan: Plan) -> dict[str, int]:
@@ -89,12 +97,3 @@ def plan_tiers(plan: Plan) -> dict[str, int]:
     return tiers
 
 
-@dataclass
-class Usage:
-    """The bytes each tier holds now (a mutable tally kept by whoever owns the loaded set)."""
-
-    tiers: dict[str, int] = field(default_factory=dict)
-
-    def add(self, need: Mapping[str, int], sign: int = 1) -> None:
-        for tier, b in need.items():
-            self.tiers[tier] = self.tiers.get(tier, 0) + sign * b

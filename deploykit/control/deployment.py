@@ -40,6 +40,8 @@ if TYPE_CHECKING:
     from ..artifacts.reshard import ProgressSink
     from ..engine.loader import LoadedModel
     from ..engine.runtime import Completion, TextRuntime
+    from .host import Host
+    from .pool import Generation
     from .watcher import ManifestWatcher
 
 log = logging.getLogger(__name__)
@@ -63,7 +65,8 @@ class Deployment:
     """A deployed model held by this process. Thread-safe. See the module docstring."""
 
     def __init__(self, manifest_path: Path, *, name: str | None = None, devices: str | None = None,
-                 store: StateStore | None = None, acquire_timeout: float = DEFAULT_ACQUIRE_TIMEOUT) -> None:
+                 store: StateStore | None = None, acquire_timeout: float = DEFAULT_ACQUIRE_TIMEOUT,
+                 host: Host | None = None) -> None:
         self.manifest_path = Path(manifest_path)
         self._wanted_name = name
         self.devices = devices
@@ -83,15 +86,17 @@ class Deployment:
         self._closed = False
         self._given: LoadedManifest | None = None  # a manifest handed over (control API), not a file
         self.last_outcome: ApplyOutcome | None = None
+        self.host = host  # the budget this deployment loads and unloads under (deploykit serve), if any
+        self._verified: int | None = None  # the revision whose shards this process checked by hash
 
     @classmethod
     def from_manifest(cls, path: str | Path, *, watch: bool = False, name: str | None = None,
                       devices: str | None = None, state_dir: str | Path | None = None,
                       store: StateStore | None = None, acquire_timeout: float = DEFAULT_ACQUIRE_TIMEOUT,
-                      debounce: float = 0.3) -> Deployment:
+                      debounce: float = 0.3, host: Host | None = None) -> Deployment:
         """Apply the manifest at ``path`` and hold its model. ``watch=True`` reloads on changes."""
         store = store or open_store(Path(state_dir) if state_dir is not None else None)
-        dep = cls(Path(path), name=name, devices=devices, store=store, acquire_timeout=acquire_timeout)
+        dep = cls(Path(path), name=name, devices=devices, store=store, acquire_timeout=acquire_timeout, host=host)
         dep.start()
         if watch:
             dep.watch(debounce=debounce)
@@ -101,11 +106,11 @@ class Deployment:
     def from_loaded(cls, loaded: LoadedManifest, *, devices: str | None = None, store: StateStore | None = None,
                     acquire_timeout: float = DEFAULT_ACQUIRE_TIMEOUT, force: bool = False,
                     progress: ProgressSink | None = None,
-                    on_step: Callable[[str], None] | None = None) -> Deployment:
+                    on_step: Callable[[str], None] | None = None, host: Host | None = None) -> Deployment:
         """Apply an already loaded manifest (one sent over the control API, or a revision's recorded
         manifest after a restart) and hold its model. It has no file to watch: ``roll_to`` changes it."""
         dep = cls(Path(loaded.source), name=loaded.name, devices=devices, store=store,
-                  acquire_timeout=acquire_timeout)
+                  acquire_timeout=acquire_timeout, host=host)
         dep._given = loaded
         dep.start(force=force, progress=progress, on_step=on_step)
         return dep
@@ -130,17 +135,64 @@ class Deployment:
         self.name = self.pool.name = loaded.name
         self._phase = "Progressing"
         try:
-            outcome = apply(loaded, store=self.store, options=ApplyOptions(
-                devices=self.devices, keep_model=True, load_if_unchanged=True, force=force),
-                progress=progress, on_step=on_step)
+            if self.host is None:
+                self._load_initial(loaded, force=force, progress=progress, on_step=on_step)
+            else:
+                from .budgeting import start_budgeted
+
+                start_budgeted(self, self.host, loaded, force=force, progress=progress, on_step=on_step)
         except DeploykitError as exc:
             self._phase, self._last_error = "Failed", describe(exc, loaded)
             raise
+        self._phase = "Ready"
+
+    def _load_initial(self, loaded: LoadedManifest, *, force: bool = False, progress: ProgressSink | None = None,
+                      on_step: Callable[[str], None] | None = None) -> None:
+        """Apply ``loaded`` (or load its current revision, verified and health-checked) and serve it."""
+        outcome = apply(loaded, store=self.store, options=ApplyOptions(
+            devices=self.devices, keep_model=True, load_if_unchanged=True, force=force),
+            progress=progress, on_step=on_step)
         assert outcome.loaded is not None
         self.pool.install(outcome.loaded, outcome.plan, outcome.revision or 0, "initial", loaded)
         outcome.loaded = None  # the pool owns the model now: a kept outcome must not pin it
         self.last_outcome = outcome
-        self._phase = "Ready"
+        if outcome.revision is not None:
+            self._verified = outcome.revision
+
+    def pin(self, timeout: float | None = None) -> Generation:
+        """The current generation, pinned (``pool.unpin`` it). An unloaded deployment is loaded first,
+        once the host has made room (a ``BudgetError`` naming the budget if it cannot in time)."""
+        timeout = self.acquire_timeout if timeout is None else timeout
+        if self.host is None:
+            return self.pool.pin(timeout)
+        from .pool import NotLoaded
+
+        deadline = time.monotonic() + timeout
+        with self.host.wanted(self.name):  # busy from now: what loads for this request stays loaded
+            while True:
+                try:
+                    return self.pool.pin(max(0.0, deadline - time.monotonic()))
+                except NotLoaded:
+                    self.host.load(self.name, self.load_current, reason="request")
+
+    def load_current(self) -> None:
+        """Load the current revision from its laid-out shards (no reshard) and serve it: shards checked
+        (by hash the first time this process loads that revision, by presence and size after), then
+        loaded and health-checked."""
+        from .loading import StepTimer, load_checked, recorded_manifest, shards_problem
+        from ..errors import CheckpointError
+        from ..placement.planner import Plan
+
+        current = self.store.current(self.name)
+        if current is None or current.plan is None:
+            raise ApplyError(f"{self.name!r} has no Ready revision to load")
+        problem = shards_problem(current, hashes=self._verified != current.revision)
+        if problem is not None:
+            raise CheckpointError(f"revision {current.revision} of {self.name!r} cannot be loaded: {problem}")
+        self._verified = current.revision
+        manifest, plan = recorded_manifest(current), Plan.from_dict(current.plan)
+        model, _ = load_checked(manifest, plan, Path(current.shards_path or ""), StepTimer(None))
+        self.pool.install(model, plan, current.revision, "on-demand", manifest)
 
     # ---- serving --------------------------------------------------------------------------------
 
@@ -161,7 +213,7 @@ class Deployment:
     @contextmanager
     def acquire_loaded(self, timeout: float | None = None) -> Iterator[LoadedModel]:
         """Like ``acquire`` but yields the LoadedModel (model, tokenizer, input device, plan)."""
-        gen = self.pool.pin(self.acquire_timeout if timeout is None else timeout)
+        gen = self.pin(timeout)
         try:
             assert gen.loaded is not None  # pinned generations are never freed
             if gen.loaded.model is None:
@@ -197,7 +249,7 @@ class Deployment:
         """Sentence embeddings of a feature-extraction deployment, pooled as its checkpoint says."""
         from ..engine.runtime import EmbeddingRuntime
 
-        gen = self.pool.pin(self.acquire_timeout)
+        gen = self.pin()
         try:
             if not isinstance(gen.runtime, EmbeddingRuntime):
                 raise ApplyError(f"{self.name!r} ({gen.task}) does not serve embeddings")
@@ -209,7 +261,7 @@ class Deployment:
     def _text_runtime(self) -> Iterator[TextRuntime]:
         from ..engine.runtime import TextRuntime
 
-        gen = self.pool.pin(self.acquire_timeout)
+        gen = self.pin()
         try:
             if not isinstance(gen.runtime, TextRuntime):
                 raise ApplyError(f"{self.name!r} ({gen.task}) does not generate text")
@@ -270,9 +322,14 @@ class Deployment:
             if loaded.name != self.name:
                 raise ApplyError(f"the manifest now names {loaded.name!r}, this deployment is "
                                  f"{self.name!r}; a rename is a new deployment")
-            result = Rollout(self.pool, self.store, devices=self.devices,
-                             acquire_timeout=self.acquire_timeout).run(loaded, force=force, progress=progress,
-                                                                       on_step=on_step)
+            if self.host is None:
+                result = Rollout(self.pool, self.store, devices=self.devices,
+                                 acquire_timeout=self.acquire_timeout).run(loaded, force=force, progress=progress,
+                                                                           on_step=on_step)
+            else:
+                from .budgeting import roll_budgeted
+
+                result = roll_budgeted(self, self.host, loaded, force=force, progress=progress, on_step=on_step)
             strategy = result.strategy
         except DeploykitError as exc:
             self._record_failure(exc, loaded, strategy, started, rss_before)
@@ -339,7 +396,9 @@ class Deployment:
             "phase": self._phase,
             "generation": self.generation,
             "revision": gen.revision if gen else None,
-            "serving": gen is not None,
+            "serving": gen is not None or self.pool.unloaded,  # unloaded: loads at its next request
+            "loaded": (self.host.state(self.name) if self.host is not None else None) or ("loaded" if gen else "unloaded"),
+            "budget": self.host.describe(self.name) if self.host is not None else None,
             "in_flight": gen.refs if gen else 0,
             "last_error": self._last_error,
             "manifest": str(self.manifest_path),

@@ -66,12 +66,13 @@ def _free(budget: Budget, residents: Iterable[Resident]) -> dict[str, int]:
     free = dict(budget.tiers)
     for r in residents:
         for tier, b in r.bytes.items():
-            free[tier] = free.get(tier, 0) - b
+            if tier in free:
+                free[tier] -= b
     return free
 
 
 def _short(free: Mapping[str, int], need: Mapping[str, int]) -> dict[str, int]:
-    return {t: b - free.get(t, 0) for t, b in need.items() if b > free.get(t, 0)}
+    return {t: b - free[t] for t, b in need.items() if t in free and b > free[t]}  # unlisted: unlimited
 
 
 def _describe(short: Mapping[str, int]) -> str:
@@ -102,7 +103,8 @@ def make_room(budget: Budget, residents: Sequence[Resident], want: Want) -> Room
             continue  # unloading it frees nothing where room is missing
         chosen.append(r.name)
         for tier, b in r.bytes.items():
-            free[tier] = free.get(tier, 0) + b
+            if tier in free:
+                free[tier] += b
         short = _short(free, want.bytes)
         if not short:
             return Room(tuple(chosen))

@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING, Any, Protocol, TypeVar
 
 from starlette.concurrency import run_in_threadpool
 
+from ...control.budget import BudgetError
 from ...engine.batching import GenerationRequest, GenerationResult, QueueFull
 from ...engine.text import RequestError
 from ...errors import DeploykitError
@@ -29,6 +30,7 @@ if TYPE_CHECKING:
     from ...engine.runtime import TextRuntime
 
 RETRY_AFTER_SECONDS = 1
+BUDGET_RETRY_AFTER_SECONDS = 10
 T = TypeVar("T")
 
 
@@ -59,7 +61,10 @@ async def pinned(dep: Deployment, kind: str) -> AsyncIterator[Generation]:
     """The deployment's current generation, pinned for the block (waits in a thread while a recreate
     reloads it: requests queue, they do not fail)."""
     try:
-        gen = await run_in_threadpool(dep.pool.pin, dep.acquire_timeout)
+        gen = await run_in_threadpool(dep.pin, dep.acquire_timeout)  # loads an unloaded model first
+    except BudgetError as exc:
+        raise APIError(503, f"model {dep.name!r} cannot be loaded now: {exc}", param="model",
+                       code="budget_exhausted", headers={"Retry-After": str(BUDGET_RETRY_AFTER_SECONDS)}) from None
     except DeploykitError as exc:
         raise APIError(503, f"model {dep.name!r} is not ready: {exc}", param="model", code="model_not_ready",
                        headers={"Retry-After": "5"}) from None

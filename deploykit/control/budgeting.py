@@ -1,0 +1,85 @@
+"""How a deployment starts and rolls out under the host's budget (``deploykit serve``).
+
+- Start: the plan's bytes are known before anything loads; a plan that alone exceeds the budget is
+  refused (a ``BudgetError`` naming the budget: the deployment is Failed, the others are untouched).
+  ``load: eager`` loads once the host has made room; ``load: on-demand`` only applies (lays out and checks
+  a new revision, then frees it) and stays unloaded until its first request.
+- Rollout: nothing changed is a no-op that takes no room. An unloaded deployment is recreated (nothing
+  serves beside it). A loaded one rolls out blue-green only if the budget has room for both generations,
+  unloading idle deployments of its priority or lower if needed: ``blue-green`` waits for that room
+  (then fails naming the budget), ``auto`` falls back to ``recreate`` at once.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import TYPE_CHECKING
+
+from ..spec.manifest import LoadedManifest
+from .budget import BudgetError, plan_tiers
+from .reconciler import ApplyOptions, apply, plan_deployment
+from .rollout import Rollout, RolloutResult
+
+if TYPE_CHECKING:
+    from ..artifacts.reshard import ProgressSink
+    from .deployment import Deployment
+    from .host import Host
+
+StepSink = Callable[[str], None] | None
+
+
+def need_of(dep: Deployment, loaded: LoadedManifest) -> dict[str, int]:
+    """Bytes per budget tier of ``loaded``'s plan (planned as an apply would: pure, no weights read)."""
+    return plan_tiers(plan_deployment(loaded, devices=dep.devices))
+
+
+def start_budgeted(dep: Deployment, host: Host, loaded: LoadedManifest, *, force: bool = False,
+                   progress: ProgressSink | None = None, on_step: StepSink = None) -> None:
+    lifecycle = loaded.manifest.spec.lifecycle
+    need = need_of(dep, loaded)
+    host.register(dep.name, dep.pool, need, priority=lifecycle.priority, keep_alive=lifecycle.keep_alive)
+    try:
+        _start(dep, host, loaded, need, force=force, progress=progress, on_step=on_step)
+    except BaseException:
+        host.forget(dep.name)  # it never served: the budget holds nothing for it
+        raise
+
+
+def _start(dep: Deployment, host: Host, loaded: LoadedManifest, need: dict[str, int], *, force: bool,
+           progress: ProgressSink | None, on_step: StepSink) -> None:
+    if loaded.manifest.spec.lifecycle.load == "on-demand":
+        probe = apply(loaded, store=dep.store, options=ApplyOptions(devices=dep.devices, dry_run=True, force=force))
+        if probe.status != "unchanged":  # a new revision is laid out and checked now, then freed
+            with host.room(dep.name, need, reason="apply"):
+                dep.last_outcome = apply(loaded, store=dep.store, options=ApplyOptions(devices=dep.devices, force=force),
+                                         progress=progress, on_step=on_step)
+        else:
+            dep.last_outcome = probe
+        dep.pool.mark_unloaded()
+        return
+    with host.room(dep.name, need, reason="start"):
+        dep._load_initial(loaded, force=force, progress=progress, on_step=on_step)
+
+
+def roll_budgeted(dep: Deployment, host: Host, loaded: LoadedManifest, *, force: bool = False,
+                  progress: ProgressSink | None = None, on_step: StepSink = None) -> RolloutResult:
+    lifecycle = loaded.manifest.spec.lifecycle
+    need = need_of(dep, loaded)
+    host.register(dep.name, dep.pool, need, priority=lifecycle.priority, keep_alive=lifecycle.keep_alive)
+    probe = apply(loaded, store=dep.store, options=ApplyOptions(devices=dep.devices, dry_run=True, force=force))
+    if probe.status == "unchanged":
+        return RolloutResult(False, "none", probe)
+    rollout = Rollout(dep.pool, dep.store, devices=dep.devices, acquire_timeout=dep.acquire_timeout)
+    args = {"force": force, "progress": progress, "on_step": on_step}
+    with host.rolling(dep.name):
+        requested = loaded.manifest.spec.rollout.strategy
+        if dep.pool.current is not None and requested != "recreate":
+            try:
+                with host.room(dep.name, need, reason="rollout", beside=True,
+                               timeout=0 if requested == "auto" else None):
+                    return rollout.run(loaded, **args)  # type: ignore[arg-type]
+            except BudgetError:
+                if requested == "blue-green":
+                    raise
+        with host.room(dep.name, need, reason="rollout"):
+            return rollout.run(loaded, strategy="recreate", **args)  # type: ignore[arg-type]
