@@ -2,8 +2,10 @@
 
 - Start: the plan's bytes are known before anything loads; a plan that alone exceeds the budget is
   refused (a ``BudgetError`` naming the budget: the deployment is Failed, the others are untouched).
-  ``load: eager`` loads once the host has made room; ``load: on-demand`` only applies (lays out and checks
-  a new revision, then frees it) and stays unloaded until its first request.
+  ``load: eager`` loads once the host has made room; ``load: on-demand`` is validated and planned now and
+  stays unloaded until its first request, which loads it: the current revision from its laid-out shards,
+  or, for a new revision, the whole apply (lay out, load, health-check, record) under the budget, so that
+  checking it never needs room beside the eager deployments at start.
 - Rollout: nothing changed is a no-op that takes no room. An unloaded deployment is recreated (nothing
   serves beside it). A loaded one rolls out blue-green only if the budget has room for both generations,
   unloading idle deployments of its priority or lower if needed: ``blue-green`` waits for that room
@@ -49,12 +51,9 @@ def _start(dep: Deployment, host: Host, loaded: LoadedManifest, need: dict[str, 
            progress: ProgressSink | None, on_step: StepSink) -> None:
     if loaded.manifest.spec.lifecycle.load == "on-demand":
         probe = apply(loaded, store=dep.store, options=ApplyOptions(devices=dep.devices, dry_run=True, force=force))
-        if probe.status != "unchanged":  # a new revision is laid out and checked now, then freed
-            with host.room(dep.name, need, reason="apply"):
-                dep.last_outcome = apply(loaded, store=dep.store, options=ApplyOptions(devices=dep.devices, force=force),
-                                         progress=progress, on_step=on_step)
-        else:
-            dep.last_outcome = probe
+        dep.last_outcome = probe
+        if probe.status != "unchanged":
+            dep.pending = loaded  # applied (laid out, loaded, checked, recorded) at its first request
         dep.pool.mark_unloaded()
         return
     with host.room(dep.name, need, reason="start"):

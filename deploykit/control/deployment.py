@@ -88,6 +88,7 @@ class Deployment:
         self.last_outcome: ApplyOutcome | None = None
         self.host = host  # the budget this deployment loads and unloads under (deploykit serve), if any
         self._verified: int | None = None  # the revision whose shards this process checked by hash
+        self.pending: LoadedManifest | None = None  # an on-demand manifest to apply at its first load
 
     @classmethod
     def from_manifest(cls, path: str | Path, *, watch: bool = False, name: str | None = None,
@@ -183,6 +184,10 @@ class Deployment:
         from ..errors import CheckpointError
         from ..placement.planner import Plan
 
+        if self.pending is not None:  # a new revision of an on-demand deployment: the whole apply, now
+            self._load_initial(self.pending)
+            self.pending = None
+            return
         current = self.store.current(self.name)
         if current is None or current.plan is None:
             raise ApplyError(f"{self.name!r} has no Ready revision to load")

@@ -218,7 +218,7 @@ class Host:
                     else:
                         entry.state, entry.bytes = LOADING, dict(need)
                     return
-                victims = self._detach(decision.unload) if isinstance(decision, Room) else []
+                victims = self._detach(decision.unload, "pressure") if isinstance(decision, Room) else []
                 if not isinstance(decision, Room):
                     remaining = deadline - self.clock()
                     if remaining <= 0:
@@ -235,8 +235,9 @@ class Host:
                 out.append(Resident(f"{e.name} (next)", e.extra, e.priority, e.pool.last_used, 1))
         return out
 
-    def _detach(self, names: tuple[str, ...] | list[str]) -> list[tuple[Entry, Generation]]:
-        """Under the lock: unload each idle one from its pool (a pin that won the race keeps it)."""
+    def _detach(self, names: tuple[str, ...] | list[str], reason: str) -> list[tuple[Entry, Generation]]:
+        """Under the lock: unload each idle one from its pool (a pin that won the race keeps it); the
+        caller frees them (``_free``) outside the lock."""
         out = []
         for name in names:
             entry = self._entries.get(name)
@@ -245,13 +246,13 @@ class Host:
             gen = entry.pool.unload_if_idle()
             if gen is not None:
                 entry.state = UNLOADED
+                self.unloads[(name, reason)] += 1
                 out.append((entry, gen))
         return out
 
     def _free(self, victims: list[tuple[Entry, Generation]], reason: str) -> None:
         for entry, gen in victims:
             entry.pool.free(gen)
-            self.unloads[(entry.name, reason)] += 1
             log.info("unloaded %s (%s)", entry.name, "idle past its keep-alive" if reason == "idle" else
                      "making room under the budget")
         if victims:
@@ -265,7 +266,7 @@ class Host:
         with self._cond:
             residents = [r for r in self._residents(None) if self._entries.get(r.name, None) is not None
                          and self._entries[r.name].state == LOADED]
-            victims = self._detach(expired(residents, self.clock()))
+            victims = self._detach(expired(residents, self.clock()), "idle")
         self._free(victims, "idle")
         return [e.name for e, _ in victims]
 

@@ -336,7 +336,7 @@ class Supervisor:
             live = dep.status()
             report.update({"phase": live["phase"], "generation": live["generation"],
                            "serving_revision": live["revision"], "in_flight": live["in_flight"],
-                           "reloads": live["reloads"]})
+                           "reloads": live["reloads"], "loaded": live["loaded"], "budget": live["budget"]})
             if live["last_error"]:
                 report["last_error"] = live["last_error"]
             out.append(report)
