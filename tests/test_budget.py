@@ -5,6 +5,9 @@ official `openai` client. Each tiny model's plan is 428,864 bytes (float32), so 
 from __future__ import annotations
 
 import json
+import os
+import subprocess
+import sys
 import threading
 import time
 from pathlib import Path
@@ -103,6 +106,32 @@ def test_on_demand_loads_and_evicts_by_priority_then_recency_within_budget(tmp_p
         assert server.metric("deploykit_model_load_seconds_count") == 5
         status = {s["name"]: s for s in get(f"{server.url}/status")[1]}
         assert status["mid"]["loaded"] == "loaded" and status["mid"]["budget"]["bytes"] == SIZE
+        shown = cli("status", state=tmp_path / "state").stdout  # through the server it found
+        assert "memory: loaded, 418.8 KiB, priority 1; last used" in shown and "keep-alive forever" in shown
+        assert "memory: unloaded, 418.8 KiB, priority 0" in shown
+
+
+def cli(*args: str, state: Path) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "deploykit.cli", *args], capture_output=True, text=True,
+                          env={**os.environ, "DEPLOYKIT_STATE": str(state)}, timeout=300)
+
+
+def test_plan_a_directory_against_a_budget(tmp_path, chat_model, tiny_model):
+    (tmp_path / "m").mkdir()
+    for name in ("a", "b", "c"):
+        (tmp_path / "m" / f"{name}.yaml").write_text(manifest(chat_model, name, load="eager" if name == "a" else "on-demand"))
+    (tmp_path / "m" / "big.yaml").write_text(manifest(tiny_model("llama"), "big", priority=3))
+    # the 4-layer tiny Llama's plan (about 690 KiB) exceeds cpu=700KB (683.6 KiB) alone; one chat model fits
+    shown = cli("plan", str(tmp_path / "m"), "--budget", "cpu=700KB", "--devices", "cpu=8GiB", state=tmp_path / "state")
+    assert shown.returncode == 0, shown.stderr
+    assert "can never load (alone over the budget): big" in shown.stdout
+    assert "most held at once: 1 (a)" in shown.stdout and "all at once (cpu 1.2 MiB): do not fit" in shown.stdout
+    data = json.loads(cli("plan", str(tmp_path / "m"), "--budget", TWO, "--devices", "cpu=8GiB", "-o", "json",
+                          state=tmp_path / "state").stdout)
+    assert data["budget"] == {"cpu": 900_000}
+    assert {d["name"]: d["bytes"]["cpu"] for d in data["deployments"]}["a"] == SIZE
+    assert data["packing"]["most_at_once"] == ["a", "b"] and data["packing"]["eager_fit"] is True
+    assert data["packing"]["never"] == []
 
 
 def test_keep_alive_unloads_after_the_last_request_ends(tmp_path, chat_model):

@@ -281,6 +281,7 @@ async def status(request: Request, name: str | None = None) -> JSONResponse:
             report["serving"] = bool(live and live["serving"])
             report["serving_revision"] = live["revision"] if live else None
             report["generation"] = live["generation"] if live else None
+            report["loaded"], report["budget"] = (live["loaded"], live["budget"]) if live else (None, None)
             reports.append(report)
         return reports
 
