@@ -92,6 +92,18 @@ def states(base: str) -> dict[str, str]:
         return {m["id"]: m["state"] for m in json.loads(r.read())["data"]}
 
 
+def wait_ready(base: str, timeout: float = 300.0) -> None:
+    """/readyz 200: every deployment is known (the on-demand ones unloaded)."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        try:
+            with urllib.request.urlopen(f"{base}/readyz", timeout=10):
+                return
+        except OSError:
+            time.sleep(0.5)
+    raise TimeoutError("deploykit serve not ready")
+
+
 def plan_bytes(manifest: Path) -> int:
     out = subprocess.run([PY, "-m", "deploykit.cli", "plan", str(manifest), "-o", "json"], check=True,
                          capture_output=True, text=True)
@@ -115,12 +127,13 @@ def main() -> None:
     server = Server([PY, "-m", "deploykit.cli", "serve", str(work / "m"), "--port", str(args.port),
                      "--budget", f"cpu={budget}"], work / "server.log", env=env)
     print(f"load average before: {loadavg()}")
-    server.start(base, timeout=300)
-    assert server.proc is not None
     rows: dict[str, list[float]] = {"loaded": [], "unloaded": [], "baseline": []}
     try:
+        server.start(f"{base}/v1", timeout=300)
+        assert server.proc is not None
+        wait_ready(base)
         order = ["s1", "s2", "s3"]
-        ttft(base, "s1")  # the first load of each also lays nothing out: the GGUF import is the checkpoint
+        ttft(base, "s1")  # not measured: a first request applies a new revision (checksums, load, check)
         ttft(base, "s2")
         with RssSampler(server.proc.pid, interval=0.1) as rss:
             for i in range(args.rounds):
