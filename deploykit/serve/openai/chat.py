@@ -3,17 +3,16 @@
 from __future__ import annotations
 
 from collections.abc import AsyncIterator
-from contextlib import AsyncExitStack
 from typing import Any
 
 from fastapi import APIRouter, Request
-from fastapi.responses import StreamingResponse
 
 from ...engine.batching import GenerationRequest
 from ...engine.text import chat_prompt_ids, check_length
 from .common import engine_request, find, max_tokens_of, prepare, sse
-from .generation import Outcome, Run, generate
+from .generation import Outcome, Run, whole
 from .protocol import ChatCompletionRequest, new_id, now
+from .stream import LeasedStream
 
 router = APIRouter()
 
@@ -35,35 +34,40 @@ async def chat_completions(body: ChatCompletionRequest, request: Request) -> Any
                      limit=runtime.limits.max_tokens, prompt_param="messages")
         return engine_request(body, ids, max_tokens, runtime)
 
-    stack, gen, job = await prepare(dep, "text", work)
+    held, job = await prepare(dep, "text", work)
     meta = {"id": new_id("chatcmpl"), "created": now(), "model": dep.name}
+    run = Run(held.gen, dep.name, job, request, state.metrics)
+    try:
+        run.start()  # before the response: a full queue is a 429, not a broken stream
+    except BaseException:
+        held.release()
+        raise
     if body.stream:
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
-        return StreamingResponse(_stream(stack, gen, dep.name, job, request, meta, include_usage),
-                                 media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
-    async with stack:
-        outcome = await generate(gen, dep.name, job, request, state.metrics)
+        return LeasedStream(_stream(run, meta, include_usage), lease=held, runs=[run], model=dep.name)
+    try:
+        outcome = await whole(run)
+    finally:
+        run.cancel()
+        held.release()
     return {**meta, "object": "chat.completion",
             "choices": [{"index": 0, "message": {"role": "assistant", "content": outcome.text},
                          "logprobs": None, "finish_reason": outcome.finish_reason}],
             "usage": _usage(outcome)}
 
 
-async def _stream(stack: AsyncExitStack, gen: Any, name: str, job: Any, request: Request, meta: dict[str, Any],
-                  include_usage: bool) -> AsyncIterator[bytes]:
-    async with stack:  # the pin ends with the stream, however it ends
-        chunk = {**meta, "object": "chat.completion.chunk"}
+async def _stream(run: Run, meta: dict[str, Any], include_usage: bool) -> AsyncIterator[bytes]:
+    chunk = {**meta, "object": "chat.completion.chunk"}
 
-        def delta(content: dict[str, str], finish: str | None = None) -> bytes:
-            return sse({**chunk, "choices": [{"index": 0, "delta": content, "logprobs": None,
-                                              "finish_reason": finish}]})
+    def delta(content: dict[str, str], finish: str | None = None) -> bytes:
+        return sse({**chunk, "choices": [{"index": 0, "delta": content, "logprobs": None,
+                                          "finish_reason": finish}]})
 
-        yield delta({"role": "assistant", "content": ""})
-        run = Run(gen, name, job, request, request.app.state.metrics)
-        async for text in run.deltas():
-            yield delta({"content": text})
-        assert run.outcome is not None
-        yield delta({}, run.outcome.finish_reason)
-        if include_usage:
-            yield sse({**chunk, "choices": [], "usage": _usage(run.outcome)})
-        yield sse("[DONE]")
+    yield delta({"role": "assistant", "content": ""})
+    async for text in run.deltas():
+        yield delta({"content": text})
+    assert run.outcome is not None
+    yield delta({}, run.outcome.finish_reason)
+    if include_usage:
+        yield sse({**chunk, "choices": [], "usage": _usage(run.outcome)})
+    yield sse("[DONE]")

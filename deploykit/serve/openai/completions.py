@@ -4,18 +4,17 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import AsyncIterator
-from contextlib import AsyncExitStack
 from typing import Any
 
 from fastapi import APIRouter, Request
-from fastapi.responses import StreamingResponse
 
 from ...engine.batching import GenerationRequest
 from ...engine.text import RequestError, check_length, completion_prompt_ids
 from ..errors import APIError
-from .common import engine_request, find, max_tokens_of, prepare, sse
-from .generation import Outcome, Run
+from .common import Lease, engine_request, find, max_tokens_of, prepare, sse
+from .generation import Outcome, Run, whole
 from .protocol import CompletionRequest, new_id, now
+from .stream import LeasedStream
 
 router = APIRouter()
 
@@ -48,24 +47,30 @@ async def completions(body: CompletionRequest, request: Request) -> Any:
     dep = find(state.registry, body.model)
     if body.echo:
         raise APIError(400, "echo is not supported", param="echo", code="unsupported")
-    stack, gen, jobs = await prepare(dep, "text", lambda runtime: _jobs(body, runtime))
-    runs = [Run(gen, dep.name, job, request, state.metrics) for job in jobs]
+    held, jobs = await prepare(dep, "text", lambda runtime: _jobs(body, runtime))
+    runs = [Run(held.gen, dep.name, job, request, state.metrics) for job in jobs]
+    try:
+        for run in runs:
+            run.start()  # before the response: a full queue is a 429, not a broken stream
+    except BaseException:
+        _end(runs, held)
+        raise
     meta = {"id": new_id("cmpl"), "created": now(), "model": dep.name, "object": "text_completion"}
     if body.stream:
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
-        return StreamingResponse(_stream(stack, runs, meta, include_usage), media_type="text/event-stream",
-                                 headers={"Cache-Control": "no-cache"})
-    async with stack:
-        outcomes = await asyncio.gather(*(_whole(run) for run in runs))
+        return LeasedStream(_stream(runs, meta, include_usage), lease=held, runs=runs, model=dep.name)
+    try:
+        outcomes = await asyncio.gather(*(whole(run) for run in runs))
+    finally:
+        _end(runs, held)
     return {**meta, "choices": [{"index": i, "text": o.text, "logprobs": None, "finish_reason": o.finish_reason}
                                 for i, o in enumerate(outcomes)], "usage": _usage(list(outcomes))}
 
 
-async def _whole(run: Run) -> Outcome:
-    async for _ in run.deltas():
-        pass
-    assert run.outcome is not None
-    return run.outcome
+def _end(runs: list[Run], held: Lease) -> None:
+    for run in runs:
+        run.cancel()
+    held.release()
 
 
 async def _merged(runs: list[Run]) -> AsyncIterator[tuple[int, str | None]]:
@@ -96,18 +101,16 @@ async def _merged(runs: list[Run]) -> AsyncIterator[tuple[int, str | None]]:
         await asyncio.gather(*tasks, return_exceptions=True)
 
 
-async def _stream(stack: AsyncExitStack, runs: list[Run], meta: dict[str, Any],
-                  include_usage: bool) -> AsyncIterator[bytes]:
-    async with stack:
-        async for index, text in _merged(runs):
-            if text is not None:
-                yield sse({**meta, "choices": [{"index": index, "text": text, "logprobs": None,
-                                                "finish_reason": None}]})
-            else:
-                outcome = runs[index].outcome
-                assert outcome is not None
-                yield sse({**meta, "choices": [{"index": index, "text": "", "logprobs": None,
-                                                "finish_reason": outcome.finish_reason}]})
-        if include_usage:
-            yield sse({**meta, "choices": [], "usage": _usage([r.outcome for r in runs if r.outcome])})
-        yield sse("[DONE]")
+async def _stream(runs: list[Run], meta: dict[str, Any], include_usage: bool) -> AsyncIterator[bytes]:
+    async for index, text in _merged(runs):
+        if text is not None:
+            yield sse({**meta, "choices": [{"index": index, "text": text, "logprobs": None,
+                                            "finish_reason": None}]})
+        else:
+            outcome = runs[index].outcome
+            assert outcome is not None
+            yield sse({**meta, "choices": [{"index": index, "text": "", "logprobs": None,
+                                            "finish_reason": outcome.finish_reason}]})
+    if include_usage:
+        yield sse({**meta, "choices": [], "usage": _usage([r.outcome for r in runs if r.outcome])})
+    yield sse("[DONE]")
