@@ -35,11 +35,11 @@ def chat_model(tmp_path_factory) -> Path:
     return build_chat_model(tmp_path_factory.mktemp("chat") / "model")
 
 
-def served(tmp_path: Path, model: Path, specs: dict[str, dict], *args: str) -> Server:
+def served(tmp_path: Path, model: Path, specs: dict[str, dict], *args: str, env: dict[str, str] | None = None) -> Server:
     (tmp_path / "m").mkdir()
     for name, kwargs in specs.items():
         (tmp_path / "m" / f"{name}.yaml").write_text(manifest(model, name, **kwargs))
-    return Server(tmp_path / "m", tmp_path / "state", *args)
+    return Server(tmp_path / "m", tmp_path / "state", *args, env=env)
 
 
 def states(server: Server) -> dict[str, str]:
@@ -152,7 +152,7 @@ def test_keep_alive_unloads_after_the_last_request_ends(tmp_path, chat_model):
 
 def test_no_room_waits_then_503_with_retry_after_naming_the_budget(tmp_path, chat_model):
     specs = {"vip": {"load": "eager", "priority": 5}, "guest": {"priority": 0}}
-    with served(tmp_path, chat_model, specs, "--budget", "cpu=500KB", "--budget-timeout", "1.5") as server:
+    with served(tmp_path, chat_model, specs, "--budget-timeout", "1.5", env={"DEPLOYKIT_BUDGET": "cpu=500KB"}) as server:
         client = openai.OpenAI(base_url=f"{server.url}/v1", api_key="none", max_retries=0, timeout=120)
         started = time.monotonic()
         with pytest.raises(openai.APIStatusError) as info:
@@ -162,7 +162,7 @@ def test_no_room_waits_then_503_with_retry_after_naming_the_budget(tmp_path, cha
         assert error.status_code == 503 and error.response.headers["retry-after"] == "10"
         body = error.response.json()["error"]
         assert body["param"] == "model" and body["code"] == "budget_exhausted"
-        assert "budget (cpu=488.3 KiB; from --budget)" in body["message"] and "vip (priority 5)" in body["message"]
+        assert "budget (cpu=488.3 KiB; from DEPLOYKIT_BUDGET)" in body["message"] and "vip (priority 5)" in body["message"]
         assert states(server) == {"vip": "loaded", "guest": "unloaded"}  # nothing was unloaded for it
         assert complete(client, "vip")
 
