@@ -164,3 +164,16 @@ def test_unload_gives_memory_back(tmp_path):
             pass
     finally:
         f.close()
+
+
+def test_a_change_to_an_unloaded_deployment_is_applied_by_its_next_request(fleet):
+    f = fleet(ONE)
+    a, b = f.add("a"), f.add("b", load="on-demand")
+    b.generate("hi", max_tokens=2)  # a (idle) makes room
+    assert f.states() == {"a": "unloaded", "b": "loaded"}
+    replace_like_an_editor(f.root / "a.yaml", text(f.model, "a", max_tokens=32))
+    assert a.reload() is False and a.status()["last_error"] is None
+    assert f.host.used() == {"cpu": 428_864} and f.store.current("a").revision == 1  # nothing taken yet
+    assert a.generate("hi", max_tokens=2).text is not None
+    assert f.store.current("a").revision == 2 and f.states() == {"a": "loaded", "b": "unloaded"}
+    assert a.pool.current.runtime.limits.max_tokens == 32

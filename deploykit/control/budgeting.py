@@ -6,8 +6,8 @@
   stays unloaded until its first request, which loads it: the current revision from its laid-out shards,
   or, for a new revision, the whole apply (lay out, load, health-check, record) under the budget, so that
   checking it never needs room beside the eager deployments at start.
-- Rollout: nothing changed is a no-op that takes no room. An unloaded deployment is recreated (nothing
-  serves beside it). A loaded one rolls out blue-green only if the budget has room for both generations,
+- Rollout: nothing changed is a no-op that takes no room. A change of an unloaded deployment is
+  validated and planned now and applied by its next request (as an on-demand start). A loaded one rolls out blue-green only if the budget has room for both generations,
   unloading idle deployments of its priority or lower if needed: ``blue-green`` waits for that room
   (then fails naming the budget), ``auto`` falls back to ``recreate`` at once.
 """
@@ -57,7 +57,7 @@ def _start(dep: Deployment, host: Host, loaded: LoadedManifest, need: dict[str, 
         dep.pool.mark_unloaded()
         return
     with host.room(dep.name, need, reason="start"):
-        dep._load_initial(loaded, force=force, progress=progress, on_step=on_step)
+        dep.load_initial(loaded, force=force, progress=progress, on_step=on_step)
 
 
 def roll_budgeted(dep: Deployment, host: Host, loaded: LoadedManifest, *, force: bool = False,
@@ -67,6 +67,9 @@ def roll_budgeted(dep: Deployment, host: Host, loaded: LoadedManifest, *, force:
     host.register(dep.name, dep.pool, need, priority=lifecycle.priority, keep_alive=lifecycle.keep_alive)
     probe = apply(loaded, store=dep.store, options=ApplyOptions(devices=dep.devices, dry_run=True, force=force))
     if probe.status == "unchanged":
+        return RolloutResult(False, "none", probe)
+    if dep.pool.unloaded:
+        dep.pending = loaded  # nothing serves: its next request applies it (no room taken now)
         return RolloutResult(False, "none", probe)
     rollout = Rollout(dep.pool, dep.store, devices=dep.devices, acquire_timeout=dep.acquire_timeout)
     args = {"force": force, "progress": progress, "on_step": on_step}

@@ -137,7 +137,7 @@ class Deployment:
         self._phase = "Progressing"
         try:
             if self.host is None:
-                self._load_initial(loaded, force=force, progress=progress, on_step=on_step)
+                self.load_initial(loaded, force=force, progress=progress, on_step=on_step)
             else:
                 from .budgeting import start_budgeted
 
@@ -147,7 +147,7 @@ class Deployment:
             raise
         self._phase = "Ready"
 
-    def _load_initial(self, loaded: LoadedManifest, *, force: bool = False, progress: ProgressSink | None = None,
+    def load_initial(self, loaded: LoadedManifest, *, force: bool = False, progress: ProgressSink | None = None,
                       on_step: Callable[[str], None] | None = None) -> None:
         """Apply ``loaded`` (or load its current revision, verified and health-checked) and serve it."""
         outcome = apply(loaded, store=self.store, options=ApplyOptions(
@@ -185,7 +185,7 @@ class Deployment:
         from ..placement.planner import Plan
 
         if self.pending is not None:  # a new revision of an on-demand deployment: the whole apply, now
-            self._load_initial(self.pending)
+            self.load_initial(self.pending)
             self.pending = None
             return
         current = self.store.current(self.name)
