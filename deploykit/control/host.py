@@ -264,8 +264,8 @@ class Host:
     def unload_expired(self) -> list[str]:
         """Unload the deployments idle past their keep-alive; returns their names."""
         with self._cond:
-            residents = [r for r in self._residents(None) if self._entries.get(r.name, None) is not None
-                         and self._entries[r.name].state == LOADED]
+            residents = [Resident(e.name, e.bytes, e.priority, e.pool.last_used, e.busy(), e.keep_alive)
+                         for e in self._entries.values() if e.state == LOADED]
             victims = self._detach(expired(residents, self.clock()), "idle")
         self._free(victims, "idle")
         return [e.name for e, _ in victims]
