@@ -16,6 +16,7 @@ from deploykit.control.budget import Budget, BudgetError
 from deploykit.control.deployment import Deployment
 from deploykit.control.host import Host
 from deploykit.control.state import StateStore
+from deploykit.errors import DeploykitError
 from manifests import replace_like_an_editor
 
 ONE, TWO = 500_000, 900_000
@@ -177,3 +178,25 @@ def test_a_change_to_an_unloaded_deployment_is_applied_by_its_next_request(fleet
     assert a.generate("hi", max_tokens=2).text is not None
     assert f.store.current("a").revision == 2 and f.states() == {"a": "loaded", "b": "unloaded"}
     assert a.pool.current.runtime.limits.max_tokens == 32
+
+
+def test_a_failed_load_on_demand_is_reported_and_retried(fleet, chat_model):
+    import shutil
+    import struct
+
+    f = fleet(TWO)
+    broken = Path(shutil.copytree(chat_model, f.root / "broken"))
+    weights = broken / "model.safetensors"
+    good = weights.read_bytes()
+    start = 8 + struct.unpack("<Q", good[:8])[0]
+    weights.write_bytes(good[:start] + b"\xff" * (len(good) - start))  # every float NaN: the check fails
+    f.model = broken
+    dep = f.add("late", load="on-demand")
+    assert dep.status()["last_error"] is None and f.states() == {"late": "unloaded"}
+    with pytest.raises(DeploykitError, match="not finite"):
+        dep.generate("hi", max_tokens=2)
+    assert "not finite" in dep.status()["last_error"]
+    assert f.states() == {"late": "unloaded"} and f.host.used() == {"cpu": 0}
+    weights.write_bytes(good)
+    assert dep.generate("hi", max_tokens=2).text is not None  # the next request tries again
+    assert dep.status()["last_error"] is None and f.states() == {"late": "loaded"}

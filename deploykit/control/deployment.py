@@ -89,6 +89,7 @@ class Deployment:
         self.host = host  # the budget this deployment loads and unloads under (deploykit serve), if any
         self._verified: int | None = None  # the revision whose shards this process checked by hash
         self.pending: LoadedManifest | None = None  # an on-demand manifest to apply at its first load
+        self._load_error: str | None = None  # why the last load on demand failed (cleared by one that works)
 
     @classmethod
     def from_manifest(cls, path: str | Path, *, watch: bool = False, name: str | None = None,
@@ -174,7 +175,22 @@ class Deployment:
                 try:
                     return self.pool.pin(max(0.0, deadline - time.monotonic()))
                 except NotLoaded:
-                    self.host.load(self.name, self.load_current, reason="request")
+                    self._load_for_request()
+
+    def _load_for_request(self) -> None:
+        """Load on demand; a failed load (not a lack of room) shows in ``status()`` like a failed reload."""
+        from .budget import BudgetError
+
+        assert self.host is not None
+        try:
+            self.host.load(self.name, self.load_current, reason="request")
+        except BudgetError:
+            raise
+        except DeploykitError as exc:
+            self._load_error = describe(exc, self.pending)
+            log.warning("loading %s on demand failed: %s", self.name, self._load_error)
+            raise
+        self._load_error = None
 
     def load_current(self) -> None:
         """Load the current revision from its laid-out shards (no reshard) and serve it: shards checked
@@ -405,7 +421,7 @@ class Deployment:
             "loaded": (self.host.state(self.name) if self.host is not None else None) or ("loaded" if gen else "unloaded"),
             "budget": self.host.describe(self.name) if self.host is not None else None,
             "in_flight": gen.refs if gen else 0,
-            "last_error": self._last_error,
+            "last_error": self._last_error or self._load_error,
             "manifest": str(self.manifest_path),
             "serialize_forward": bool(gen and gen.forward_lock),
             "reloads": {"total": self.reload_count, "failed": self.reload_failures},
