@@ -200,3 +200,13 @@ def test_a_failed_load_on_demand_is_reported_and_retried(fleet, chat_model):
     weights.write_bytes(good)
     assert dep.generate("hi", max_tokens=2).text is not None  # the next request tries again
     assert dep.status()["last_error"] is None and f.states() == {"late": "loaded"}
+
+
+def test_a_rollout_to_a_plan_over_the_budget_is_refused_and_the_old_one_serves(fleet, tiny_model):
+    f = fleet(ONE)
+    dep = f.add("chat")
+    replace_like_an_editor(f.root / "chat.yaml", text(tiny_model("llama"), "chat"))  # about 690 KiB alone
+    assert dep.reload() is False
+    assert "can never be loaded" in dep.status()["last_error"] and "budget" in dep.status()["last_error"]
+    assert dep.generation == 1 and dep.generate("hi", max_tokens=2).text is not None
+    assert f.store.current("chat").revision == 1
