@@ -183,6 +183,14 @@ def test_a_deployment_over_the_budget_alone_is_refused_and_the_others_serve(tmp_
         assert "budget" in failed["last_error"] and "can never be loaded" in failed["last_error"]
         assert states(server) == {"small": "loaded"}
         assert complete(client, "small")
+        # through the control API: an on-demand deployment is validated and planned, applied by its first request
+        (tmp_path / "extra.yaml").write_text(manifest(chat_model, "extra"))
+        applied = cli("apply", str(tmp_path / "extra.yaml"), state=tmp_path / "state")
+        assert applied.returncode == 0 and "deferred extra" in applied.stdout, applied.stdout + applied.stderr
+        assert states(server) == {"small": "loaded", "extra": "unloaded"}
+        assert complete(client, "extra")  # small (idle, same priority) makes room
+        assert states(server) == {"small": "unloaded", "extra": "loaded"}
+        assert json.loads(cli("status", "extra", "-o", "json", state=tmp_path / "state").stdout)["revision"] == 1
 
 
 def test_an_in_flight_stream_is_never_cut_to_make_room(tmp_path, chat_model):

@@ -15,6 +15,7 @@
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import replace
 from typing import TYPE_CHECKING
 
 from ..spec.manifest import LoadedManifest
@@ -54,6 +55,7 @@ def _start(dep: Deployment, host: Host, loaded: LoadedManifest, need: dict[str, 
         dep.last_outcome = probe
         if probe.status != "unchanged":
             dep.pending = loaded  # applied (laid out, loaded, checked, recorded) at its first request
+            dep.last_outcome = replace(probe, status="deferred")
         dep.pool.mark_unloaded()
         return
     with host.room(dep.name, need, reason="start"):
@@ -70,7 +72,7 @@ def roll_budgeted(dep: Deployment, host: Host, loaded: LoadedManifest, *, force:
         return RolloutResult(False, "none", probe)
     if dep.pool.unloaded:
         dep.pending = loaded  # nothing serves: its next request applies it (no room taken now)
-        return RolloutResult(False, "none", probe)
+        return RolloutResult(False, "none", replace(probe, status="deferred"))
     rollout = Rollout(dep.pool, dep.store, devices=dep.devices, acquire_timeout=dep.acquire_timeout)
     args = {"force": force, "progress": progress, "on_step": on_step}
     with host.rolling(dep.name):
