@@ -69,21 +69,21 @@ def roll_budgeted(dep: Deployment, host: Host, loaded: LoadedManifest, *, force:
     host.register(dep.name, dep.pool, need, priority=lifecycle.priority, keep_alive=lifecycle.keep_alive)
     probe = apply(loaded, store=dep.store, options=ApplyOptions(devices=dep.devices, dry_run=True, force=force))
     if probe.status == "unchanged":
+        dep.pending = None  # back to what is recorded: nothing left to apply
         return RolloutResult(False, "none", probe)
     if dep.pool.unloaded:
         dep.pending = loaded  # nothing serves: its next request applies it (no room taken now)
         return RolloutResult(False, "none", replace(probe, status="deferred"))
     rollout = Rollout(dep.pool, dep.store, devices=dep.devices, acquire_timeout=dep.acquire_timeout)
-    args = {"force": force, "progress": progress, "on_step": on_step}
     with host.rolling(dep.name):
         requested = loaded.manifest.spec.rollout.strategy
         if dep.pool.current is not None and requested != "recreate":
             try:
                 with host.room(dep.name, need, reason="rollout", beside=True,
                                timeout=0 if requested == "auto" else None):
-                    return rollout.run(loaded, **args)  # type: ignore[arg-type]
+                    return rollout.run(loaded, force=force, progress=progress, on_step=on_step)
             except BudgetError:
                 if requested == "blue-green":
                     raise
         with host.room(dep.name, need, reason="rollout"):
-            return rollout.run(loaded, strategy="recreate", **args)  # type: ignore[arg-type]
+            return rollout.run(loaded, strategy="recreate", force=force, progress=progress, on_step=on_step)
