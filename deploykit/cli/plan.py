@@ -58,10 +58,11 @@ def _packing(text: str, devices: str | None, manifests: list, plans: list, outpu
 
     from ..control.budget import plan_tiers, serve_budget
     from ..control.packing import Item, pack
+    from ..names import Load
 
     budget = serve_budget(text, devices)
     items = [Item(m.name, plan_tiers(p), m.manifest.spec.lifecycle.priority,
-                  m.manifest.spec.lifecycle.load == "eager") for m, p in zip(manifests, plans)]
+                  m.manifest.spec.lifecycle.load == Load.EAGER) for m, p in zip(manifests, plans)]
     packing = pack(budget, items)
     if output == "json":
         print_json({"budget": dict(budget.tiers), "deployments": [

@@ -33,7 +33,7 @@ from .console import STATE_OPTION, err, handle_errors, store
               help="Seconds a request for an unloaded model waits for room before a 503.")
 @click.option("--drain-timeout", type=float, default=30.0, show_default=True,
               help="Seconds running requests get to finish on SIGTERM.")
-@click.option("--log-level", type=click.Choice(["debug", "info", "warning", "error"]), default="info",
+@click.option("--log-level", type=click.Choice(["debug", "info", "warning", "error"]), default="warning",
               show_default=True, help="Least severe log lines written to stderr (loads, frees, client disconnects).")
 @STATE_OPTION
 @handle_errors
@@ -82,7 +82,7 @@ def serve(path: str | None, host: str, port: int, api_key: str | None, control_t
         source = f"watching {supervisor.path}" if supervisor.path else "restored from the state store"
         err.print(f"deploykit serve: serving {len(supervisor.items())} deployment(s): {names}; {source}; "
                   f"under {budgeted.budget.describe()}", markup=False)
-        for file, problem in supervisor.errors.items():
+        for file, problem in supervisor.problems().items():
             err.print(f"deploykit serve: {file}: not deployed: {problem}", markup=False)
 
     err.print(f"deploykit serve: {url} (/v1 API, /healthz /readyz /status /metrics, /control/v1); loading…",
@@ -96,13 +96,22 @@ def serve(path: str | None, host: str, port: int, api_key: str | None, control_t
         err.print("deploykit serve: stopping: draining in-flight work")
         supervisor.close()
         err.print("deploykit serve: stopped")
+        # daemon threads (Ray's, engines') may still log while the interpreter shuts down; a write to
+        # stderr then aborts the process ("could not acquire lock ... at interpreter shutdown")
+        logging.getLogger("deploykit").handlers.clear()
     os.environ.pop("DEPLOYKIT_API_KEY", None)
 
 
 def _log_to_stderr(level: str) -> None:
-    """deploykit's own log lines, one per line, on stderr (library code only logs; it never prints)."""
+    """deploykit's own log lines, one per line, on stderr (library code only logs; it never prints).
+    At the default level Python's own last-resort handler already writes warnings and errors: no
+    handler is installed then (one installed aborted a Ray-connected server at exit, seen here)."""
+    if level in ("warning", "error"):
+        logging.getLogger("deploykit").setLevel(level.upper())
+        return
     handler = logging.StreamHandler()
     handler.setFormatter(logging.Formatter("deploykit serve: %(levelname)s %(name)s: %(message)s"))
     logger = logging.getLogger("deploykit")
     logger.addHandler(handler)
     logger.setLevel(level.upper())
+    logger.propagate = False  # libraries that configure the root logger (Ray) would print each line twice

@@ -12,22 +12,22 @@ stage when the batch ends, whether it finished, was cancelled or failed. Samplin
 
 from __future__ import annotations
 
-import itertools
 import logging
 import threading
 import uuid
-from collections import deque
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
 
 from ..engine.health import HealthResult, within
 from ..errors import ApplyError
-from ..engine.batching import (GenerationRequest, GenerationResult, QueueFull, RequestHandle, request_generator,
-                               sample_token)
+from ..engine.admission import Admission, stop_reason
+from ..engine.batching import GenerationRequest, GenerationResult, RequestHandle, request_generator, sample_token
 from ..engine.runtime import MAX_DEFAULT_CONTEXT, Limits, TextRuntime
+from ..engine.serving import ServingSpec
 from ..engine.text import RequestError
+from ..names import Task
 from ..placement.planner import Plan
-from ..spec.manifest import LoadedManifest
 from .pipeline import RayPipeline, stages_of
 from .ray_env import ClusterError, connect
 
@@ -41,68 +41,36 @@ class PipelineEngine:
                  max_queued: int = 64) -> None:
         self.pipeline, self.tokenizer, self.eos_ids = pipeline, tokenizer, set(eos_ids)
         self.max_batch_size, self.max_queued = max_batch_size, max_queued
-        self._waiting: deque[RequestHandle] = deque()
-        self._running = 0
-        self._cond, self._closing, self._ids = threading.Condition(), threading.Event(), itertools.count()
+        self._queue = Admission(max_queued=max_queued)
         self._thread = threading.Thread(target=self._loop, name="deploykit-pipeline-engine", daemon=True)
         self._thread.start()
 
     def submit(self, request: GenerationRequest,
                listener: Callable[[int | GenerationResult], None] | None = None) -> RequestHandle:
-        if self._closing.is_set():
-            raise RuntimeError("engine is closed")
-        if not request.prompt_ids or request.max_new_tokens < 1:
-            raise ValueError("need a non-empty prompt and max_new_tokens >= 1")
-        h = RequestHandle(request, f"req-{next(self._ids)}", rng=request_generator(request), listener=listener)
-        with self._cond:
-            if len(self._waiting) >= self.max_queued:
-                self._waiting = deque(w for w in self._waiting if not w.done)
-            if len(self._waiting) >= self.max_queued:
-                raise QueueFull(f"{self.max_queued} requests already waiting")
-            self._waiting.append(h)
-            self._cond.notify()
+        h = RequestHandle(request, self._queue.check(request), rng=request_generator(request), listener=listener)
+        idle = self._queue.running == 0  # the next static batch starts at once only when none runs
+        self._queue.put(h, free_slots=self.max_batch_size if idle else 0)
         return h
 
     def cancel(self, handle: RequestHandle) -> None:
         handle.finish("cancelled")  # its row is skipped; a batch of only finished rows ends at once
 
     def stats(self) -> dict[str, int]:
-        with self._cond:
-            waiting = sum(not h.done for h in self._waiting)
-        return {"running": self._running, "waiting": waiting}
+        return self._queue.stats()
 
     def close(self, timeout: float | None = None) -> None:
-        self._closing.set()
-        with self._cond:
-            self._cond.notify_all()
+        self._queue.close()
         self._thread.join(timeout)
 
-    def _stop_hit(self, h: RequestHandle, tok: int) -> str | None:
-        r = h.request
-        tail = self.tokenizer.decode(h.tokens[-(max(map(len, r.stop_strings)) + 8):]) if r.stop_strings else ""
-        if tok in self.eos_ids or tok in r.stop_token_ids or any(s in tail for s in r.stop_strings):
-            return "stop"
-        return "length" if len(h.tokens) >= r.max_new_tokens else None
-
     def _loop(self) -> None:
-        while True:
-            with self._cond:
-                self._cond.wait_for(lambda: bool(self._waiting) or self._closing.is_set(), 0.5)
-                if not self._waiting:
-                    if self._closing.is_set():
-                        return
-                    continue
-                batch: list[RequestHandle] = []
-                while self._waiting and len(batch) < self.max_batch_size:
-                    h = self._waiting.popleft()
-                    if not h.done:
-                        batch.append(h)
-                self._running = len(batch)
+        while self._queue.wait_for_work(0.5):
+            batch = self._queue.take(self.max_batch_size)
             if batch:
+                self._queue.running = len(batch)
                 try:
                     self._run(batch)
                 finally:
-                    self._running = 0
+                    self._queue.running = 0
 
     def _run(self, rows: list[RequestHandle]) -> None:
         import torch
@@ -125,8 +93,8 @@ class PipelineEngine:
                         tok = sample_token(logits[i], h.request, h.rng)
                         h.push(tok)
                         last.append(tok)
-                        if reason := self._stop_hit(h, tok):
-                            h.finish(reason)  # type: ignore[arg-type]
+                        if reason := stop_reason(h, tok, eos_ids=self.eos_ids, tokenizer=self.tokenizer):
+                            h.finish(reason)
                     ids = torch.tensor(last)[:, None]
                     mask = torch.cat([mask, torch.ones(len(rows), 1, dtype=mask.dtype)], 1)
                     positions = mask.sum(1, keepdim=True) - 1
@@ -152,7 +120,7 @@ class PipelineRuntime(TextRuntime):
         self.tokenizer = tokenizer
         self.limits = limits
         self.context_length = context_length
-        self.engine = PipelineEngine(pipeline, tokenizer, eos_ids,  # type: ignore[assignment]
+        self.engine = PipelineEngine(pipeline, tokenizer, eos_ids,
                                      max_batch_size=limits.max_concurrent, max_queued=limits.max_queued)
 
     @property
@@ -197,37 +165,43 @@ def _eos_ids(checkpoint: Path, config: Any) -> set[int]:
     return set(eos if isinstance(eos, list) else [] if eos is None else [eos])
 
 
-def build_pipeline_runtime(loaded_manifest: LoadedManifest, plan: Plan, limits: Limits, *,
-                           checkpoint: Path | None = None, num_cpus: float = 1.0, threads: int | None = None,
-                           timeout: float = 600.0) -> PipelineRuntime:
-    """Start the stages of a multi-node ``plan`` on the manifest's Ray cluster and return the runtime
-    that serves requests through them (see docs/scale-out.md for the contract)."""
-    spec = loaded_manifest.manifest.spec
-    if spec.cluster is None:
-        raise ClusterError(f"{loaded_manifest.name}: a pipeline needs spec.cluster")
-    if not plan.nodes or len(plan.nodes) != spec.placement.nodes:
-        raise ClusterError(f"{loaded_manifest.name}: the plan has {len(plan.nodes) or 1} node(s), the manifest "
-                           f"asks for {spec.placement.nodes}: plan it again")
-    if spec.model.task != "causal-lm":
-        raise ClusterError(f"{loaded_manifest.name}: pipeline stages serve causal-lm models only")
-    source = checkpoint or loaded_manifest.model_path
-    connect(spec.cluster.address)
+@dataclass(frozen=True)
+class PipelineOptions:
+    """How the stages are started: CPUs (fractional allowed) and torch threads per stage, how long
+    placing and building them may take, and whether they go in the placement group of the Ray Serve
+    replica that starts them (one bundle per stage) rather than in a new STRICT_SPREAD group."""
+
+    num_cpus: float = 1.0
+    threads: int | None = None  # default: max(1, int(num_cpus))
+    timeout: float = 600.0
+    in_replica_group: bool = False
+
+
+def build_pipeline_runtime(plan: Plan, path: Path, serving: ServingSpec, address: str | None,
+                           options: PipelineOptions = PipelineOptions()) -> PipelineRuntime:
+    """Start the stages of a multi-node ``plan`` (each reads its own tensors from ``path``) on the Ray
+    cluster at ``address`` (None: the one this process is connected to) and return the runtime that
+    serves requests through them (see docs/scale-out.md for the contract)."""
+    if not plan.nodes:
+        raise ClusterError(f"{serving.name}: the plan has one node: plan it with placement.nodes > 1")
+    if serving.task != Task.CAUSAL_LM:
+        raise ClusterError(f"{serving.name}: pipeline stages serve causal-lm models only")
+    if address is not None:
+        connect(address)
     from transformers import AutoConfig, AutoTokenizer
 
-    config = AutoConfig.from_pretrained(source, trust_remote_code=spec.model.trust_remote_code)
-    try:
-        tokenizer = AutoTokenizer.from_pretrained(source)
-    except (OSError, ValueError):
-        tokenizer = AutoTokenizer.from_pretrained(loaded_manifest.model_path)
-    cpus = max(0.01, num_cpus)
-    specs = stages_of(plan, source, dtype=spec.model.dtype, threads=threads or max(1, int(cpus)))
+    config = AutoConfig.from_pretrained(path, trust_remote_code=serving.load.trust_remote_code)
+    tokenizer = AutoTokenizer.from_pretrained(path)
+    cpus = max(0.01, options.num_cpus)
+    specs = stages_of(plan, path, dtype=serving.load.dtype, threads=options.threads or max(1, int(cpus)))
     num_gpus = 1.0 if any(s.device != "cpu" for s in specs) else 0.0
-    pipeline = RayPipeline.start(specs, num_cpus=cpus, num_gpus=num_gpus, timeout=timeout)
+    pipeline = RayPipeline.start(specs, num_cpus=cpus, num_gpus=num_gpus, timeout=options.timeout,
+                                 in_current_group=options.in_replica_group)
     own = getattr(config, "max_position_embeddings", None) or MAX_DEFAULT_CONTEXT
-    context = int(limits.context_length or min(own, MAX_DEFAULT_CONTEXT))
+    context = int(serving.limits.context_length or min(own, MAX_DEFAULT_CONTEXT))
     try:
-        return PipelineRuntime(pipeline, tokenizer, limits, context_length=context,
-                               eos_ids=_eos_ids(source, config))
+        return PipelineRuntime(pipeline, tokenizer, serving.limits, context_length=context,
+                               eos_ids=_eos_ids(path, config))
     except Exception:
         pipeline.close()
         raise

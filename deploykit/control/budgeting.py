@@ -18,6 +18,7 @@ from collections.abc import Callable
 from dataclasses import replace
 from typing import TYPE_CHECKING
 
+from ..names import Load, Strategy
 from ..spec.manifest import LoadedManifest
 from .budget import BudgetError, plan_tiers
 from .reconciler import ApplyOptions, apply, plan_deployment
@@ -50,7 +51,7 @@ def start_budgeted(dep: Deployment, host: Host, loaded: LoadedManifest, *, force
 
 def _start(dep: Deployment, host: Host, loaded: LoadedManifest, need: dict[str, int], *, force: bool,
            progress: ProgressSink | None, on_step: StepSink) -> None:
-    if loaded.manifest.spec.lifecycle.load == "on-demand":
+    if loaded.manifest.spec.lifecycle.load == Load.ON_DEMAND:
         probe = apply(loaded, store=dep.store, options=ApplyOptions(devices=dep.devices, dry_run=True, force=force))
         dep.last_outcome = probe
         if probe.status != "unchanged":
@@ -77,13 +78,13 @@ def roll_budgeted(dep: Deployment, host: Host, loaded: LoadedManifest, *, force:
     rollout = Rollout(dep.pool, dep.store, devices=dep.devices, acquire_timeout=dep.acquire_timeout)
     with host.rolling(dep.name):
         requested = loaded.manifest.spec.rollout.strategy
-        if dep.pool.current is not None and requested != "recreate":
+        if dep.pool.current is not None and requested != Strategy.RECREATE:
             try:
                 with host.room(dep.name, need, reason="rollout", beside=True,
-                               timeout=0 if requested == "auto" else None):
+                               timeout=0 if requested == Strategy.AUTO else None):
                     return rollout.run(loaded, force=force, progress=progress, on_step=on_step)
             except BudgetError:
-                if requested == "blue-green":
+                if requested == Strategy.BLUE_GREEN:
                     raise
         with host.room(dep.name, need, reason="rollout"):
-            return rollout.run(loaded, strategy="recreate", force=force, progress=progress, on_step=on_step)
+            return rollout.run(loaded, strategy=Strategy.RECREATE, force=force, progress=progress, on_step=on_step)

@@ -29,9 +29,12 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from ..errors import ApplyError, DeploykitError, ManifestError, PlanInfeasible
+from ..names import Phase
 from ..placement.inventory import process_rss
 from ..spec.manifest import LoadedManifest, load_manifests
+from .loading import serving_of
 from .pool import GenerationPool
+from .report import phase_of
 from .reconciler import ApplyOptions, ApplyOutcome, apply
 from .rollout import Rollout, RolloutResult
 from .state import StateStore, open_store
@@ -75,8 +78,9 @@ class Deployment:
         self.name: str = name or ""
         self.pool = GenerationPool(self.name)
         self._reload_lock = threading.Lock()  # one reload at a time
-        self._phase = "Pending"
+        self._phase = Phase.PENDING  # Pending, Progressing while a change runs, then Ready/Failed, Closed
         self._last_error: str | None = None
+        self._conflict: str | None = None  # a watched file declares this API-owned name (supervisor)
         self._callbacks: list[Callable[[Deployment], None]] = []
         self.reloads: deque[ReloadRecord] = deque(maxlen=RELOAD_HISTORY)
         self.reload_count = 0
@@ -135,7 +139,7 @@ class Deployment:
         """Apply the manifest (or load the current revision, verified and health-checked)."""
         loaded = self._manifest()
         self.name = self.pool.name = loaded.name
-        self._phase = "Progressing"
+        self._phase = Phase.PROGRESSING
         try:
             if self.host is None:
                 self.load_initial(loaded, force=force, progress=progress, on_step=on_step)
@@ -143,10 +147,10 @@ class Deployment:
                 from .budgeting import start_budgeted
 
                 start_budgeted(self, self.host, loaded, force=force, progress=progress, on_step=on_step)
-        except DeploykitError as exc:
-            self._phase, self._last_error = "Failed", describe(exc, loaded)
+        except Exception as exc:
+            self._phase, self._last_error = Phase.FAILED, describe(exc, loaded)
             raise
-        self._phase = "Ready"
+        self._phase = Phase.READY
 
     def load_initial(self, loaded: LoadedManifest, *, force: bool = False, progress: ProgressSink | None = None,
                       on_step: Callable[[str], None] | None = None) -> None:
@@ -155,7 +159,7 @@ class Deployment:
             devices=self.devices, keep_model=True, load_if_unchanged=True, force=force),
             progress=progress, on_step=on_step)
         assert outcome.loaded is not None
-        self.pool.install(outcome.loaded, outcome.plan, outcome.revision or 0, "initial", loaded)
+        self.pool.install(outcome.loaded, outcome.plan, outcome.revision or 0, "initial", serving_of(loaded))
         outcome.loaded = None  # the pool owns the model now: a kept outcome must not pin it
         self.last_outcome = outcome
         if outcome.revision is not None:
@@ -213,7 +217,7 @@ class Deployment:
         self._verified = current.revision
         manifest, plan = recorded_manifest(current), Plan.from_dict(current.plan)
         model, _ = load_checked(manifest, plan, Path(current.shards_path or ""), StepTimer(None))
-        self.pool.install(model, plan, current.revision, "on-demand", manifest)
+        self.pool.install(model, plan, current.revision, "on-demand", serving_of(manifest))
 
     # ---- serving --------------------------------------------------------------------------------
 
@@ -306,11 +310,7 @@ class Deployment:
                 return False
             swapped = self._reload_once() is True
         if swapped:
-            for callback in list(self._callbacks):
-                try:
-                    callback(self)
-                except Exception:  # a callback's bug must not break serving
-                    log.exception("on_reload callback failed")
+            self._notify()
         return swapped
 
     def roll_to(self, loaded: LoadedManifest, *, force: bool = False, progress: ProgressSink | None = None,
@@ -324,12 +324,32 @@ class Deployment:
             result = self._reload_once(loaded, force=force, progress=progress, on_step=on_step, raise_errors=True)
         assert isinstance(result, RolloutResult)
         if result.swapped:
-            for callback in list(self._callbacks):
-                try:
-                    callback(self)
-                except Exception:
-                    log.exception("on_reload callback failed")
+            self._notify()
         return result
+
+    def reconcile(self, *, force: bool = False, progress: ProgressSink | None = None,
+                  on_step: Callable[[str], None] | None = None) -> RolloutResult:
+        """Roll out the manifest file as it is now (what a save of it does) and raise the real reason
+        when that fails; the serving generation stays. ``deploykit apply`` of a watched file."""
+        with self._reload_lock:
+            if self._closed:
+                raise ApplyError(f"{self.name!r} is being deleted")
+            result = self._reload_once(force=force, progress=progress, on_step=on_step, raise_errors=True)
+        assert isinstance(result, RolloutResult)
+        if result.swapped:
+            self._notify()
+        return result
+
+    def set_conflict(self, message: str | None) -> None:
+        """Show (or clear) an ownership conflict as this deployment's error (the supervisor's)."""
+        self._conflict = message
+
+    def _notify(self) -> None:
+        for callback in list(self._callbacks):
+            try:
+                callback(self)
+            except Exception:  # a callback's bug must not break serving
+                log.exception("on_reload callback failed")
 
     def _reload_once(self, given: LoadedManifest | None = None, *, force: bool = False,
                      progress: ProgressSink | None = None, on_step: Callable[[str], None] | None = None,
@@ -337,7 +357,7 @@ class Deployment:
         started, rss_before = time.perf_counter(), process_rss()
         loaded: LoadedManifest | None = given
         strategy = "none"
-        self._phase = "Progressing"
+        self._phase = Phase.PROGRESSING
         try:
             loaded = given or self._manifest()
             if loaded.name != self.name:
@@ -352,7 +372,9 @@ class Deployment:
 
                 result = roll_budgeted(self, self.host, loaded, force=force, progress=progress, on_step=on_step)
             strategy = result.strategy
-        except DeploykitError as exc:
+        except Exception as exc:  # any failure, expected or not: recorded, the last good generation serves
+            if not isinstance(exc, DeploykitError):
+                log.error("reload of %s failed unexpectedly", self.name, exc_info=exc)
             self._record_failure(exc, loaded, strategy, started, rss_before)
             if raise_errors:
                 raise
@@ -364,7 +386,7 @@ class Deployment:
         return result if raise_errors else swapped
 
     def _finish_reload(self, result: RolloutResult, started: float, rss_before: int) -> bool:
-        self._phase = "Ready" if self.pool.current is not None else "Failed"
+        self._phase = Phase.READY if self.pool.current is not None else Phase.FAILED
         if not result.swapped:  # nothing changed that needs a new generation
             return False
         current = self.pool.current
@@ -373,17 +395,17 @@ class Deployment:
                                   process_rss()))
         return True
 
-    def _record_failure(self, exc: DeploykitError, loaded: LoadedManifest | None, strategy: str,
+    def _record_failure(self, exc: Exception, loaded: LoadedManifest | None, strategy: str,
                         started: float, rss_before: int) -> None:
-        self._last_error = describe(exc, loaded)
-        self._phase = "Ready" if self.pool.current is not None else "Failed"
-        log.warning("reload of %s failed; generation %d keeps serving: %s", self.name, self.generation,
-                    self._last_error)
-        if self.name and self.store.deployment(self.name) is not None:
-            if isinstance(exc, (ManifestError, PlanInfeasible)) or loaded is None:  # no revision recorded
-                self.store.set_pending_error(self.name, self._last_error)
+        error = describe(exc, loaded)
+        log.warning("reload of %s failed; generation %d keeps serving: %s", self.name, self.generation, error)
+        if self.name and self.store.deployment(self.name) is not None:  # the store first: a reader that
+            if isinstance(exc, (ManifestError, PlanInfeasible)) or loaded is None:  # sees the error here
+                self.store.set_pending_error(self.name, error)  # finds it in `deploykit status` too
             else:
-                self.store.record_event(self.name, "ReloadFailed", self._last_error)
+                self.store.record_event(self.name, "ReloadFailed", error)
+        self._last_error = error
+        self._phase = Phase.FAILED
         self.reload_failures += 1
         self._record(ReloadRecord(self.generation, None, False, time.perf_counter() - started, strategy,
                                   self._last_error, rss_before, process_rss()))
@@ -412,16 +434,20 @@ class Deployment:
 
     def status(self) -> dict[str, Any]:
         gen = self.pool.current
+        last_error = self._last_error or self._conflict
+        phase = self._phase
+        if phase not in (Phase.PENDING, Phase.CLOSED):
+            phase = phase_of(progressing=phase == Phase.PROGRESSING, last_error=last_error, current=gen is not None)
         return {
             "name": self.name,
-            "phase": self._phase,
+            "phase": phase.value,
             "generation": self.generation,
             "revision": gen.revision if gen else None,
             "serving": gen is not None or self.pool.unloaded,  # unloaded: loads at its next request
             "loaded": (self.host.state(self.name) if self.host is not None else None) or ("loaded" if gen else "unloaded"),
             "budget": self.host.describe(self.name) if self.host is not None else None,
             "in_flight": gen.refs if gen else 0,
-            "last_error": self._last_error or self._load_error,
+            "last_error": last_error or self._load_error,
             "manifest": str(self.manifest_path),
             "serialize_forward": bool(gen and gen.forward_lock),
             "reloads": {"total": self.reload_count, "failed": self.reload_failures},
@@ -440,7 +466,7 @@ class Deployment:
         with self._reload_lock:
             self._closed = True
             self.pool.close(timeout)
-            self._phase = "Closed"
+            self._phase = Phase.CLOSED
 
     def __enter__(self) -> Deployment:
         return self
@@ -470,7 +496,10 @@ class _ReloadWorker:
             if self._stop.is_set():
                 return
             self._wanted.clear()
-            self.deployment.reload()
+            try:
+                self.deployment.reload()
+            except Exception:  # reload() records every failure; this only keeps the worker alive
+                log.exception("reload of %s failed", self.deployment.name)
 
     def stop(self) -> None:
         self._stop.set()
@@ -490,4 +519,6 @@ def describe(exc: Exception, loaded: LoadedManifest | None) -> str:
         return "\n".join(str(i) for i in exc.issues)
     if isinstance(exc, PlanInfeasible) and exc.field and loaded is not None:
         return loaded.located(exc.field, str(exc))
+    if not isinstance(exc, DeploykitError):
+        return f"internal error: {type(exc).__name__}: {exc}"
     return str(exc)

@@ -26,8 +26,8 @@ from ..placement.planner import Plan
 
 if TYPE_CHECKING:
     from ..engine.loader import LoadedModel
-    from ..engine.runtime import Limits, Runtime
-    from ..spec.manifest import LoadedManifest
+    from ..engine.runtime import Runtime
+    from ..engine.serving import ServingSpec
 
 log = logging.getLogger(__name__)
 MEMORY_HISTORY = 64  # leak-guard samples kept
@@ -66,25 +66,16 @@ def kv_cache_budget(plan: Plan | None) -> int:
     return max(64 << 20, first.budget - first.bytes)
 
 
-def limits_of(manifest: LoadedManifest) -> Limits:
-    """The engine's limits from the manifest's ``spec.serving``."""
-    from ..engine.runtime import Limits
-
-    s = manifest.manifest.spec.serving
-    return Limits(s.context_length, s.max_tokens, s.default_max_tokens, s.max_concurrent, s.max_queued,
-                  s.max_input_items, s.batching)
-
-
 def new_generation(number: int, loaded: LoadedModel, plan: Plan | None, revision: int, strategy: str,
-                   manifest: LoadedManifest) -> Generation:
-    """A generation with its runtime (batching engine or embedder) built from the manifest's limits."""
+                   serving: ServingSpec) -> Generation:
+    """A generation with its runtime (batching engine or embedder) built from the deployment's limits."""
     from ..engine.runtime import build_runtime
 
     lock = threading.Lock() if loaded.serialize_forward else None
-    task = manifest.manifest.spec.model.task
-    runtime = loaded.runtime or build_runtime(loaded, limits_of(manifest), task=task,
+    runtime = loaded.runtime or build_runtime(loaded, serving.limits, task=serving.load.task,
                                               kv_cache_bytes=kv_cache_budget(plan), forward_lock=lock)
-    return Generation(number, revision, loaded, plan, strategy, forward_lock=lock, runtime=runtime, task=task)
+    return Generation(number, revision, loaded, plan, strategy, forward_lock=lock, runtime=runtime,
+                      task=serving.load.task)
 
 
 class GenerationPool:
@@ -158,12 +149,12 @@ class GenerationPool:
         return free
 
     def install(self, loaded: LoadedModel, plan: Plan | None, revision: int, strategy: str,
-                manifest: LoadedManifest) -> Generation:
+                serving: ServingSpec) -> Generation:
         """Make ``loaded`` the current generation; the previous one is freed once unpinned."""
         with self._cond:
             self._number += 1
             number = self._number
-        gen = new_generation(number, loaded, plan, revision, strategy, manifest)
+        gen = new_generation(number, loaded, plan, revision, strategy, serving)
         with self._cond:
             old, self._current = self._current, gen
             self.unloaded = False

@@ -35,6 +35,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from ..artifacts.fsutil import discard_dir
+from ..names import Phase
 from ..artifacts.gguf import import_dir, import_gguf, import_problem, source_fingerprint
 from ..artifacts.reshard import ProgressSink, ReshardResult, fits_layout, plan_layout, reshard
 from ..artifacts.verify import checksums, read_lock, shard_problem
@@ -44,7 +45,7 @@ from ..model.gguf import is_gguf
 from ..placement.inventory import Inventory
 from ..placement.planner import Plan
 from ..spec.manifest import LoadedManifest, check_on_host
-from .loading import StepTimer, is_pipeline, load_checked, shards_problem
+from .loading import StepTimer, load_checked, shards_problem
 from .state import Revision, StateStore
 
 if TYPE_CHECKING:
@@ -284,11 +285,13 @@ def deployment_inventory(loaded: LoadedManifest, devices: str | None) -> Invento
 
     from ..placement.planning import inventory_for
 
-    if devices is None and not os.environ.get("DEPLOYKIT_DEVICES") and is_pipeline(loaded):
+    cluster = loaded.manifest.spec.cluster
+    spans_nodes = cluster is not None and loaded.manifest.spec.placement.nodes > 1
+    if devices is None and not os.environ.get("DEPLOYKIT_DEVICES") and spans_nodes:
         from ..cluster.inventory import probe_cluster  # imports ray: only for such manifests
 
-        assert loaded.manifest.spec.cluster is not None
-        return probe_cluster(loaded.manifest.spec.cluster.address)
+        assert cluster is not None
+        return probe_cluster(cluster.address)
     return inventory_for(loaded, devices)
 
 
@@ -315,6 +318,8 @@ def _act(loaded: LoadedManifest, store: StateStore, checkpoint: Checkpoint, deci
     revision = store.begin_revision(
         name=loaded.name, manifest_path=str(source), manifest_text=loaded.text, manifest_digest=loaded.digest,
         checkpoint_fingerprint=checkpoint.fingerprint, git_commit=git_commit(source))
+    if decision.actions:  # why this revision exists (a damaged shard is named here), for `deploykit history`
+        store.record_event(loaded.name, "Decided", f"revision {revision}: {decision.actions[0].reason}")
     try:
         with timer.step("reshard"):
             shards, result = _lay_out(loaded, store, checkpoint, plan, progress)
@@ -365,7 +370,7 @@ def collect_old_shards(loaded: LoadedManifest, store: StateStore) -> None:
     """Keep the shards of the current and the previous Ready revision (for rollback); remove the rest."""
     root = shards_root(loaded, store)
     keep = [Path(r.shards_path) for r in store.history(loaded.name)
-            if r.phase == "Ready" and r.shards_path][-2:]
+            if r.phase == Phase.READY and r.shards_path][-2:]
     if not root.is_dir():
         return
     for child in root.iterdir():

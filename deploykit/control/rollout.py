@@ -19,25 +19,26 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 from ..artifacts.reshard import ProgressSink
-from ..errors import DeploykitError, PlanInfeasible
+from ..errors import PlanInfeasible
+from ..names import Strategy
 from ..placement.inventory import Gpu, Inventory
 from ..placement.planner import Plan
 from ..spec.manifest import LoadedManifest
 from .pool import Generation, GenerationPool
-from .loading import load_revision, recorded_manifest
+from .loading import load_revision, recorded_manifest, serving_of
 from .reconciler import ApplyOptions, ApplyOutcome, apply
 from .state import StateStore
 
 log = logging.getLogger(__name__)
 
 
-def choose_strategy(requested: str, *, fits_beside: bool) -> str | None:
+def choose_strategy(requested: str, *, fits_beside: bool) -> Strategy | None:
     """The strategy a rollout runs: None when blue-green was asked for and does not fit."""
-    if requested == "recreate":
-        return "recreate"
+    if requested == Strategy.RECREATE:
+        return Strategy.RECREATE
     if fits_beside:
-        return "blue-green"
-    return "recreate" if requested == "auto" else None
+        return Strategy.BLUE_GREEN
+    return Strategy.RECREATE if requested == Strategy.AUTO else None
 
 
 def inventory_beside(inventory: Inventory, gen: Generation | None) -> Inventory:
@@ -81,7 +82,7 @@ class Rollout:
         requested = strategy or loaded.manifest.spec.rollout.strategy
         beside = inventory_beside(deployment_inventory(loaded, self.devices), self.pool.current)
         infeasible: PlanInfeasible | None = None
-        if requested != "recreate":
+        if requested != Strategy.RECREATE:
             try:
                 plan_manifest(loaded, inventory=beside)
             except PlanInfeasible as exc:
@@ -92,7 +93,7 @@ class Rollout:
             raise infeasible
         self._apply_args = {"progress": progress, "on_step": on_step}
         self._force = force
-        if chosen == "blue-green":
+        if chosen == Strategy.BLUE_GREEN:
             return self._blue_green(loaded, beside)
         return self._recreate(loaded)
 
@@ -101,7 +102,7 @@ class Rollout:
                                                                        force=self._force), **self._apply_args)
         if outcome.status == "unchanged" or outcome.loaded is None:
             return RolloutResult(False, "none", outcome)
-        self.pool.install(outcome.loaded, outcome.plan, outcome.revision or 0, "blue-green", loaded)
+        self.pool.install(outcome.loaded, outcome.plan, outcome.revision or 0, "blue-green", serving_of(loaded))
         outcome.loaded = None  # the pool owns the model now: a kept outcome must not pin it
         return RolloutResult(True, "blue-green", outcome)
 
@@ -116,15 +117,23 @@ class Rollout:
         options = ApplyOptions(devices=self.devices, keep_model=True, before_load=before_load, force=self._force)
         try:
             outcome = apply(loaded, store=self.store, options=options, **self._apply_args)
-        except DeploykitError:
+        except Exception:  # any failure after the drain: serve the last Ready revision again
             if drained:
-                self.restore()
+                self._restore_after_failure()
             raise
         if outcome.status == "unchanged" or outcome.loaded is None:
             return RolloutResult(False, "none", outcome)
-        self.pool.install(outcome.loaded, outcome.plan, outcome.revision or 0, "recreate", loaded)
+        self.pool.install(outcome.loaded, outcome.plan, outcome.revision or 0, "recreate", serving_of(loaded))
         outcome.loaded = None
         return RolloutResult(True, "recreate", outcome)
+
+    def _restore_after_failure(self) -> None:
+        """``restore``, never masking the rollout's own error: a failed restore is logged (nothing serves
+        then, and the deployment's phase says Failed)."""
+        try:
+            self.restore()
+        except Exception:
+            log.exception("%s: restoring the last Ready revision after a failed recreate failed", self.pool.name)
 
     def restore(self) -> None:
         """After a failed recreate: load the last Ready revision again (verified, health-checked)."""
@@ -133,5 +142,5 @@ class Rollout:
             return
         model = load_revision(current)
         self.pool.install(model, Plan.from_dict(current.plan), current.revision, "restore",
-                          recorded_manifest(current))
+                          serving_of(recorded_manifest(current)))
         log.warning("%s: restored revision %d after a failed recreate", self.pool.name, current.revision)

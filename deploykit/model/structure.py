@@ -33,6 +33,7 @@ from ..errors import CheckpointError
 from . import gguf, structure_cache
 from .hf import auto_class, quiet_transformers
 from ..names import DTYPE_SIZES, FROM_TORCH
+from ..names import Task as TaskName
 
 if TYPE_CHECKING:
     import torch
@@ -272,7 +273,7 @@ def structure_from_model(model: Any, *, task: Task, dtype: str) -> Structure:
                 leader[find(i)] = find(owner[id(p)])
 
     input_emb = model.get_input_embeddings()
-    output_emb = model.get_output_embeddings() if task != "feature-extraction" else None
+    output_emb = model.get_output_embeddings() if task != TaskName.FEATURE_EXTRACTION else None
     emb_leaf = next(i for i, (_, m, _) in enumerate(leaves)
                     if m is input_emb or any(s is input_emb for s in m.modules()))
     kv = _kv_bytes_per_token(config, dtype_bytes)
@@ -300,7 +301,7 @@ def structure_from_model(model: Any, *, task: Task, dtype: str) -> Structure:
     embedding_block = 0
     for members in merged:
         name, module, is_layer = leaves[members[0]]
-        in_decoder = task == "causal-lm" or (task == "seq2seq-lm" and ".decoder." in f".{name}.")
+        in_decoder = task == TaskName.CAUSAL_LM or (task == TaskName.SEQ2SEQ_LM and ".decoder." in f".{name}.")
         has_head = output_emb is not None and any(
             m is output_emb or any(s is output_emb for s in m.modules())
             for m in (leaves[j][1] for j in members))

@@ -278,6 +278,9 @@ async def status(request: Request, name: str | None = None) -> JSONResponse:
             report = status_report(supervisor.store, n)
             dep = supervisor.get(n)
             live = dep.status() if dep is not None else None
+            if live is not None:  # what this server holds now: a pending error or a conflict, and its phase
+                report["last_error"] = live["last_error"] or report["last_error"]
+                report["phase"] = live["phase"]
             report["serving"] = bool(live and live["serving"])
             report["serving_revision"] = live["revision"] if live else None
             report["generation"] = live["generation"] if live else None

@@ -31,6 +31,7 @@ from pydantic import (
 from pydantic_core import PydanticCustomError
 
 from ..errors import Issue, ManifestError
+from ..names import Task
 from ..units import SIZE_UNITS_TEXT, format_duration, parse_duration, parse_size
 from .yamlsource import Document, load_documents
 
@@ -139,7 +140,9 @@ class Placement(_Strict):
     kv_cache: KVCache | None = Field(None, description="Plan KV-cache and logits memory per layer.")
     nodes: int = Field(1, ge=1, description="Pipeline stages, one per node of spec.cluster: layers are split "
                                             "node-major (contiguous runs per node, then per GPU within a node; "
-                                            "embeddings on the first node's first GPU). 1: one host.")
+                                            "embeddings on the first node's first GPU). 1: one host. "
+                                            "Deploying more than 1 needs spec.cluster; `deploykit plan "
+                                            "--devices` does not.")
 
     @model_serializer(mode="wrap")
     def _omit_default_nodes(self, handler: SerializerFunctionWrapHandler) -> dict[str, Any]:
@@ -298,8 +301,9 @@ class Spec(_Strict):
     model: ModelSpec = Field(description="The checkpoint.")
     cluster: Cluster | None = Field(None, description="Ray cluster for replicas and pipeline stages; "
                                                       "absent: in-process on this host.")
-    replicas: int = Field(1, ge=1, description="Copies of the model serving behind one endpoint (Ray Serve "
-                                               "replicas when spec.cluster is set).")
+    replicas: int = Field(1, ge=1, description="Copies of the model serving behind one endpoint: Ray Serve "
+                                               "replicas, each with its own pipeline stages when "
+                                               "placement.nodes > 1. More than 1 needs spec.cluster.")
     placement: Placement = Field(default_factory=Placement, description="GPUs and their shares.")
     sharding: Sharding = Field(default_factory=Sharding, description="Checkpoint file layout.")
     offload: Offload = Field(default_factory=Offload, description="CPU and disk tiers after the GPUs.")
@@ -307,16 +311,6 @@ class Spec(_Strict):
     serving: Serving = Field(default_factory=Serving, description="Limits of the inference API.")
     lifecycle: Lifecycle = Field(default_factory=Lifecycle, description="Loading, unloading and priority "
                                                                         "under deploykit serve's budget.")
-
-    @field_validator("placement")
-    @classmethod
-    def _nodes_need_a_cluster(cls, placement: Placement, info: ValidationInfo) -> Placement:
-        # a cluster that was given but is invalid is absent from info.data, and already reported
-        if placement.nodes > 1 and "cluster" in info.data and info.data["cluster"] is None:
-            raise PydanticCustomError(
-                "nodes_without_cluster", "{n} nodes need a cluster: add spec.cluster.address (a Ray "
-                "address, 'auto' or 'local'), or set nodes to 1", {"n": placement.nodes, "at": "nodes"})
-        return placement
 
     @model_serializer(mode="wrap")
     def _omit_defaults(self, handler: SerializerFunctionWrapHandler) -> dict[str, Any]:
@@ -600,11 +594,28 @@ def check_on_host(loaded: LoadedManifest) -> list[Issue]:
     elif not (model_dir / "config.json").is_file():
         issues.append(loaded.issue("spec.model.path", f"{str(model_dir)!r} holds no config.json",
                                    hint="point path at a Hugging Face checkpoint directory or a .gguf file"))
+    issues.extend(_scale_out_issues(loaded))
     disk = loaded.manifest.spec.offload.disk
     if disk is not None:
         disk_dir = loaded.resolve(disk.path)
         if disk_dir.exists() and not disk_dir.is_dir():
             issues.append(loaded.issue("spec.offload.disk.path", f"{str(disk_dir)!r} is not a directory"))
+    return issues
+
+
+def _scale_out_issues(loaded: LoadedManifest) -> list[Issue]:
+    """What a deployment on a Ray cluster cannot serve. Planning does not need these (a plan against
+    ``--devices`` needs no cluster); deploying does."""
+    spec, issues = loaded.manifest.spec, []
+    if spec.placement.nodes > 1 and spec.cluster is None:
+        issues.append(loaded.issue("spec.placement.nodes", f"{spec.placement.nodes} nodes need a cluster: add "
+                                   "spec.cluster.address (a Ray address, 'auto' or 'local'), or set nodes to 1"))
+    if spec.replicas > 1 and spec.cluster is None:
+        issues.append(loaded.issue("spec.replicas", f"{spec.replicas} replicas need a cluster: add "
+                                   "spec.cluster.address (a Ray address, 'auto' or 'local'), or set replicas to 1"))
+    if spec.cluster is not None and spec.model.task != Task.CAUSAL_LM:
+        issues.append(loaded.issue("spec.model.task", f"a cluster (replicas, pipeline stages) serves causal-lm "
+                                   f"models only, not {spec.model.task}", hint="remove spec.cluster"))
     return issues
 
 
