@@ -434,10 +434,11 @@ class Deployment:
 
     def status(self) -> dict[str, Any]:
         gen = self.pool.current
-        last_error = self._last_error or self._conflict
+        last_error = self._last_error or self._conflict or self._load_error
         phase = self._phase
         if phase not in (Phase.PENDING, Phase.CLOSED):
-            phase = phase_of(progressing=phase == Phase.PROGRESSING, last_error=last_error, current=gen is not None)
+            phase = phase_of(progressing=phase == Phase.PROGRESSING, last_error=last_error,
+                             current=gen is not None or self.pool.unloaded)  # unloaded: loads on demand
         return {
             "name": self.name,
             "phase": phase.value,
@@ -447,7 +448,7 @@ class Deployment:
             "loaded": (self.host.state(self.name) if self.host is not None else None) or ("loaded" if gen else "unloaded"),
             "budget": self.host.describe(self.name) if self.host is not None else None,
             "in_flight": gen.refs if gen else 0,
-            "last_error": last_error or self._load_error,
+            "last_error": last_error,
             "manifest": str(self.manifest_path),
             "serialize_forward": bool(gen and gen.forward_lock),
             "reloads": {"total": self.reload_count, "failed": self.reload_failures},
