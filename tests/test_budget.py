@@ -188,6 +188,8 @@ def test_a_deployment_over_the_budget_alone_is_refused_and_the_others_serve(tmp_
         applied = cli("apply", str(tmp_path / "extra.yaml"), state=tmp_path / "state")
         assert applied.returncode == 0 and "deferred extra" in applied.stdout, applied.stdout + applied.stderr
         assert states(server) == {"small": "loaded", "extra": "unloaded"}
+        deferred = json.loads(cli("status", "extra", "-o", "json", state=tmp_path / "state").stdout)
+        assert deferred["revision"] is None and deferred["loaded"] == "unloaded" and deferred["phase"] == "Ready"
         assert complete(client, "extra")  # small (idle, same priority) makes room
         assert states(server) == {"small": "unloaded", "extra": "loaded"}
         assert json.loads(cli("status", "extra", "-o", "json", state=tmp_path / "state").stdout)["revision"] == 1
