@@ -39,6 +39,13 @@ class Strategy(_Name):
     RECREATE = "recreate"
 
 
+class Load(_Name):
+    """When ``deploykit serve`` loads a deployment (``spec.lifecycle.load``)."""
+
+    EAGER = "eager"
+    ON_DEMAND = "on-demand"
+
+
 class DType(_Name):
     """What a manifest's ``model.dtype`` and ``reshard --dtype`` may ask for (torch's names)."""
 

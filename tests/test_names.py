@@ -4,8 +4,8 @@ holds the same values as str Enums. They must not drift apart."""
 from typing import get_args
 
 from deploykit.artifacts.reshard import DTYPES
-from deploykit.names import DType, Strategy, Task
-from deploykit.spec.manifest import ModelSpec, Rollout
+from deploykit.names import DType, Load, Strategy, Task
+from deploykit.spec.manifest import Lifecycle, ModelSpec, Rollout
 
 
 def test_manifest_literals_equal_the_enums():
@@ -13,6 +13,7 @@ def test_manifest_literals_equal_the_enums():
     assert set(get_args(ModelSpec.model_fields["dtype"].annotation)) == {d.value for d in DType}
     assert set(get_args(Rollout.model_fields["strategy"].annotation)) == {s.value for s in Strategy}
     assert set(DTYPES) == {d.value for d in DType}
+    assert set(get_args(Lifecycle.model_fields["load"].annotation)) == {m.value for m in Load}
 
 
 def test_members_print_as_their_values():

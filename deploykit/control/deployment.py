@@ -43,6 +43,8 @@ if TYPE_CHECKING:
     from ..artifacts.reshard import ProgressSink
     from ..engine.loader import LoadedModel
     from ..engine.runtime import Completion, TextRuntime
+    from .host import Host
+    from .pool import Generation
     from .watcher import ManifestWatcher
 
 log = logging.getLogger(__name__)
@@ -66,7 +68,8 @@ class Deployment:
     """A deployed model held by this process. Thread-safe. See the module docstring."""
 
     def __init__(self, manifest_path: Path, *, name: str | None = None, devices: str | None = None,
-                 store: StateStore | None = None, acquire_timeout: float = DEFAULT_ACQUIRE_TIMEOUT) -> None:
+                 store: StateStore | None = None, acquire_timeout: float = DEFAULT_ACQUIRE_TIMEOUT,
+                 host: Host | None = None) -> None:
         self.manifest_path = Path(manifest_path)
         self._wanted_name = name
         self.devices = devices
@@ -87,15 +90,19 @@ class Deployment:
         self._closed = False
         self._given: LoadedManifest | None = None  # a manifest handed over (control API), not a file
         self.last_outcome: ApplyOutcome | None = None
+        self.host = host  # the budget this deployment loads and unloads under (deploykit serve), if any
+        self._verified: int | None = None  # the revision whose shards this process checked by hash
+        self.pending: LoadedManifest | None = None  # an on-demand manifest to apply at its first load
+        self._load_error: str | None = None  # why the last load on demand failed (cleared by one that works)
 
     @classmethod
     def from_manifest(cls, path: str | Path, *, watch: bool = False, name: str | None = None,
                       devices: str | None = None, state_dir: str | Path | None = None,
                       store: StateStore | None = None, acquire_timeout: float = DEFAULT_ACQUIRE_TIMEOUT,
-                      debounce: float = 0.3) -> Deployment:
+                      debounce: float = 0.3, host: Host | None = None) -> Deployment:
         """Apply the manifest at ``path`` and hold its model. ``watch=True`` reloads on changes."""
         store = store or open_store(Path(state_dir) if state_dir is not None else None)
-        dep = cls(Path(path), name=name, devices=devices, store=store, acquire_timeout=acquire_timeout)
+        dep = cls(Path(path), name=name, devices=devices, store=store, acquire_timeout=acquire_timeout, host=host)
         dep.start()
         if watch:
             dep.watch(debounce=debounce)
@@ -105,11 +112,11 @@ class Deployment:
     def from_loaded(cls, loaded: LoadedManifest, *, devices: str | None = None, store: StateStore | None = None,
                     acquire_timeout: float = DEFAULT_ACQUIRE_TIMEOUT, force: bool = False,
                     progress: ProgressSink | None = None,
-                    on_step: Callable[[str], None] | None = None) -> Deployment:
+                    on_step: Callable[[str], None] | None = None, host: Host | None = None) -> Deployment:
         """Apply an already loaded manifest (one sent over the control API, or a revision's recorded
         manifest after a restart) and hold its model. It has no file to watch: ``roll_to`` changes it."""
         dep = cls(Path(loaded.source), name=loaded.name, devices=devices, store=store,
-                  acquire_timeout=acquire_timeout)
+                  acquire_timeout=acquire_timeout, host=host)
         dep._given = loaded
         dep.start(force=force, progress=progress, on_step=on_step)
         return dep
@@ -134,17 +141,83 @@ class Deployment:
         self.name = self.pool.name = loaded.name
         self._phase = Phase.PROGRESSING
         try:
-            outcome = apply(loaded, store=self.store, options=ApplyOptions(
-                devices=self.devices, keep_model=True, load_if_unchanged=True, force=force),
-                progress=progress, on_step=on_step)
+            if self.host is None:
+                self.load_initial(loaded, force=force, progress=progress, on_step=on_step)
+            else:
+                from .budgeting import start_budgeted
+
+                start_budgeted(self, self.host, loaded, force=force, progress=progress, on_step=on_step)
         except Exception as exc:
             self._phase, self._last_error = Phase.FAILED, describe(exc, loaded)
             raise
+        self._phase = Phase.READY
+
+    def load_initial(self, loaded: LoadedManifest, *, force: bool = False, progress: ProgressSink | None = None,
+                      on_step: Callable[[str], None] | None = None) -> None:
+        """Apply ``loaded`` (or load its current revision, verified and health-checked) and serve it."""
+        outcome = apply(loaded, store=self.store, options=ApplyOptions(
+            devices=self.devices, keep_model=True, load_if_unchanged=True, force=force),
+            progress=progress, on_step=on_step)
         assert outcome.loaded is not None
         self.pool.install(outcome.loaded, outcome.plan, outcome.revision or 0, "initial", serving_of(loaded))
         outcome.loaded = None  # the pool owns the model now: a kept outcome must not pin it
         self.last_outcome = outcome
-        self._phase = Phase.READY
+        if outcome.revision is not None:
+            self._verified = outcome.revision
+
+    def pin(self, timeout: float | None = None) -> Generation:
+        """The current generation, pinned (``pool.unpin`` it). An unloaded deployment is loaded first,
+        once the host has made room (a ``BudgetError`` naming the budget if it cannot in time)."""
+        timeout = self.acquire_timeout if timeout is None else timeout
+        if self.host is None:
+            return self.pool.pin(timeout)
+        from .pool import NotLoaded
+
+        deadline = time.monotonic() + timeout
+        with self.host.wanted(self.name):  # busy from now: what loads for this request stays loaded
+            while True:
+                try:
+                    return self.pool.pin(max(0.0, deadline - time.monotonic()))
+                except NotLoaded:
+                    self._load_for_request()
+
+    def _load_for_request(self) -> None:
+        """Load on demand; a failed load (not a lack of room) shows in ``status()`` like a failed reload."""
+        from .budget import BudgetError
+
+        assert self.host is not None
+        try:
+            self.host.load(self.name, self.load_current, reason="request")
+        except BudgetError:
+            raise
+        except DeploykitError as exc:
+            self._load_error = describe(exc, self.pending)
+            log.warning("loading %s on demand failed: %s", self.name, self._load_error)
+            raise
+        self._load_error = None
+
+    def load_current(self) -> None:
+        """Load the current revision from its laid-out shards (no reshard) and serve it: shards checked
+        (by hash the first time this process loads that revision, by presence and size after), then
+        loaded and health-checked."""
+        from .loading import StepTimer, load_checked, recorded_manifest, shards_problem
+        from ..errors import CheckpointError
+        from ..placement.planner import Plan
+
+        if self.pending is not None:  # a new revision of an on-demand deployment: the whole apply, now
+            self.load_initial(self.pending)
+            self.pending = None
+            return
+        current = self.store.current(self.name)
+        if current is None or current.plan is None:
+            raise ApplyError(f"{self.name!r} has no Ready revision to load")
+        problem = shards_problem(current, hashes=self._verified != current.revision)
+        if problem is not None:
+            raise CheckpointError(f"revision {current.revision} of {self.name!r} cannot be loaded: {problem}")
+        self._verified = current.revision
+        manifest, plan = recorded_manifest(current), Plan.from_dict(current.plan)
+        model, _ = load_checked(manifest, plan, Path(current.shards_path or ""), StepTimer(None))
+        self.pool.install(model, plan, current.revision, "on-demand", serving_of(manifest))
 
     # ---- serving --------------------------------------------------------------------------------
 
@@ -165,7 +238,7 @@ class Deployment:
     @contextmanager
     def acquire_loaded(self, timeout: float | None = None) -> Iterator[LoadedModel]:
         """Like ``acquire`` but yields the LoadedModel (model, tokenizer, input device, plan)."""
-        gen = self.pool.pin(self.acquire_timeout if timeout is None else timeout)
+        gen = self.pin(timeout)
         try:
             assert gen.loaded is not None  # pinned generations are never freed
             if gen.loaded.model is None:
@@ -201,7 +274,7 @@ class Deployment:
         """Sentence embeddings of a feature-extraction deployment, pooled as its checkpoint says."""
         from ..engine.runtime import EmbeddingRuntime
 
-        gen = self.pool.pin(self.acquire_timeout)
+        gen = self.pin()
         try:
             if not isinstance(gen.runtime, EmbeddingRuntime):
                 raise ApplyError(f"{self.name!r} ({gen.task}) does not serve embeddings")
@@ -213,7 +286,7 @@ class Deployment:
     def _text_runtime(self) -> Iterator[TextRuntime]:
         from ..engine.runtime import TextRuntime
 
-        gen = self.pool.pin(self.acquire_timeout)
+        gen = self.pin()
         try:
             if not isinstance(gen.runtime, TextRuntime):
                 raise ApplyError(f"{self.name!r} ({gen.task}) does not generate text")
@@ -290,9 +363,14 @@ class Deployment:
             if loaded.name != self.name:
                 raise ApplyError(f"the manifest now names {loaded.name!r}, this deployment is "
                                  f"{self.name!r}; a rename is a new deployment")
-            result = Rollout(self.pool, self.store, devices=self.devices,
-                             acquire_timeout=self.acquire_timeout).run(loaded, force=force, progress=progress,
-                                                                       on_step=on_step)
+            if self.host is None:
+                result = Rollout(self.pool, self.store, devices=self.devices,
+                                 acquire_timeout=self.acquire_timeout).run(loaded, force=force, progress=progress,
+                                                                           on_step=on_step)
+            else:
+                from .budgeting import roll_budgeted
+
+                result = roll_budgeted(self, self.host, loaded, force=force, progress=progress, on_step=on_step)
             strategy = result.strategy
         except Exception as exc:  # any failure, expected or not: recorded, the last good generation serves
             if not isinstance(exc, DeploykitError):
@@ -356,16 +434,19 @@ class Deployment:
 
     def status(self) -> dict[str, Any]:
         gen = self.pool.current
-        last_error = self._last_error or self._conflict
+        last_error = self._last_error or self._conflict or self._load_error
         phase = self._phase
         if phase not in (Phase.PENDING, Phase.CLOSED):
-            phase = phase_of(progressing=phase == Phase.PROGRESSING, last_error=last_error, current=gen is not None)
+            phase = phase_of(progressing=phase == Phase.PROGRESSING, last_error=last_error,
+                             current=gen is not None or self.pool.unloaded)  # unloaded: loads on demand
         return {
             "name": self.name,
             "phase": phase.value,
             "generation": self.generation,
             "revision": gen.revision if gen else None,
-            "serving": gen is not None,
+            "serving": gen is not None or self.pool.unloaded,  # unloaded: loads at its next request
+            "loaded": (self.host.state(self.name) if self.host is not None else None) or ("loaded" if gen else "unloaded"),
+            "budget": self.host.describe(self.name) if self.host is not None else None,
             "in_flight": gen.refs if gen else 0,
             "last_error": last_error,
             "manifest": str(self.manifest_path),

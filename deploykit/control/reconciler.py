@@ -129,7 +129,7 @@ class ApplyOptions:
 @dataclass
 class ApplyOutcome:
     name: str
-    status: str  # "unchanged" | "applied" | "loaded" | "dry-run"
+    status: str  # "unchanged" | "applied" | "loaded" | "dry-run" | "deferred" (applied by the first request)
     revision: int | None
     plan: Plan | None
     actions: tuple[Action, ...] = ()

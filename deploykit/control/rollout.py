@@ -73,12 +73,14 @@ class Rollout:
         self._apply_args: dict[str, Any] = {}
 
     def run(self, loaded: LoadedManifest, *, force: bool = False, progress: ProgressSink | None = None,
-            on_step: Callable[[str], None] | None = None) -> RolloutResult:
-        """``force``, ``progress`` and ``on_step`` are passed to the apply (the control API streams them)."""
+            on_step: Callable[[str], None] | None = None, strategy: str | None = None) -> RolloutResult:
+        """``force``, ``progress`` and ``on_step`` are passed to the apply (the control API streams them).
+        ``strategy`` overrides the manifest's (the host budget's decision: recreate when two generations
+        do not fit in it)."""
         from ..placement.planning import plan_manifest
         from .reconciler import deployment_inventory
 
-        requested = loaded.manifest.spec.rollout.strategy
+        requested = strategy or loaded.manifest.spec.rollout.strategy
         beside = inventory_beside(deployment_inventory(loaded, self.devices), self.pool.current)
         infeasible: PlanInfeasible | None = None
         if requested != Strategy.RECREATE:
@@ -86,13 +88,13 @@ class Rollout:
                 plan_manifest(loaded, inventory=beside)
             except PlanInfeasible as exc:
                 infeasible = exc
-        strategy = choose_strategy(requested, fits_beside=infeasible is None)
-        if strategy is None:
+        chosen = choose_strategy(requested, fits_beside=infeasible is None)
+        if chosen is None:
             assert infeasible is not None
             raise infeasible
         self._apply_args = {"progress": progress, "on_step": on_step}
         self._force = force
-        if strategy == Strategy.BLUE_GREEN:
+        if chosen == Strategy.BLUE_GREEN:
             return self._blue_green(loaded, beside)
         return self._recreate(loaded)
 

@@ -41,6 +41,7 @@ from .watcher import ManifestWatcher
 
 if TYPE_CHECKING:
     from ..artifacts.reshard import ProgressSink
+    from .host import Host
     from .state import Revision
 
 log = logging.getLogger(__name__)
@@ -52,7 +53,7 @@ class Supervisor:
     start) and follows the files."""
 
     def __init__(self, path: Path | None, *, store: StateStore, devices: str | None = None, prune: bool = False,
-                 debounce: float = 0.3) -> None:
+                 debounce: float = 0.3, host: Host | None = None) -> None:
         self.path = Path(path).resolve() if path is not None else None
         self.store = store
         self.devices = devices
@@ -66,6 +67,7 @@ class Supervisor:
         self._watcher: ManifestWatcher | None = None
         self._name_locks: dict[str, threading.Lock] = {}
         self._busy: dict[str, str] = {}  # name -> the change running for it now
+        self.host = host  # the memory budget every deployment loads under (None: each plans alone)
 
     def manifest_files(self) -> list[Path]:
         if self.path is None:
@@ -75,6 +77,8 @@ class Supervisor:
     def start(self) -> None:
         """Load every file's deployments (in parallel, one worker each), then follow the files.
         Without a path: restore every recorded deployment instead."""
+        if self.host is not None:
+            self.host.start()
         if self.path is None:
             self.restore()
             return
@@ -136,7 +140,7 @@ class Supervisor:
                 self._show_conflict(name)
             if not claim.ok or self.get(name) is not None:
                 return None
-            dep = Deployment.from_manifest(file, name=name, devices=self.devices, store=self.store)
+            dep = Deployment.from_manifest(file, name=name, devices=self.devices, store=self.store, host=self.host)
         finally:
             with self._lock:
                 self.loading.discard(name)
@@ -186,6 +190,8 @@ class Supervisor:
         self.owners.release(name)
         if dep is not None:
             dep.close()
+        if self.host is not None:
+            self.host.forget(name)
         delete(self.store, name, reason="manifest removed; deployment pruned")
         log.info("pruned %s", name)
 
@@ -211,7 +217,8 @@ class Supervisor:
                 current = self.store.current(name)
                 if current is None or self.get(name) is not None:
                     return
-                dep = Deployment.from_loaded(recorded_manifest(current), devices=self.devices, store=self.store)
+                dep = Deployment.from_loaded(recorded_manifest(current), devices=self.devices, store=self.store,
+                                             host=self.host)
                 self.owners.claim_for_api(name)
                 with self._lock:
                     self.deployments[name] = dep
@@ -279,7 +286,7 @@ class Supervisor:
                 self.loading.add(name)
             try:
                 dep = Deployment.from_loaded(loaded, devices=self.devices, store=self.store, force=force,
-                                             progress=progress, on_step=on_step)
+                                             progress=progress, on_step=on_step, host=self.host)
             finally:
                 with self._lock:
                     self.loading.discard(name)
@@ -338,6 +345,8 @@ class Supervisor:
                 raise DeploykitError(f"no deployment named {name!r} (known: {', '.join(self.store.names()) or 'none'})")
             if dep is not None:
                 dep.close()
+            if self.host is not None:
+                self.host.forget(name)
             if name in self.store.names():
                 delete(self.store, name, keep_shards=keep_shards, reason=reason)
             log.info("deleted %s", name)
@@ -377,7 +386,7 @@ class Supervisor:
             live = dep.status()
             report.update({"phase": live["phase"], "generation": live["generation"],
                            "serving_revision": live["revision"], "in_flight": live["in_flight"],
-                           "reloads": live["reloads"]})
+                           "reloads": live["reloads"], "loaded": live["loaded"], "budget": live["budget"]})
             if live["last_error"]:
                 report["last_error"] = live["last_error"]
             out.append(report)
@@ -404,6 +413,8 @@ class Supervisor:
         return (not not_ready and bool(items)), not_ready
 
     def close(self) -> None:
+        if self.host is not None:
+            self.host.stop()
         if self._watcher is not None:
             self._watcher.stop()
         for _, dep in self.items():

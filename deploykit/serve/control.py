@@ -270,8 +270,9 @@ async def status(request: Request, name: str | None = None) -> JSONResponse:
     def work() -> list[dict[str, Any]]:
         from ..control.report import status_report
 
-        names = supervisor.store.names()
-        if name is not None and supervisor.store.latest(name) is None:
+        held = [n for n, _ in supervisor.items()]  # an on-demand deployment is recorded by its first load
+        names = supervisor.store.names() + [n for n in held if n not in supervisor.store.names()]
+        if name is not None and name not in names:
             raise DeploykitError(f"no deployment named {name!r} (known: {', '.join(names) or 'none'})")
         reports = []
         for n in [name] if name else names:
@@ -284,6 +285,7 @@ async def status(request: Request, name: str | None = None) -> JSONResponse:
             report["serving"] = bool(live and live["serving"])
             report["serving_revision"] = live["revision"] if live else None
             report["generation"] = live["generation"] if live else None
+            report["loaded"], report["budget"] = (live["loaded"], live["budget"]) if live else (None, None)
             reports.append(report)
         return reports
 

@@ -79,6 +79,27 @@ Duration = Annotated[
 ]
 
 
+def _keep_alive(value: object) -> float | None:
+    if value is None or value == "forever":
+        return None
+    try:
+        return parse_duration(value)
+    except ValueError as exc:
+        raise PydanticCustomError("keep_alive", f"{exc}, or 'forever'") from None
+
+
+KeepAlive = Annotated[
+    float | None,
+    BeforeValidator(_keep_alive),
+    PlainSerializer(lambda v: "forever" if v is None else format_duration(v), return_type=str),
+    WithJsonSchema({
+        "anyOf": [{"type": "number", "exclusiveMinimum": 0},
+                  {"type": "string", "pattern": r"^\s*(forever|\d+(\.\d+)?\s*(ms|s|m|h)?)\s*$"}],
+        "description": "A duration ('30s', '5m', '1h', or a number of seconds), or 'forever'.",
+    }),
+]
+
+
 class _Strict(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True, populate_by_name=True)
 
@@ -262,6 +283,17 @@ class Serving(_Strict):
         return max_tokens
 
 
+class Lifecycle(_Strict):
+    """When ``deploykit serve`` holds this model in memory, under its budget (docs/budget.md)."""
+
+    keep_alive: KeepAlive = Field(None, description="Unload after being idle this long (counted from the end "
+                                                    "of the last request); 'forever' never unloads when idle.")
+    load: Literal["eager", "on-demand"] = Field(
+        "eager", description="eager: loaded when served or applied; on-demand: loaded at its first request.")
+    priority: int = Field(0, description="Making room for a deployment unloads idle ones of this priority or "
+                                         "lower (lowest first, then least recently used).")
+
+
 _RAY_ADDRESS_RE = re.compile(r"^(auto|local|(ray://)?[A-Za-z0-9._-]+:\d{1,5})$")
 
 
@@ -295,6 +327,8 @@ class Spec(_Strict):
     offload: Offload = Field(default_factory=Offload, description="CPU and disk tiers after the GPUs.")
     rollout: Rollout = Field(default_factory=Rollout, description="How a change goes live.")
     serving: Serving = Field(default_factory=Serving, description="Limits of the inference API.")
+    lifecycle: Lifecycle = Field(default_factory=Lifecycle, description="Loading, unloading and priority "
+                                                                        "under deploykit serve's budget.")
 
     @model_validator(mode="after")
     def _tensor_parallel_alone(self) -> Spec:
@@ -314,6 +348,8 @@ class Spec(_Strict):
             data.pop("cluster", None)
         if self.replicas == 1:
             data.pop("replicas", None)
+        if self.lifecycle == Lifecycle():  # manifests that never name a lifecycle keep their digest
+            data.pop("lifecycle", None)
         return data
 
 
