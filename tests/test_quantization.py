@@ -417,3 +417,12 @@ def test_smollm2_plan_bytes_are_its_weights_once(tmp_path):
         plans[scheme] = plan_manifest(loaded).total_bytes
     assert plans["none"] == parameters * 4 + 2 * 32 * 4  # inv_freq and original_inv_freq, head_dim 64
     assert plans["int8"] <= 0.5 * plans["none"] and plans["int4"] <= 0.4 * plans["none"]
+
+
+def test_quantization_with_tensor_parallel_is_refused_where_it_is_written(tmp_path):
+    text = _manifest(tmp_path, "int4").replace("placement: {gpus: []}", "placement: {gpus: [], tensor_parallel: 2}")
+    with pytest.raises(ManifestError) as err:
+        parse_manifests(text.encode(), source="m.yaml", base_dir=tmp_path)
+    [issue] = err.value.issues
+    assert (issue.line, issue.column, issue.field) == (8, 19, "spec.model.quantization")
+    assert "not available with tensor_parallel" in issue.message
