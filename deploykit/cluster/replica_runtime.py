@@ -41,6 +41,9 @@ class ReplicaEngine:
 
     def submit(self, request: GenerationRequest,
                listener: Callable[[int | GenerationResult], None] | None = None) -> RequestHandle:
+        if not request.is_plain():  # a replica answers with token ids only
+            raise ValueError("logprobs, echo, presence/frequency penalties and logit_bias are not served "
+                             "through replicas (spec.replicas > 1)")
         h = RequestHandle(request, f"rep-{next(self._ids)}", rng=request_generator(request), listener=listener)
         threading.Thread(target=self._run, args=(h,), name="deploykit-replica-request", daemon=True).start()
         return h

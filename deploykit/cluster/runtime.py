@@ -7,7 +7,7 @@ The engine batches *statically*: waiting requests (up to ``max_concurrent``) sta
 left-padded batch and run until all of them finish or are cancelled; requests arriving meanwhile wait
 for the next batch. Each batch is one request group on the stages: its KV caches are freed on every
 stage when the batch ends, whether it finished, was cancelled or failed. Sampling is per request
-(greedy, temperature, top_p, seed), with the same sampler as the in-process engine.
+(greedy, temperature, top_p, seed), with the same sampler as the in-process engine (penalties, logit_bias and logprobs included).
 """
 
 from __future__ import annotations
@@ -22,8 +22,8 @@ from typing import Any, Callable
 
 from ..engine.health import HealthResult, within
 from ..errors import ApplyError
-from ..engine.batching import (GenerationRequest, GenerationResult, QueueFull, RequestHandle, request_generator,
-                               sample_token)
+from ..engine.batching import GenerationRequest, GenerationResult, QueueFull, RequestHandle
+from ..engine.sampling import next_token, request_generator
 from ..engine.runtime import MAX_DEFAULT_CONTEXT, Limits, TextRuntime
 from ..engine.text import RequestError
 from ..placement.planner import Plan
@@ -53,6 +53,8 @@ class PipelineEngine:
             raise RuntimeError("engine is closed")
         if not request.prompt_ids or request.max_new_tokens < 1:
             raise ValueError("need a non-empty prompt and max_new_tokens >= 1")
+        if request.prompt_logprobs is not None:
+            raise ValueError("prompt logprobs (echo) are not served through pipeline stages")
         h = RequestHandle(request, f"req-{next(self._ids)}", rng=request_generator(request), listener=listener)
         with self._cond:
             if len(self._waiting) >= self.max_queued:
@@ -122,8 +124,8 @@ class PipelineEngine:
                         if h.done:
                             last.append(h.tokens[-1] if h.tokens else 0)
                             continue
-                        tok = sample_token(logits[i], h.request, h.rng)
-                        h.push(tok)
+                        tok, lp = next_token(logits[i].float(), h.request, h.tokens, h.rng)
+                        h.push(tok, lp)
                         last.append(tok)
                         if reason := self._stop_hit(h, tok):
                             h.finish(reason)  # type: ignore[arg-type]
