@@ -23,6 +23,7 @@ import torch
 
 from deploykit.engine.batching import Engine, GenerationRequest, GenerationResult, QueueFull
 from deploykit.errors import DeploykitError
+from penalties import Penalties
 
 BACKENDS = ["padded", "continuous"]
 Reference = Callable[[tuple[int, ...], int], list[int]]
@@ -303,23 +304,6 @@ def test_asyncio_clients_through_call_soon_threadsafe(llama: Any, reference: Ref
 
 
 # ---- per-request logits work, and one bad request among good ones ------------------------------------
-
-class Penalties:
-    """A transformers ``LogitsProcessor`` applying OpenAI's formula over the generated tokens, and
-    ``logit_bias``: the reference the engine's own per-row code must match token for token."""
-
-    def __init__(self, prompt_len: int, presence: float, frequency: float, bias: dict[int, float]) -> None:
-        self.prompt_len, self.presence, self.frequency, self.bias = prompt_len, presence, frequency, bias
-
-    def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
-        scores = scores.clone()
-        for row, ids in enumerate(input_ids[:, self.prompt_len:]):
-            counts = torch.bincount(ids, minlength=scores.shape[-1]).to(scores.dtype)
-            scores[row] -= self.presence * (counts > 0).to(scores.dtype) + self.frequency * counts
-        for token, bias in self.bias.items():
-            scores[:, token] += bias
-        return scores
-
 
 def test_penalties_and_logit_bias_match_a_logits_processor(llama: Any) -> None:
     from transformers import LogitsProcessorList

@@ -1,7 +1,9 @@
-"""``POST /v1/chat/completions``: messages through the model's chat template, streamed or not."""
+"""``POST /v1/chat/completions``: messages through the model's chat template, streamed or not; ``n``
+choices, logprobs, penalties and logit_bias as OpenAI's API defines them."""
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import AsyncIterator
 from contextlib import AsyncExitStack
 from typing import Any
@@ -11,16 +13,13 @@ from fastapi.responses import StreamingResponse
 
 from ...engine.batching import GenerationRequest
 from ...engine.text import chat_prompt_ids, check_length
+from .choices import merged, usage, whole
 from .common import engine_request, find, max_tokens_of, prepare, sse
-from .generation import Outcome, Run, generate
+from .generation import Delta, Outcome, Run
+from .logprobs import TokenTexts, chat_content
 from .protocol import ChatCompletionRequest, new_id, now
 
 router = APIRouter()
-
-
-def _usage(outcome: Outcome) -> dict[str, int]:
-    return {"prompt_tokens": outcome.prompt_tokens, "completion_tokens": outcome.completion_tokens,
-            "total_tokens": outcome.prompt_tokens + outcome.completion_tokens}
 
 
 @router.post("/v1/chat/completions", response_model=None)
@@ -28,42 +27,58 @@ async def chat_completions(body: ChatCompletionRequest, request: Request) -> Any
     state = request.app.state
     dep = find(state.registry, body.model)
 
-    def work(runtime: Any) -> GenerationRequest:
+    def work(runtime: Any) -> list[GenerationRequest]:
         ids = chat_prompt_ids(runtime.tokenizer, [m.as_template_message() for m in body.messages])
         max_tokens = max_tokens_of(body.requested_max_tokens(), runtime)
         check_length(len(ids), max_tokens, context_length=runtime.context_length,
                      limit=runtime.limits.max_tokens, prompt_param="messages")
-        return engine_request(body, ids, max_tokens, runtime)
+        return [engine_request(body, ids, max_tokens, runtime, choice=j, logprobs=body.top())
+                for j in range(body.n)]
 
-    stack, gen, job = await prepare(dep, "text", work)
+    stack, gen, jobs = await prepare(dep, "text", work)
+    runs = [Run(gen, dep.name, job, request, state.metrics) for job in jobs]
+    texts = TokenTexts(gen.runtime.tokenizer)  # type: ignore[union-attr]  # pinned: a text runtime
     meta = {"id": new_id("chatcmpl"), "created": now(), "model": dep.name}
     if body.stream:
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
-        return StreamingResponse(_stream(stack, gen, dep.name, job, request, meta, include_usage),
+        return StreamingResponse(_stream(stack, runs, meta, include_usage, body.n, texts),
                                  media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
     async with stack:
-        outcome = await generate(gen, dep.name, job, request, state.metrics)
+        outcomes = await asyncio.gather(*(whole(run) for run in runs))
     return {**meta, "object": "chat.completion",
-            "choices": [{"index": 0, "message": {"role": "assistant", "content": outcome.text},
-                         "logprobs": None, "finish_reason": outcome.finish_reason}],
-            "usage": _usage(outcome)}
+            "choices": [{"index": i, "message": {"role": "assistant", "content": o.text},
+                         "logprobs": _logprobs(o.logprobs, texts), "finish_reason": o.finish_reason}
+                        for i, o in enumerate(outcomes)],
+            "usage": usage(outcomes, body.n)}
 
 
-async def _stream(stack: AsyncExitStack, gen: Any, name: str, job: Any, request: Request, meta: dict[str, Any],
-                  include_usage: bool) -> AsyncIterator[bytes]:
+def _logprobs(lps: Any, texts: TokenTexts) -> dict[str, Any] | None:
+    return None if lps is None else {"content": chat_content(lps, texts), "refusal": None}
+
+
+async def _stream(stack: AsyncExitStack, runs: list[Run], meta: dict[str, Any], include_usage: bool, n: int,
+                  texts: TokenTexts) -> AsyncIterator[bytes]:
     async with stack:  # the pin ends with the stream, however it ends
         chunk = {**meta, "object": "chat.completion.chunk"}
 
-        def delta(content: dict[str, str], finish: str | None = None) -> bytes:
-            return sse({**chunk, "choices": [{"index": 0, "delta": content, "logprobs": None,
+        def choice(index: int, content: dict[str, str], logprobs: Any = None, finish: str | None = None) -> bytes:
+            return sse({**chunk, "choices": [{"index": index, "delta": content, "logprobs": logprobs,
                                               "finish_reason": finish}]})
 
-        yield delta({"role": "assistant", "content": ""})
-        run = Run(gen, name, job, request, request.app.state.metrics)
-        async for text in run.deltas():
-            yield delta({"content": text})
-        assert run.outcome is not None
-        yield delta({}, run.outcome.finish_reason)
+        for index in range(len(runs)):
+            yield choice(index, {"role": "assistant", "content": ""})
+        async for index, delta in merged(runs):
+            if delta is not None:
+                yield choice(index, {"content": delta.text}, _delta_logprobs(runs[index], delta, texts))
+            else:
+                outcome = runs[index].outcome
+                assert outcome is not None
+                yield choice(index, {}, finish=outcome.finish_reason)
         if include_usage:
-            yield sse({**chunk, "choices": [], "usage": _usage(run.outcome)})
+            outcomes: list[Outcome] = [r.outcome for r in runs if r.outcome]
+            yield sse({**chunk, "choices": [], "usage": usage(outcomes, n)})
         yield sse("[DONE]")
+
+
+def _delta_logprobs(run: Run, delta: Delta, texts: TokenTexts) -> dict[str, Any] | None:
+    return _logprobs(delta.logprobs, texts) if run.request.logprobs is not None else None

@@ -8,12 +8,12 @@ import asyncio
 import time
 from collections.abc import AsyncIterator, Callable
 from contextlib import suppress
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from starlette.requests import Request
 
-from ...engine.batching import GenerationRequest, GenerationResult
+from ...engine.batching import GenerationRequest, GenerationResult, RequestHandle, TokenLogprobs
 from ...engine.text import TextStream
 from ..errors import APIError
 from .common import TokenEvents, submit
@@ -33,6 +33,16 @@ class Outcome:
     prompt_tokens: int
     completion_tokens: int
     unsent: str = ""  # the end of ``text`` known only once generation ended
+    logprobs: list[TokenLogprobs] | None = None  # the tokens of ``text`` (EOS excluded), when asked for
+    prompt_logprobs: list[TokenLogprobs] | None = None
+
+
+@dataclass
+class Delta:
+    """Text that became final, and the logprobs of the tokens it comes from (when asked for)."""
+
+    text: str
+    logprobs: list[TokenLogprobs] = field(default_factory=list)
 
 
 async def _watch_disconnect(request: Request, cancel: Callable[[], None]) -> None:
@@ -51,15 +61,18 @@ class Run:
         self.runtime: TextRuntime = gen.runtime  # type: ignore[assignment]
         self.labels = metrics.labels(dep_name, gen.number)
         self.outcome: Outcome | None = None
+        self.handle: RequestHandle | None = None
+        self.logprobs: list[TokenLogprobs] = []  # of the tokens handed out so far
 
-    async def deltas(self) -> AsyncIterator[str]:
+    async def deltas(self) -> AsyncIterator[Delta]:
         runtime, metrics = self.runtime, self.metrics
         events = TokenEvents()
         started = time.monotonic()
-        handle = submit(runtime, self.request, events)
+        self.handle = handle = submit(runtime, self.request, events)
         text = TextStream(runtime.tokenizer, stop=self.request.stop_strings, skip_ids=sorted(runtime.eos_ids))
         watcher = asyncio.create_task(_watch_disconnect(self.http, lambda: runtime.engine.cancel(handle)))
         parts: list[str] = []
+        pending: list[TokenLogprobs] = []  # logprobs of tokens whose text is held back
         result: GenerationResult | None = None
         try:
             async for event in events:
@@ -68,12 +81,14 @@ class Run:
                     break
                 if not parts and not text.ids:
                     metrics.time_to_first_token.labels(*self.labels).observe(time.monotonic() - started)
+                if self.request.logprobs is not None and not text.stopped and event not in runtime.eos_ids:
+                    pending.append(handle.logprobs[len(text.ids)])  # pushed before the listener heard
                 delta = text.push(event)
                 if text.stopped:  # a stop string: end the request now, the rest is not wanted
                     runtime.engine.cancel(handle)
                 if delta:
                     parts.append(delta)
-                    yield delta
+                    yield self._delta(delta, pending)
         finally:
             watcher.cancel()
             with suppress(asyncio.CancelledError):
@@ -81,8 +96,17 @@ class Run:
             if result is None:  # the client went away (or this task was cancelled): free the slot
                 runtime.engine.cancel(handle)
         self.outcome = _finish(text, parts, result, metrics, self.labels, started)
-        if self.outcome.unsent:
-            yield self.outcome.unsent
+        if self.request.logprobs is not None:
+            self.outcome.logprobs = self.logprobs  # complete once the last delta below is out
+        self.outcome.prompt_logprobs = result.prompt_logprobs if result is not None else None
+        if self.outcome.unsent or pending:
+            yield self._delta(self.outcome.unsent, pending)
+
+    def _delta(self, text: str, pending: list[TokenLogprobs]) -> Delta:
+        delta = Delta(text, list(pending))
+        self.logprobs.extend(pending)
+        pending.clear()
+        return delta
 
 
 async def generate(gen: Generation, dep_name: str, request: GenerationRequest, http: Request,
