@@ -38,6 +38,7 @@ import torch
 import torch.nn.functional as F
 
 from ..errors import DeploykitError
+from .kvcache import growing_cache
 from .sampling import (TokenLogprobs, is_plain_greedy, next_token, prompt_logprobs, request_generator,
                        sample_token)
 
@@ -338,7 +339,7 @@ class Engine:
         pos = (nmask.cumsum(1) - 1).clamp(min=0)
         with self._forward_lock:
             out = self.model(input_ids=ids, attention_mask=nmask, position_ids=pos, use_cache=True,
-                             logits_to_keep=1)
+                             past_key_values=growing_cache(self.model.config), logits_to_keep=1)
         if cache is None:
             return out.logits[:, -1].float(), out.past_key_values, nmask
         width = max(mask.shape[1], t)  # RoPE is already applied to cached keys: padding is safe
