@@ -29,27 +29,30 @@ class GrowingLayer(DynamicLayer):
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
         n, add = self.get_seq_length(), key_states.shape[-2]
-        if not self._owns(n) or n + add > self._buffers[0].shape[-2]:  # type: ignore[index]
-            self._buffers = (self._grown(self.keys, key_states, n + add), self._grown(self.values, value_states, n + add))
-        keys, values = self._buffers
+        assert self.keys is not None and self.values is not None  # initialised above
+        buffers = self._buffers
+        if buffers is None or not _views(self.keys, buffers[0], n) or n + add > buffers[0].shape[-2]:
+            buffers = (_grown(self.keys, key_states, n + add), _grown(self.values, value_states, n + add))
+            self._buffers = buffers
+        keys, values = buffers
         keys[:, :, n:n + add] = key_states
         values[:, :, n:n + add] = value_states
         self.keys, self.values = keys[:, :, :n + add], values[:, :, :n + add]
         return self.keys, self.values
 
-    def _owns(self, n: int) -> bool:
-        """Whether ``keys`` is still the view of this layer's buffer (the engine may have replaced it)."""
-        buffers = self._buffers
-        return (buffers is not None and n > 0 and self.keys.data_ptr() == buffers[0].data_ptr()
-                and self.keys.shape[0] == buffers[0].shape[0] and self.keys.stride() == buffers[0].stride())
 
-    @staticmethod
-    def _grown(old: torch.Tensor, new: torch.Tensor, need: int) -> torch.Tensor:
-        batch, heads, _, dim = new.shape
-        buffer = new.new_empty(batch, heads, need + HEADROOM, dim)
-        if old.numel():
-            buffer[:, :, :old.shape[-2]] = old
-        return buffer
+def _views(keys: torch.Tensor, buffer: torch.Tensor, n: int) -> bool:
+    """Whether ``keys`` is still the view of ``buffer`` (the engine may have replaced it)."""
+    return n > 0 and keys.data_ptr() == buffer.data_ptr() and keys.shape[0] == buffer.shape[0] \
+        and keys.stride() == buffer.stride()
+
+
+def _grown(old: torch.Tensor, new: torch.Tensor, need: int) -> torch.Tensor:
+    batch, heads, _, dim = new.shape
+    buffer = new.new_empty(batch, heads, need + HEADROOM, dim)
+    if old.numel():
+        buffer[:, :, :old.shape[-2]] = old
+    return buffer
 
 
 def growing_cache(config: Any) -> DynamicCache:
