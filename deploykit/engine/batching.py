@@ -4,10 +4,13 @@ Two backends, one interface (``submit`` -> ``RequestHandle``, ``cancel``, ``clos
 
 - ``"padded"`` (default): deploykit's own decode loop on one worker thread. Waiting requests join the
   running batch at step boundaries (left-padded prefill, then their KV cache is appended to the
-  batch's), finished or cancelled rows leave it at once and free their cache, and every request
-  samples on its own (greedy, temperature, top_p, a private seeded ``torch.Generator``).
+  batch's; it grows in place, ``kvcache.py``), finished or cancelled rows leave it at once and free
+  their cache, and every request chooses its tokens on its own (``sampling.py``: greedy, temperature,
+  top_p, a private seeded ``torch.Generator``, penalties, logit_bias, logprobs; one argmax for all the
+  plain greedy rows). A request that fails its prefill or its sampling fails alone; a failing decode
+  step fails the rows decoded together, never the engine.
 - ``"continuous"``: transformers' ``ContinuousBatchingManager`` (paged KV cache), sized explicitly
-  from ``kv_cache_bytes`` (its default takes ~60% of host RAM). Greedy only.
+  from ``kv_cache_bytes`` (its default takes ~60% of host RAM). Plain greedy only.
 
 Why deploykit has its own loop at all: in transformers 5.23 continuous batching reads ``do_sample``
 and the seed once per manager, so greedy and sampled requests (or two seeds) cannot share one, which an
