@@ -9,7 +9,8 @@ CHAT_TEMPLATE = ("{% for m in messages %}<s>{{ m['role'] }}: {{ m['content'] }}\
                  "{% if add_generation_prompt %}<s>assistant: {% endif %}")
 
 
-def build_chat_model(directory: Path, *, seed: int = 0, context: int = 256) -> Path:
+def build_chat_model(directory: Path, *, seed: int = 0, context: int = 256, hidden: int = 64, layers: int = 2,
+                     intermediate: int = 128) -> Path:
     import torch
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers
     from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
@@ -26,8 +27,8 @@ def build_chat_model(directory: Path, *, seed: int = 0, context: int = 256) -> P
     fast.chat_template = CHAT_TEMPLATE
     directory.mkdir(parents=True, exist_ok=True)
     fast.save_pretrained(directory)
-    config = LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-                         num_key_value_heads=2, vocab_size=len(vocab), max_position_embeddings=context,
+    config = LlamaConfig(hidden_size=hidden, intermediate_size=intermediate, num_hidden_layers=layers,
+                         num_attention_heads=4, num_key_value_heads=2, vocab_size=len(vocab), max_position_embeddings=context,
                          bos_token_id=vocab["<s>"], eos_token_id=vocab["</s>"], pad_token_id=vocab["<pad>"])
     torch.manual_seed(seed)
     LlamaForCausalLM(config).save_pretrained(directory, safe_serialization=True)

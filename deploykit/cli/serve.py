@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import os
 from pathlib import Path
 
@@ -27,10 +28,12 @@ from .console import STATE_OPTION, err, handle_errors, store
               "events must settle before reloading.")
 @click.option("--drain-timeout", type=float, default=30.0, show_default=True,
               help="Seconds running requests get to finish on SIGTERM.")
+@click.option("--log-level", type=click.Choice(["debug", "info", "warning", "error"]), default="info",
+              show_default=True, help="Least severe log lines written to stderr (loads, frees, client disconnects).")
 @STATE_OPTION
 @handle_errors
 def serve(path: str | None, host: str, port: int, api_key: str | None, control_token: str | None, prune: bool,
-          devices: str | None, debounce: float, drain_timeout: float, state_dir: str | None) -> None:
+          devices: str | None, debounce: float, drain_timeout: float, log_level: str, state_dir: str | None) -> None:
     """Hold every deployment in PATH (a manifest or a directory of manifests), reload them when their
     files change, and serve them: the OpenAI-compatible API (/v1/models, /v1/chat/completions,
     /v1/completions, /v1/embeddings) and /healthz, /readyz, /status, /metrics.
@@ -47,6 +50,7 @@ def serve(path: str | None, host: str, port: int, api_key: str | None, control_t
     from ..serve.server import bind, run
 
     check_bind(host, api_key)
+    _log_to_stderr(log_level)
     states = open_store(store(state_dir).directory)
     other = find_server(states.directory)
     if other is not None:
@@ -83,3 +87,12 @@ def serve(path: str | None, host: str, port: int, api_key: str | None, control_t
         supervisor.close()
         err.print("deploykit serve: stopped")
     os.environ.pop("DEPLOYKIT_API_KEY", None)
+
+
+def _log_to_stderr(level: str) -> None:
+    """deploykit's own log lines, one per line, on stderr (library code only logs; it never prints)."""
+    handler = logging.StreamHandler()
+    handler.setFormatter(logging.Formatter("deploykit serve: %(levelname)s %(name)s: %(message)s"))
+    logger = logging.getLogger("deploykit")
+    logger.addHandler(handler)
+    logger.setLevel(level.upper())

@@ -42,6 +42,7 @@ class Generation:
     strategy: str = ""
     refs: int = 0
     retired: bool = False
+    freeing: bool = False  # claimed by the one caller that frees it
     forward_lock: threading.Lock | None = None
     runtime: Runtime | None = None  # what serves requests on this generation (closed when freed)
     task: str = "causal-lm"
@@ -101,6 +102,14 @@ class GenerationPool:
     def number(self) -> int:
         return self._number
 
+    def try_pin(self) -> Generation | None:
+        """The current generation pinned, or None at once when there is none (a recreate is reloading)."""
+        with self._cond:
+            gen = self._current
+            if gen is not None:
+                gen.refs += 1
+            return gen
+
     def pin(self, timeout: float) -> Generation:
         """The current generation, pinned; waits up to ``timeout`` while a recreate has none."""
         deadline = time.monotonic() + timeout
@@ -118,12 +127,25 @@ class GenerationPool:
             return gen
 
     def unpin(self, gen: Generation) -> None:
+        """Unpin; frees a retired generation on this thread when this was its last caller."""
+        if self._unpinned(gen):
+            self._free(gen)
+
+    def release(self, gen: Generation) -> None:
+        """Unpin without ever blocking: a retired generation left with no caller is freed on a thread
+        of its own (for the event loop, and for cleanup that must not be interrupted halfway)."""
+        if self._unpinned(gen):
+            threading.Thread(target=self._free, args=(gen,), name=f"deploykit-free-{self.name}", daemon=True).start()
+
+    def _unpinned(self, gen: Generation) -> bool:
         with self._cond:
+            if gen.refs <= 0:  # a caller released twice: never let the count go negative
+                log.error("%s: generation %d unpinned more often than pinned", self.name, gen.number)
+                return False
             gen.refs -= 1
             free = gen.retired and gen.refs == 0 and gen.loaded is not None
             self._cond.notify_all()
-        if free:
-            self._free(gen)
+        return free
 
     def install(self, loaded: LoadedModel, plan: Plan | None, revision: int, strategy: str,
                 manifest: LoadedManifest) -> Generation:
@@ -168,8 +190,9 @@ class GenerationPool:
 
     def _free(self, gen: Generation) -> None:
         with self._cond:
-            if gen.loaded is None:
+            if gen.loaded is None or gen.freeing:
                 return
+            gen.freeing = True
             runtime, gen.runtime = gen.runtime, None
         if runtime is not None:
             runtime.close()  # its in-flight requests held pins: none are left

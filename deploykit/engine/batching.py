@@ -180,9 +180,11 @@ class Engine:
         if self._cb is not None:
             return self._cb_submit(h)
         with self._cond:
-            if len(self._waiting) >= self.max_queued:  # purge cancelled ones before refusing
+            # requests that a free batch slot takes at the next step are not queued: count only the rest
+            room = self.max_queued + max(0, self.max_batch_size - self._running)
+            if len(self._waiting) >= room:  # purge cancelled ones before refusing
                 self._waiting = deque(w for w in self._waiting if not w.done)
-            if len(self._waiting) >= self.max_queued:
+            if len(self._waiting) >= room:
                 raise QueueFull(f"{self.max_queued} requests already waiting")
             self._waiting.append(h)
             self._cond.notify()

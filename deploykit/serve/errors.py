@@ -6,6 +6,7 @@ is a 500 whose message says so, logged here with its traceback for the operator.
 from __future__ import annotations
 
 import logging
+from collections.abc import MutableMapping
 from typing import Any
 
 from fastapi import FastAPI, Request
@@ -28,6 +29,15 @@ class APIError(Exception):
         super().__init__(message)
         self.status, self.message, self.param, self.code = status, message, param, code
         self.headers = headers or {}
+
+
+class ClientGone(Exception):
+    """The client closed its connection before its answer: nobody reads it. Logged as one line and
+    counted (``deploykit_client_disconnects``), never a traceback."""
+
+    def __init__(self, model: str) -> None:
+        super().__init__(model)
+        self.model = model
 
 
 def error_body(status: int, message: str, *, param: str | None = None, code: str | None = None) -> dict[str, Any]:
@@ -76,6 +86,23 @@ def _http(_: Request, exc: Exception) -> JSONResponse:
     return error_response(exc.status_code, message, headers=getattr(exc, "headers", None))
 
 
+def client_gone(scope: MutableMapping[str, Any], model: str, *, streamed: bool) -> None:
+    """One log line and one count for a client that left before its answer ended."""
+    app = scope.get("app")
+    metrics = getattr(getattr(app, "state", None), "metrics", None)
+    if metrics is not None:
+        metrics.client_disconnects.labels(model).inc()
+    what = "stream" if streamed else "answer"
+    log.info("%s: the client closed its connection before its %s ended; the request was cancelled", model, what)
+
+
+def _gone(request: Request, exc: Exception) -> JSONResponse:
+    assert isinstance(exc, ClientGone)
+    client_gone(request.scope, exc.model, streamed=False)
+    # 499 (nginx's "client closed request"): nobody receives it, but an access log shows what happened
+    return error_response(499, "the client closed the connection", code="client_closed_request")
+
+
 def _unexpected(request: Request, exc: Exception) -> JSONResponse:
     log.exception("%s %s failed", request.method, request.url.path)
     return error_response(500, f"internal error ({type(exc).__name__}); the server logged the details",
@@ -85,5 +112,6 @@ def _unexpected(request: Request, exc: Exception) -> JSONResponse:
 def install_handlers(app: FastAPI) -> None:
     app.add_exception_handler(RequestValidationError, _validation)
     app.add_exception_handler(APIError, _api)
+    app.add_exception_handler(ClientGone, _gone)
     app.add_exception_handler(StarletteHTTPException, _http)
     app.add_exception_handler(Exception, _unexpected)

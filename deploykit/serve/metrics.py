@@ -35,6 +35,9 @@ class ServingMetrics:
                                      registry=registry)
         self.generation_tokens = Counter("deploykit_generation_tokens", "Tokens generated", _LABELS,
                                          registry=registry)
+        self.client_disconnects = Counter("deploykit_client_disconnects", "Requests whose client closed the "
+                                          "connection before the answer ended (each was cancelled)",
+                                          ["model_name"], registry=registry)
         self.embedding_inputs = Counter("deploykit_embedding_inputs", "Texts embedded", _LABELS,
                                         registry=registry)
 

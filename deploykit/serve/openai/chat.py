@@ -5,19 +5,18 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import AsyncIterator
-from contextlib import AsyncExitStack
 from typing import Any
 
 from fastapi import APIRouter, Request
-from fastapi.responses import StreamingResponse
 
 from ...engine.batching import GenerationRequest
 from ...engine.text import chat_prompt_ids, check_length
-from .choices import merged, usage, whole
+from .choices import end, merged, start, usage
 from .common import engine_request, find, max_tokens_of, prepare, sse
-from .generation import Delta, Outcome, Run
+from .generation import Outcome, Run, whole
 from .logprobs import TokenTexts, chat_content
 from .protocol import ChatCompletionRequest, new_id, now
+from .stream import LeasedStream
 
 router = APIRouter()
 
@@ -35,16 +34,19 @@ async def chat_completions(body: ChatCompletionRequest, request: Request) -> Any
         return [engine_request(body, ids, max_tokens, runtime, choice=j, logprobs=body.top())
                 for j in range(body.n)]
 
-    stack, gen, jobs = await prepare(dep, "text", work)
-    runs = [Run(gen, dep.name, job, request, state.metrics) for job in jobs]
-    texts = TokenTexts(gen.runtime.tokenizer)  # type: ignore[union-attr]  # pinned: a text runtime
+    held, jobs = await prepare(dep, "text", work)
+    runs = [Run(held.gen, dep.name, job, request, state.metrics) for job in jobs]
+    start(runs, held)  # before the response: a full queue is a 429, not a broken stream
+    texts = TokenTexts(held.runtime.tokenizer)
     meta = {"id": new_id("chatcmpl"), "created": now(), "model": dep.name}
     if body.stream:
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
-        return StreamingResponse(_stream(stack, runs, meta, include_usage, body.n, texts),
-                                 media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
-    async with stack:
+        return LeasedStream(_stream(runs, meta, include_usage, body.n, texts), lease=held, runs=runs,
+                            model=dep.name)
+    try:
         outcomes = await asyncio.gather(*(whole(run) for run in runs))
+    finally:
+        end(runs, held)
     return {**meta, "object": "chat.completion",
             "choices": [{"index": i, "message": {"role": "assistant", "content": o.text},
                          "logprobs": _logprobs(o.logprobs, texts), "finish_reason": o.finish_reason}
@@ -56,29 +58,25 @@ def _logprobs(lps: Any, texts: TokenTexts) -> dict[str, Any] | None:
     return None if lps is None else {"content": chat_content(lps, texts), "refusal": None}
 
 
-async def _stream(stack: AsyncExitStack, runs: list[Run], meta: dict[str, Any], include_usage: bool, n: int,
+async def _stream(runs: list[Run], meta: dict[str, Any], include_usage: bool, n: int,
                   texts: TokenTexts) -> AsyncIterator[bytes]:
-    async with stack:  # the pin ends with the stream, however it ends
-        chunk = {**meta, "object": "chat.completion.chunk"}
+    chunk = {**meta, "object": "chat.completion.chunk"}
 
-        def choice(index: int, content: dict[str, str], logprobs: Any = None, finish: str | None = None) -> bytes:
-            return sse({**chunk, "choices": [{"index": index, "delta": content, "logprobs": logprobs,
-                                              "finish_reason": finish}]})
+    def choice(index: int, content: dict[str, str], logprobs: Any = None, finish: str | None = None) -> bytes:
+        return sse({**chunk, "choices": [{"index": index, "delta": content, "logprobs": logprobs,
+                                          "finish_reason": finish}]})
 
-        for index in range(len(runs)):
-            yield choice(index, {"role": "assistant", "content": ""})
-        async for index, delta in merged(runs):
-            if delta is not None:
-                yield choice(index, {"content": delta.text}, _delta_logprobs(runs[index], delta, texts))
-            else:
-                outcome = runs[index].outcome
-                assert outcome is not None
-                yield choice(index, {}, finish=outcome.finish_reason)
-        if include_usage:
-            outcomes: list[Outcome] = [r.outcome for r in runs if r.outcome]
-            yield sse({**chunk, "choices": [], "usage": usage(outcomes, n)})
-        yield sse("[DONE]")
-
-
-def _delta_logprobs(run: Run, delta: Delta, texts: TokenTexts) -> dict[str, Any] | None:
-    return _logprobs(delta.logprobs, texts) if run.request.logprobs is not None else None
+    for index in range(len(runs)):
+        yield choice(index, {"role": "assistant", "content": ""})
+    async for index, delta in merged(runs):
+        if delta is not None:
+            wants = runs[index].request.logprobs is not None
+            yield choice(index, {"content": delta.text}, _logprobs(delta.logprobs, texts) if wants else None)
+        else:
+            outcome = runs[index].outcome
+            assert outcome is not None
+            yield choice(index, {}, finish=outcome.finish_reason)
+    if include_usage:
+        outcomes: list[Outcome] = [r.outcome for r in runs if r.outcome]
+        yield sse({**chunk, "choices": [], "usage": usage(outcomes, n)})
+    yield sse("[DONE]")

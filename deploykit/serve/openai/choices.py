@@ -1,19 +1,32 @@
 """The several generations one request asks for (``n`` choices, one per prompt of a completions batch):
-run together on the generation's engine, merged into one stream, counted once in ``usage``."""
+started together on the generation's engine, merged into one stream, counted once in ``usage``."""
 
 from __future__ import annotations
 
 import asyncio
 from collections.abc import AsyncIterator, Sequence
+from typing import TYPE_CHECKING
 
 from .generation import Delta, Outcome, Run
 
+if TYPE_CHECKING:
+    from .common import Lease
 
-async def whole(run: Run) -> Outcome:
-    async for _ in run.deltas():
-        pass
-    assert run.outcome is not None
-    return run.outcome
+
+def start(runs: Sequence[Run], held: Lease) -> None:
+    """Submit every run; when one cannot be (a full queue: 429), end them all and release the lease."""
+    try:
+        for run in runs:
+            run.start()
+    except BaseException:
+        end(runs, held)
+        raise
+
+
+def end(runs: Sequence[Run], held: Lease) -> None:
+    for run in runs:
+        run.cancel()
+    held.release()
 
 
 async def merged(runs: Sequence[Run]) -> AsyncIterator[tuple[int, Delta | None]]:

@@ -1,18 +1,19 @@
 """What the endpoints share: finding the model, pinning its generation without blocking the event
 loop, turning sampling fields into an engine request, and bridging the engine's thread to asyncio.
 
-A request pins the newest Ready generation for its whole life (a stream included) and unpins when it
-ends, however it ends; the generation it started on serves it to the end even if a reload swapped a
-newer one in meanwhile.
+A request pins the newest Ready generation for its whole life (a stream included) with a ``Lease`` and
+releases it exactly once when it ends, however it ends: answered, refused, or the client gone before,
+during or after its response started (``stream.LeasedStream`` releases a stream's lease even when its
+body never runs). The generation it started on serves it to the end even if a reload swapped a newer
+one in meanwhile.
 """
 
 from __future__ import annotations
 
 import asyncio
 import json
-from collections.abc import AsyncIterator
-from collections.abc import Callable
-from contextlib import AsyncExitStack, asynccontextmanager
+import threading
+from collections.abc import AsyncIterator, Callable
 from typing import TYPE_CHECKING, Any, Protocol, TypeVar
 
 from starlette.concurrency import run_in_threadpool
@@ -54,38 +55,75 @@ def find(registry: Registry, name: str) -> Deployment:
     return dep
 
 
-@asynccontextmanager
-async def pinned(dep: Deployment, kind: str) -> AsyncIterator[Generation]:
-    """The deployment's current generation, pinned for the block (waits in a thread while a recreate
-    reloads it: requests queue, they do not fail)."""
+class Lease:
+    """One request's pin on a generation, released exactly once, from any thread, without blocking:
+    a release in a ``finally`` that the event loop is cancelling cannot be skipped halfway (an ``await``
+    there would be cancelled too, which is how early disconnects used to pin a generation for good)."""
+
+    def __init__(self, dep: Deployment, gen: Generation) -> None:
+        self.dep, self.gen = dep, gen
+        self._lock = threading.Lock()
+        self._released = False
+
+    @property
+    def runtime(self) -> Any:
+        return self.gen.runtime
+
+    def release(self) -> None:
+        with self._lock:
+            if self._released:
+                return
+            self._released = True
+        self.dep.pool.release(self.gen)  # a retired generation is freed on a thread of its own
+
+
+async def _pin(dep: Deployment) -> Generation:
+    """Pin the current generation; while a recreate has none, wait for one in a thread. If this request
+    is cancelled meanwhile, the pin the thread still takes is released when it arrives."""
+    gen = dep.pool.try_pin()
+    if gen is not None:
+        return gen
+    waiting = asyncio.ensure_future(run_in_threadpool(dep.pool.pin, dep.acquire_timeout))
     try:
-        gen = await run_in_threadpool(dep.pool.pin, dep.acquire_timeout)
+        return await asyncio.shield(waiting)
+    except asyncio.CancelledError:
+        waiting.add_done_callback(lambda done: _release_abandoned(dep, done))
+        raise
+
+
+def _release_abandoned(dep: Deployment, done: asyncio.Future[Generation]) -> None:
+    if not done.cancelled() and done.exception() is None:
+        dep.pool.release(done.result())
+
+
+async def lease(dep: Deployment, kind: str) -> Lease:
+    """The deployment's current generation, pinned for one request (``kind``: "text" or "embedding");
+    the caller releases it when the request ends, however it ends."""
+    try:
+        held = Lease(dep, await _pin(dep))
     except DeploykitError as exc:
         raise APIError(503, f"model {dep.name!r} is not ready: {exc}", param="model", code="model_not_ready",
                        headers={"Retry-After": "5"}) from None
-    try:
-        runtime = gen.runtime
-        if runtime is None or runtime.kind != kind:
-            what = {"text": "text generation", "embedding": "embeddings"}[kind]
-            raise APIError(400, f"model {dep.name!r} ({gen.task}) does not serve {what}", param="model",
-                           code="wrong_model_type")
-        yield gen
-    finally:
-        await run_in_threadpool(dep.pool.unpin, gen)  # may free a retired generation: not on the loop
+    runtime = held.runtime
+    if runtime is None or runtime.kind != kind:
+        held.release()
+        what = {"text": "text generation", "embedding": "embeddings"}[kind]
+        raise APIError(400, f"model {dep.name!r} ({held.gen.task}) does not serve {what}", param="model",
+                       code="wrong_model_type")
+    return held
 
 
-async def prepare(dep: Deployment, kind: str, work: Callable[[Any], T]) -> tuple[AsyncExitStack, Generation, T]:
+async def prepare(dep: Deployment, kind: str, work: Callable[[Any], T]) -> tuple[Lease, T]:
     """Pin the generation and run ``work(runtime)`` (tokenising, checking limits) off the loop. The
-    returned stack holds the pin: close it when the request ends (a stream's generator does)."""
-    stack = AsyncExitStack()
-    gen = await stack.enter_async_context(pinned(dep, kind))
+    caller owns the returned lease (released here if ``work`` fails)."""
+    held = await lease(dep, kind)
     try:
-        return stack, gen, await run_in_threadpool(work, gen.runtime)
+        return held, await run_in_threadpool(work, held.runtime)
     except RequestError as exc:
-        await stack.aclose()
+        held.release()
         raise as_api_error(exc) from None
     except BaseException:
-        await stack.aclose()
+        held.release()
         raise
 
 

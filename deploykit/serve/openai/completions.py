@@ -6,20 +6,19 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import AsyncIterator
-from contextlib import AsyncExitStack
 from dataclasses import dataclass
 from typing import Any
 
 from fastapi import APIRouter, Request
-from fastapi.responses import StreamingResponse
 
 from ...engine.batching import GenerationRequest
 from ...engine.text import RequestError, check_length, completion_prompt_ids
-from .choices import merged, usage, whole
+from .choices import end, merged, start, usage
 from .common import engine_request, find, max_tokens_of, prepare, sse
-from .generation import Outcome, Run
+from .generation import Outcome, Run, whole
 from .logprobs import LegacyLogprobs, TokenTexts
 from .protocol import CompletionRequest, new_id, now
+from .stream import LeasedStream
 
 router = APIRouter()
 
@@ -55,16 +54,19 @@ def _choices(body: CompletionRequest, runtime: Any) -> list[Choice]:
 async def completions(body: CompletionRequest, request: Request) -> Any:
     state = request.app.state
     dep = find(state.registry, body.model)
-    stack, gen, choices = await prepare(dep, "text", lambda runtime: _choices(body, runtime))
-    runs = [Run(gen, dep.name, c.job, request, state.metrics) for c in choices]
-    texts = TokenTexts(gen.runtime.tokenizer)  # type: ignore[union-attr]  # pinned: a text runtime
+    held, choices = await prepare(dep, "text", lambda runtime: _choices(body, runtime))
+    runs = [Run(held.gen, dep.name, c.job, request, state.metrics) for c in choices]
+    start(runs, held)  # before the response: a full queue is a 429, not a broken stream
+    texts = TokenTexts(held.runtime.tokenizer)
     meta = {"id": new_id("cmpl"), "created": now(), "model": dep.name, "object": "text_completion"}
     if body.stream:
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
-        return StreamingResponse(_stream(stack, runs, choices, meta, include_usage, body.n, texts),
-                                 media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
-    async with stack:
+        return LeasedStream(_stream(runs, choices, meta, include_usage, body.n, texts), lease=held, runs=runs,
+                            model=dep.name)
+    try:
         outcomes = await asyncio.gather(*(whole(run) for run in runs))
+    finally:
+        end(runs, held)
     return {**meta, "choices": [_choice(i, c, o, texts) for i, (c, o) in enumerate(zip(choices, outcomes))],
             "usage": usage(outcomes, body.n)}
 
@@ -80,30 +82,29 @@ def _choice(index: int, choice: Choice, outcome: Outcome, texts: TokenTexts) -> 
             "finish_reason": outcome.finish_reason}
 
 
-async def _stream(stack: AsyncExitStack, runs: list[Run], choices: list[Choice], meta: dict[str, Any],
-                  include_usage: bool, n: int, texts: TokenTexts) -> AsyncIterator[bytes]:
-    async with stack:
-        legacy = [LegacyLogprobs(texts) for _ in runs]
-        echoed: set[int] = set()
+async def _stream(runs: list[Run], choices: list[Choice], meta: dict[str, Any], include_usage: bool, n: int,
+                  texts: TokenTexts) -> AsyncIterator[bytes]:
+    legacy = [LegacyLogprobs(texts) for _ in runs]
+    echoed: set[int] = set()
 
-        def chunk(index: int, text: str, logprobs: Any, finish: str | None = None) -> bytes:
-            return sse({**meta, "choices": [{"index": index, "text": text, "logprobs": logprobs,
-                                             "finish_reason": finish}]})
+    def chunk(index: int, text: str, logprobs: Any, finish: str | None = None) -> bytes:
+        return sse({**meta, "choices": [{"index": index, "text": text, "logprobs": logprobs,
+                                         "finish_reason": finish}]})
 
-        async for index, delta in merged(runs):
-            run, choice = runs[index], choices[index]
-            wants = run.request.logprobs is not None
-            if choice.echo is not None and index not in echoed:  # the prompt first (its logprobs are known now)
-                echoed.add(index)
-                prompt_lps = run.handle.prompt_logprobs if run.handle is not None else None
-                yield chunk(index, choice.echo, legacy[index].echo(run.request.prompt_ids, prompt_lps or [])
-                            if wants else None)
-            if delta is not None:
-                yield chunk(index, delta.text, legacy[index].piece(delta.logprobs) if wants else None)
-            else:
-                outcome = run.outcome
-                assert outcome is not None
-                yield chunk(index, "", None, outcome.finish_reason)
-        if include_usage:
-            yield sse({**meta, "choices": [], "usage": usage([r.outcome for r in runs if r.outcome], n)})
-        yield sse("[DONE]")
+    async for index, delta in merged(runs):
+        run, choice = runs[index], choices[index]
+        wants = run.request.logprobs is not None
+        if choice.echo is not None and index not in echoed:  # the prompt first (its logprobs are known now)
+            echoed.add(index)
+            prompt_lps = run.handle.prompt_logprobs if run.handle is not None else None
+            yield chunk(index, choice.echo, legacy[index].echo(run.request.prompt_ids, prompt_lps or [])
+                        if wants else None)
+        if delta is not None:
+            yield chunk(index, delta.text, legacy[index].piece(delta.logprobs) if wants else None)
+        else:
+            outcome = run.outcome
+            assert outcome is not None
+            yield chunk(index, "", None, outcome.finish_reason)
+    if include_usage:
+        yield sse({**meta, "choices": [], "usage": usage([r.outcome for r in runs if r.outcome], n)})
+    yield sse("[DONE]")

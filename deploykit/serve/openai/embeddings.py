@@ -10,7 +10,7 @@ from typing import Any
 from fastapi import APIRouter, Request
 
 from ..errors import APIError
-from .common import find, pinned
+from .common import find, lease
 from .protocol import EmbeddingRequest
 
 router = APIRouter()
@@ -26,7 +26,9 @@ def _encode(vector: list[float], fmt: str) -> list[float] | str:
 async def embeddings(body: EmbeddingRequest, request: Request) -> Any:
     state = request.app.state
     dep = find(state.registry, body.model)
-    async with pinned(dep, "embedding") as gen:
+    held = await lease(dep, "embedding")
+    try:
+        gen = held.gen
         runtime: Any = gen.runtime
         items = body.texts()
         if len(items) > runtime.limits.max_input_items:
@@ -42,6 +44,8 @@ async def embeddings(body: EmbeddingRequest, request: Request) -> Any:
         vectors, tokens = await asyncio.wrap_future(runtime.submit(items))
         state.metrics.embedding_inputs.labels(dep.name, str(gen.number)).inc(len(items))
         state.metrics.prompt_tokens.labels(dep.name, str(gen.number)).inc(tokens)
+    finally:
+        held.release()
     return {"object": "list", "model": dep.name,
             "data": [{"object": "embedding", "index": i, "embedding": _encode(v, body.encoding_format)}
                      for i, v in enumerate(vectors)],

@@ -7,15 +7,14 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import AsyncIterator, Callable
-from contextlib import suppress
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from starlette.requests import Request
 
-from ...engine.batching import GenerationRequest, GenerationResult, RequestHandle, TokenLogprobs
+from ...engine.batching import GenerationRequest, GenerationResult, TokenLogprobs
 from ...engine.text import TextStream
-from ..errors import APIError
+from ..errors import APIError, ClientGone
 from .common import TokenEvents, submit
 
 if TYPE_CHECKING:
@@ -52,8 +51,10 @@ async def _watch_disconnect(request: Request, cancel: Callable[[], None]) -> Non
 
 
 class Run:
-    """One request on a generation's engine. ``deltas()`` yields text as it becomes final (stop strings
-    held back, then cut); afterwards ``outcome`` holds the whole text, finish reason and usage."""
+    """One request on a generation's engine. ``start()`` submits it (429 when the queue is full);
+    ``deltas()`` yields text as it becomes final (stop strings held back, then cut); afterwards
+    ``outcome`` holds the whole text, finish reason and usage. ``cancel()`` frees its engine slot at
+    any time, from any code path, any number of times."""
 
     def __init__(self, gen: Generation, dep_name: str, request: GenerationRequest, http: Request,
                  metrics: ServingMetrics) -> None:
@@ -61,41 +62,51 @@ class Run:
         self.runtime: TextRuntime = gen.runtime  # type: ignore[assignment]
         self.labels = metrics.labels(dep_name, gen.number)
         self.outcome: Outcome | None = None
-        self.handle: RequestHandle | None = None
+        self.handle: Any = None
+        self.events: TokenEvents | None = None
+        self.started = 0.0
         self.logprobs: list[TokenLogprobs] = []  # of the tokens handed out so far
 
+    def start(self) -> None:
+        self.events = TokenEvents()
+        self.started = time.monotonic()
+        self.handle = submit(self.runtime, self.request, self.events)
+
+    def cancel(self) -> None:
+        if self.handle is not None:
+            self.runtime.engine.cancel(self.handle)  # a no-op once the request has ended
+
     async def deltas(self) -> AsyncIterator[Delta]:
-        runtime, metrics = self.runtime, self.metrics
-        events = TokenEvents()
-        started = time.monotonic()
-        self.handle = handle = submit(runtime, self.request, events)
-        text = TextStream(runtime.tokenizer, stop=self.request.stop_strings, skip_ids=sorted(runtime.eos_ids))
-        watcher = asyncio.create_task(_watch_disconnect(self.http, lambda: runtime.engine.cancel(handle)))
+        if self.handle is None:
+            self.start()
+        assert self.events is not None
+        metrics = self.metrics
+        text = TextStream(self.runtime.tokenizer, stop=self.request.stop_strings,
+                          skip_ids=sorted(self.runtime.eos_ids))
+        watcher = asyncio.create_task(_watch_disconnect(self.http, self.cancel))
         parts: list[str] = []
         pending: list[TokenLogprobs] = []  # logprobs of tokens whose text is held back
         result: GenerationResult | None = None
         try:
-            async for event in events:
+            async for event in self.events:
                 if isinstance(event, GenerationResult):
                     result = event
                     break
                 if not parts and not text.ids:
-                    metrics.time_to_first_token.labels(*self.labels).observe(time.monotonic() - started)
-                if self.request.logprobs is not None and not text.stopped and event not in runtime.eos_ids:
-                    pending.append(handle.logprobs[len(text.ids)])  # pushed before the listener heard
+                    metrics.time_to_first_token.labels(*self.labels).observe(time.monotonic() - self.started)
+                if self.request.logprobs is not None and not text.stopped and event not in self.runtime.eos_ids:
+                    pending.append(self.handle.logprobs[len(text.ids)])  # pushed before the listener heard
                 delta = text.push(event)
                 if text.stopped:  # a stop string: end the request now, the rest is not wanted
-                    runtime.engine.cancel(handle)
+                    self.cancel()
                 if delta:
                     parts.append(delta)
                     yield self._delta(delta, pending)
         finally:
             watcher.cancel()
-            with suppress(asyncio.CancelledError):
-                await watcher
             if result is None:  # the client went away (or this task was cancelled): free the slot
-                runtime.engine.cancel(handle)
-        self.outcome = _finish(text, parts, result, metrics, self.labels, started)
+                self.cancel()
+        self.outcome = _finish(text, parts, result, metrics, self.labels, self.started)
         if self.request.logprobs is not None:
             self.outcome.logprobs = self.logprobs  # complete once the last delta below is out
         self.outcome.prompt_logprobs = result.prompt_logprobs if result is not None else None
@@ -109,10 +120,8 @@ class Run:
         return delta
 
 
-async def generate(gen: Generation, dep_name: str, request: GenerationRequest, http: Request,
-                   metrics: ServingMetrics) -> Outcome:
-    """Run ``request`` to its end and return the whole outcome (no streaming)."""
-    run = Run(gen, dep_name, request, http, metrics)
+async def whole(run: Run) -> Outcome:
+    """Run a started request to its end and return the whole outcome (no streaming)."""
     async for _ in run.deltas():
         pass
     assert run.outcome is not None
@@ -122,11 +131,11 @@ async def generate(gen: Generation, dep_name: str, request: GenerationRequest, h
 def _finish(text: TextStream, parts: list[str], result: GenerationResult | None, metrics: ServingMetrics,
             labels: tuple[str, str], started: float) -> Outcome:
     if result is None:
-        raise asyncio.CancelledError  # cancelled before the engine answered
+        raise ClientGone(labels[0])  # cancelled before the engine answered
     if result.finish_reason == "error":
         raise APIError(500, f"generation failed: {result.error}", code="generation_failed")
     if result.finish_reason == "cancelled" and not text.stopped:
-        raise asyncio.CancelledError  # the client disconnected: nobody reads the answer
+        raise ClientGone(labels[0])  # the client disconnected: nobody reads the answer
     reason = "stop" if text.stopped or result.finish_reason == "stop" else "length"
     rest = text.finish()
     if rest:
