@@ -14,6 +14,7 @@ import openai
 import pytest
 import torch
 
+from deploykit.serve.openai.protocol import IGNORED
 from chatmodel import build_chat_model
 from penalties import Penalties
 from servers import Server
@@ -228,5 +229,9 @@ def test_fields_that_do_not_change_the_answer_are_accepted(client):
     with_extras = client.chat.completions.create(
         model="tiny-chat", messages=MESSAGES, max_tokens=8, temperature=0, user="u1", metadata={"k": "v"}, store=False,
         service_tier="auto", parallel_tool_calls=False, response_format={"type": "text"}, tool_choice="none",
-        presence_penalty=0, frequency_penalty=0, logit_bias={})
+        presence_penalty=0, frequency_penalty=0, logit_bias={}, extra_body={name: {"x": 1} for name in IGNORED})
     assert with_extras.choices[0].message.content == base.choices[0].message.content
+    text = client.completions.create(model="tiny-chat", prompt="hi", max_tokens=4, temperature=0, user="u1",
+                                     extra_body={name: "x" for name in IGNORED})
+    assert text.choices[0].text == client.completions.create(model="tiny-chat", prompt="hi", max_tokens=4,
+                                                             temperature=0).choices[0].text
