@@ -8,13 +8,24 @@ from __future__ import annotations
 from enum import Enum
 
 
-class Task(str, Enum):
+class _Name(str, Enum):
+    """A str Enum that prints and formats as its value (``StrEnum`` from Python 3.11), so a member can go
+    wherever the plain string went: f-strings, messages, the state store."""
+
+    def __str__(self) -> str:
+        return str(self.value)
+
+    def __format__(self, spec: str) -> str:
+        return format(str(self.value), spec)
+
+
+class Task(_Name):
     CAUSAL_LM = "causal-lm"
     SEQ2SEQ_LM = "seq2seq-lm"
     FEATURE_EXTRACTION = "feature-extraction"
 
 
-class Phase(str, Enum):
+class Phase(_Name):
     PENDING = "Pending"
     PROGRESSING = "Progressing"
     READY = "Ready"
@@ -22,13 +33,20 @@ class Phase(str, Enum):
     CLOSED = "Closed"
 
 
-class Strategy(str, Enum):
+class Strategy(_Name):
     AUTO = "auto"
     BLUE_GREEN = "blue-green"
     RECREATE = "recreate"
 
 
-class DType(str, Enum):
+class Load(_Name):
+    """When ``deploykit serve`` loads a deployment (``spec.lifecycle.load``)."""
+
+    EAGER = "eager"
+    ON_DEMAND = "on-demand"
+
+
+class DType(_Name):
     """What a manifest's ``model.dtype`` and ``reshard --dtype`` may ask for (torch's names)."""
 
     FLOAT32 = "float32"

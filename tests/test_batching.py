@@ -271,7 +271,7 @@ def test_a_forward_lock_forces_padded_and_guards_every_forward(llama: Any, refer
         assert eng.backend == "padded" and eng._cb is None
         with lock:  # held by someone else (offload hooks, another engine): no forward may run
             h = eng.submit(GenerationRequest(p, max_new_tokens=8))
-            time.sleep(0.3)
+            assert wait_until(lambda: eng.stats() == {"running": 1, "waiting": 0})  # in the batch, at the forward
             assert h.tokens == [] and not h.done
         assert h.result(timeout=60).token_ids == expected
 

@@ -98,9 +98,11 @@ def test_two_node_pipeline_equals_transformers(cluster, tiny_model):
 def test_pipeline_runtime_serves_completions(cluster, tmp_path):
     """build_pipeline_runtime from a manifest and its two-node plan; requests through the runtime
     interface the OpenAI routes use equal single-process transformers."""
-    from deploykit.cluster.runtime import PipelineRuntime, build_pipeline_runtime
+    from deploykit.cluster.runtime import PipelineOptions, PipelineRuntime, build_pipeline_runtime
+    from deploykit.control.loading import serving_of
     from deploykit.engine.batching import GenerationRequest
-    from deploykit.engine.runtime import Limits, Sampling
+    from deploykit.engine.runtime import Sampling
+    from deploykit.engine.serving import TextEngine
     from deploykit.placement.planning import plan_manifest
     from deploykit.spec.manifest import load_manifests
 
@@ -134,10 +136,11 @@ spec:
     plan = plan_manifest(loaded, devices="2x()")
     assert [n.layers for n in plan.nodes] == [(0, 0), (1, 1)]
     assert [s.start for s in stages_of(plan, model_dir, dtype="float32")] == [0, 1]
-    limits = Limits(max_tokens=16, max_concurrent=4)
-    runtime = build_pipeline_runtime(loaded, plan, limits, num_cpus=0.5, timeout=120)
+    runtime = build_pipeline_runtime(plan, model_dir, serving_of(loaded), cluster.address,
+                                     PipelineOptions(num_cpus=0.5, timeout=120))
     try:
         assert isinstance(runtime, PipelineRuntime) and runtime.kind == "text"
+        assert isinstance(runtime.engine, TextEngine)
         assert "finite" in runtime.health_check("Hello", timeout=60).detail
         assert runtime.context_length == 256 and runtime.eos_ids == {runtime.tokenizer.eos_token_id}
         prompts = ["Hello there", "a", "The quick brown fox"]
@@ -175,10 +178,15 @@ spec:
 
 def test_replicas_scale_one_to_two_without_failures(cluster, tmp_path):
     """spec.replicas on Ray Serve: 1 -> 2 replicas by re-running serve.run while a client keeps sending
-    requests; none fails, and both replicas answer afterwards."""
+    requests; none fails, and both replicas answer afterwards. Replicas load the plan they are given."""
     from ray import serve
 
+    from deploykit.cluster.replica_runtime import ReplicaEngine
     from deploykit.cluster.replicas import ReplicaOptions, replica_count, run_replicas, start_serve
+    from deploykit.control.loading import serving_of
+    from deploykit.engine.batching import GenerationRequest
+    from deploykit.placement.planning import plan_manifest
+    from deploykit.spec.manifest import parse_manifests
 
     model_dir = build_chat_model(tmp_path / "chat")
     text = f"""apiVersion: deploykit/v1
@@ -187,20 +195,22 @@ metadata: {{name: chat}}
 spec:
   model: {{path: {model_dir}, dtype: float32}}
   cluster: {{address: "{cluster.address}"}}
-  replicas: 1
 """
+    loaded = parse_manifests(text.encode(), source="m.yaml", base_dir=tmp_path)[0]
+    plan, serving = plan_manifest(loaded, devices="cpu=4GiB"), serving_of(loaded)
     options = ReplicaOptions(num_cpus=0.3)
     start_serve()
     try:
-        handle = run_replicas("chat", text, str(tmp_path), 1, options)
+        handle = run_replicas("chat", plan, str(model_dir), serving, 1, options)
         assert replica_count("chat") == 1
+        engine = ReplicaEngine(handle, set(), slots=4, max_queued=64)
         outcomes: list = []
         stop = threading.Event()
 
         def client() -> None:
             while not stop.is_set():
                 try:
-                    outcomes.append(handle.complete.remote([40, 41, 42], 4).result(timeout_s=60))
+                    outcomes.append(engine.submit(GenerationRequest([40, 41, 42], 4)).result(60))
                 except Exception as exc:  # counted as a failure
                     outcomes.append(exc)
 
@@ -208,16 +218,17 @@ spec:
         worker.start()
         try:
             time.sleep(1.0)
-            run_replicas("chat", text.replace("replicas: 1", "replicas: 2"), str(tmp_path), 2, options)
+            run_replicas("chat", plan, str(model_dir), serving, 2, options)
             assert replica_count("chat") == 2
             time.sleep(1.0)
         finally:
             stop.set()
             worker.join(90)
-        failures = [o for o in outcomes if isinstance(o, Exception)]
+            engine.close(30)
+        failures = [o for o in outcomes if isinstance(o, Exception) or o.finish_reason == "error"]
         assert outcomes and failures == []
-        assert len({o["text"] for o in outcomes}) == 1  # same greedy answer from every replica
-        seen = {handle.complete.remote([40, 41, 42], 4).result(timeout_s=60)["replica"] for _ in range(12)}
+        assert len({tuple(o.token_ids) for o in outcomes}) == 1  # same greedy answer from every replica
+        seen = {handle.whoami.remote().result(timeout_s=60) for _ in range(12)}
         assert len(seen) == 2
     finally:
         serve.shutdown()

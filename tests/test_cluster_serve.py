@@ -62,7 +62,7 @@ def test_pipeline_through_the_completions_api_equals_transformers(cluster, tmp_p
         status = server.metric("deploykit_generation", deployment="piped")
         assert status == 1.0
         leave_early(server, "piped", max_tokens=32)  # clients that leave early pin nothing
-    assert server.process is not None and server.process.returncode == 0
+    assert server.process is not None and server.process.returncode == 0, server.stderr
     assert "Exception in ASGI application" not in server.stderr, server.stderr
     ray.init(address=cluster.address)
     try:  # SIGTERM freed the stage actors and their placement group: every CPU is free again

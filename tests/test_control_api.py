@@ -149,6 +149,8 @@ def test_cli_through_the_server(models, tmp_path):
         owned = cli("apply", str(api / "owned.yaml"), state=state)
         assert owned.returncode == 1 and str(watched / "owned.yaml") in owned.stderr
         assert "owned by the watched file" in cli("delete", "owned", state=state).stderr
+        itself = cli("apply", str(watched / "owned.yaml"), "-o", "json", state=state)  # "reconcile it now"
+        assert itself.returncode == 0 and json.loads(itself.stdout)[0]["status"] == "unchanged", itself.stderr
 
         # broken manifests: located as in local mode; nothing that serves changes
         chat_yaml.write_text(manifest(chat, "chat").replace("max_tokens: 64", "max_tokns: 64"))

@@ -71,7 +71,7 @@ def leave_early(server: Server, model: str, max_tokens: int) -> None:
     sock = send(server, "/v1/completions", completion(stream=True, max_tokens=max_tokens, model=model))
     read_until(sock, b"HTTP/1.1 200")
     sock.close()
-    wait_until(settled(server, model=model), f"{model}: every pin is released and every slot freed", timeout=60)
+    wait_until(settled(server, model=model), f"{model}: every pin is released and every slot freed", timeout=150)
 
 
 def read_until(sock: socket.socket, marker: bytes) -> bytes:

@@ -14,6 +14,8 @@ import urllib.request
 from pathlib import Path
 
 from conftest import REPO
+from deploykit.control.report import status_report
+from deploykit.control.state import StateStore
 from manifests import manifest_text, replace_like_an_editor
 from test_gitops import free_port, wait_for
 
@@ -58,7 +60,8 @@ def test_service_answers_through_reloads(tiny_model, tmp_path):
                                                        cpu=100_000))
         assert wait_for(lambda: answers and answers[-1]["generation"] == 2)
         replace_like_an_editor(manifest, "kind: [broken\n")
-        time.sleep(1.5)
+        store = StateStore(tmp_path / "s")
+        assert wait_for(lambda: status_report(store, "bert")["last_error"] is not None)  # the service saw it
         replace_like_an_editor(manifest, manifest_text(model, name="bert", task="feature-extraction"))
         assert wait_for(lambda: answers[-1]["generation"] == 3)
         stop.set()

@@ -18,7 +18,7 @@ from test_planner import gpus, spec, structure
 from deploykit.errors import InventoryError, ManifestError, PlanInfeasible
 from deploykit.placement.inventory import Inventory, Node, parse_devices
 from deploykit.placement.planner import Plan, min_max_stages, plan
-from deploykit.spec.manifest import Spec, parse_manifests
+from deploykit.spec.manifest import Spec, check_on_host, parse_manifests
 
 def nspec(**placement) -> Spec:
     offload = placement.pop("offload", {})
@@ -46,10 +46,42 @@ def test_manifest_fields_and_defaults():
     assert "cluster" not in plain.text and "replicas" not in plain.text and "nodes" not in plain.text
 
 
-def test_nodes_without_cluster_is_located_on_nodes():
-    text = HEADER + "  placement:\n    gpus: all\n    nodes: 2\n"
-    assert issues(text) == ["m.yaml:10:12: spec.placement.nodes: 2 nodes need a cluster: add "
-                            "spec.cluster.address (a Ray address, 'auto' or 'local'), or set nodes to 1"]
+NO_CLUSTER = ("apiVersion: deploykit/v1\nkind: ModelDeployment\nmetadata:\n  name: x\nspec:\n  model:\n"
+              "    path: {path}\n  placement:\n    gpus: all\n    nodes: 2\n")
+NO_CLUSTER_ERROR = ("spec.placement.nodes: 2 nodes need a cluster: add spec.cluster.address (a Ray address, "
+                    "'auto' or 'local'), or set nodes to 1")
+
+
+def test_nodes_without_cluster_plan_but_do_not_deploy(tmp_path):
+    """Planning against a simulated inventory needs no cluster; deploying it does (located error)."""
+    manifest = tmp_path / "m.yaml"
+    manifest.write_text(NO_CLUSTER.format(path=REPO / "manifests" / "configs" / "llama-3.1-405b"))
+    planned = deploykit("plan", str(manifest), "--devices", "2x(8x80GiB)", "--output", "json")
+    assert planned.returncode == 0, planned.stderr
+    assert len(json.loads(planned.stdout)["nodes"]) == 2
+    loaded = parse_manifests(manifest.read_bytes(), source="m.yaml", base_dir=tmp_path)[0]
+    assert [str(i) for i in check_on_host(loaded)] == [f"m.yaml:10:12: {NO_CLUSTER_ERROR}"]
+    for verb in ("validate", "apply"):
+        refused = deploykit(verb, str(manifest), env={"DEPLOYKIT_STATE": str(tmp_path / "state")})
+        assert refused.returncode == 2, (verb, refused.stdout, refused.stderr)
+        assert f"{manifest}:10:12: {NO_CLUSTER_ERROR}" in " ".join(refused.stderr.split()), refused.stderr
+    assert not (tmp_path / "state" / "shards").exists()
+
+
+def test_what_a_cluster_cannot_serve_is_refused_where_it_is_written(tmp_path):
+    """replicas > 1 without a cluster was silently served as one copy; a cluster serves text models only."""
+    model = REPO / "manifests" / "configs" / "llama-3.1-405b"
+    text = HEADER.replace("/m", str(model)) + "  replicas: 3\n"
+    loaded = parse_manifests(text.encode(), source="m.yaml", base_dir=tmp_path)[0]
+    assert [str(i) for i in check_on_host(loaded)] == [
+        "m.yaml:8:13: spec.replicas: 3 replicas need a cluster: add spec.cluster.address (a Ray address, "
+        "'auto' or 'local'), or set replicas to 1"]
+    text = (HEADER.replace("/m", str(model)) + "    task: feature-extraction\n"
+            + "  cluster: {address: local}\n")
+    loaded = parse_manifests(text.encode(), source="m.yaml", base_dir=tmp_path)[0]
+    [issue] = check_on_host(loaded)
+    assert str(issue).startswith("m.yaml:8:11: spec.model.task: a cluster (replicas, pipeline stages) serves "
+                                 "causal-lm models only, not feature-extraction")
 
 
 def test_replicas_nodes_and_address_validated():
@@ -192,3 +224,17 @@ def test_405b_on_two_eight_gpu_nodes_prints_each_node():
     assert table.returncode == 0, table.stderr
     assert "node 0 node0: layers 0-62" in table.stdout and "node 1 node1: layers 63-125" in table.stdout
     assert "pipeline stages" in table.stdout
+
+
+def test_each_pipeline_replica_asks_serve_for_a_bundle_per_stage():
+    """Serve's per-replica placement group: the replica with stage 0, then one bundle per stage; a GPU per
+    stage when the plan uses GPUs (as the pipeline's stage actors ask); none for a one-node plan."""
+    from deploykit.cluster.replicas import ReplicaOptions, replica_bundles
+
+    options = ReplicaOptions(num_cpus=0.25, stage_cpus=0.5)
+    gpu_plan = two_node_plan([2, 1, 1, 1, 1, 1, 1, 1, 1, 2], [100, 100])
+    assert replica_bundles(gpu_plan, options) == [{"CPU": 0.75, "GPU": 1.0}, {"CPU": 0.5, "GPU": 1.0}]
+    cpu_plan = plan(structure([1, 1, 1, 1], head=True), nspec(gpus=[], nodes=3),
+                    Inventory.of_nodes(tuple(Node(f"n{k}", (), cpu=100) for k in range(3))))
+    assert replica_bundles(cpu_plan, options) == [{"CPU": 0.75}, {"CPU": 0.5}, {"CPU": 0.5}]
+    assert replica_bundles(plan(structure([1, 1]), spec(gpus=[0]), gpus(100)), options) is None

@@ -13,6 +13,7 @@ import torch
 from deploykit.errors import ApplyError
 from deploykit.placement.inventory import process_rss
 from deploykit.control.deployment import Deployment
+from deploykit.control.loading import serving_of
 from deploykit.spec.manifest import load_manifests
 from manifests import manifest_text, replace_like_an_editor, write_manifest
 
@@ -96,10 +97,11 @@ def test_reload_under_load_never_fails_a_request(model, tmp_path):
             replace_like_an_editor(path, text)
             assert dep.reload() is swaps
             generations.append(dep.generation)
-            assert dep.status()["phase"] == "Ready"
+            broken = dep.status()["last_error"] is not None  # pending: the last good generation serves
+            assert dep.status()["phase"] == ("Failed" if broken else "Ready") and dep.status()["serving"]
             if text.startswith("apiVersion: deploykit/v1\nkind: \"Model"):
                 assert f"{path}:2:7: invalid YAML" in dep.status()["last_error"]
-                assert dep.status()["phase"] == "Ready"  # still serving generation 3
+                assert dep.status()["phase"] == "Failed" and dep.status()["serving"]  # generation 3 serves on
             time.sleep(0.2)
     assert load.failures == []
     assert load.ok > 20 and load.generations >= {1, 2, 3}
@@ -142,12 +144,13 @@ def test_watch_reloads_on_real_file_events(model, tmp_path):
         with Load(dep, reference_logits(model), threads=2) as load:
             replace_like_an_editor(path, manifest_text(model, cpu=300_000))
             assert wait_for(lambda: dep.generation == 2)
+            revisions = len(dep.store.history(dep.name))
             path.touch()  # a touch: no content change, no reload
-            time.sleep(1.0)
-            assert dep.generation == 2 and len(dep.reloads) == 1
-            path.write_text("spec: [\n")  # broken in place
+            path.write_text("spec: [\n")  # then broken in place; file events are handled in order
             assert wait_for(lambda: dep.status()["last_error"] is not None)
             assert dep.generation == 2 and dep.status()["serving"]
+            assert len(dep.store.history(dep.name)) == revisions  # neither the touch nor the break recorded one
+            assert [r.ok for r in dep.reloads] == [True, False]  # one swap, then the failure: the touch did nothing
             replace_like_an_editor(path, manifest_text(model))  # fixed: recovers by itself
             assert wait_for(lambda: dep.generation == 3 and dep.status()["last_error"] is None)
         assert load.failures == [] and load.ok > 0
@@ -216,7 +219,7 @@ def test_offload_hooks_are_serialised_under_threads(model, tmp_path):
     hooked = AutoModelForCausalLM.from_pretrained(model, dtype=torch.float32, device_map=device_map,
                                                   offload_folder=str(tmp_path / "off"))
     loaded = LoadedModel(hooked, dep.pool.current.plan, model, "cpu", serialize_forward=True)
-    dep.pool.install(loaded, dep.pool.current.plan, 1, "test", load_manifests(path)[0])
+    dep.pool.install(loaded, dep.pool.current.plan, 1, "test", serving_of(load_manifests(path)[0]))
     assert dep.status()["serialize_forward"]
     active, peak = [0], [0]
     lock = threading.Lock()

@@ -84,10 +84,13 @@ def verify(directory: str | Path) -> list[str]:
     if lock is None:
         return [f"{root}: no valid {LOCK}; not a checkpoint written by deploykit reshard"]
     problems: list[str] = []
-    try:
-        weight_map = json.loads((root / INDEX).read_text())["weight_map"]
-    except (OSError, ValueError, KeyError):
-        return [f"{root / INDEX}: missing or unreadable"]
+    if lock.get("layout", {}).get("tensor_parallel"):  # one file per rank: every rank holds every name
+        weight_map = None
+    else:
+        try:
+            weight_map = json.loads((root / INDEX).read_text())["weight_map"]
+        except (OSError, ValueError, KeyError):
+            return [f"{root / INDEX}: missing or unreadable"]
     total = 0
     for shard in lock["shards"]:
         path = root / shard["file"]
@@ -109,12 +112,14 @@ def verify(directory: str | Path) -> list[str]:
         total += sum(t.nbytes for t in header.tensors)
         if sorted(names) != sorted(shard["tensors"]):
             problems.append(f"{path}: holds other tensors than the lock file lists")
+        if weight_map is None:
+            continue
         wrong = [n for n in names if weight_map.get(n) != shard["file"]]
         if wrong:
             problems.append(f"{root / INDEX}: maps {len(wrong)} tensor(s) of {shard['file']} elsewhere "
                             f"(first: {wrong[0]!r})")
     listed = {s["file"] for s in lock["shards"]}
-    unknown = sorted(set(weight_map.values()) - listed)
+    unknown = sorted(set((weight_map or {}).values()) - listed)
     if unknown:
         problems.append(f"{root / INDEX}: names files the lock file does not list: {', '.join(unknown)}")
     strays = sorted(p.name for p in root.glob("*.safetensors") if p.name not in listed)

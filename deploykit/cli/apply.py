@@ -24,6 +24,10 @@ def _summary(outcome: dict[str, Any]) -> None:
     if outcome["status"] == "unchanged":
         out.print(f"[green]unchanged[/] {name}: revision {revision} is current; nothing to do ({steps})")
         return
+    if outcome["status"] == "deferred":
+        out.print(f"[green]deferred[/] {name}: validated and planned; it is not loaded, so its next request applies "
+                  "it (lays out, loads, health-checks and records it) under the server's budget")
+        return
     if outcome["status"] == "dry-run":
         actions = outcome["actions"]
         out.print(f"[yellow]dry run[/] {name}: would {', '.join(a['step'] for a in actions)} "

@@ -15,19 +15,26 @@ from .console import EXIT_FAILED, OUTPUT_OPTION, fail, handle_errors, load_all, 
               help="Simulated inventory, e.g. 4x80GiB or 2x24GiB,1x48GiB,cpu=64GiB, or nodes: 2x(8x80GiB) "
                    "(default: $DEPLOYKIT_DEVICES, else this host; for a manifest with spec.cluster and "
                    "placement.nodes > 1, the Ray cluster's nodes).")
+@click.option("--budget", metavar="TIER=SIZE,...", default=None,
+              help="Also show how the deployments pack into this budget of deploykit serve (e.g. cpu=6GiB): "
+                   "sizes, what fits together, what can never fit.")
 @OUTPUT_OPTION
 @handle_errors
-def plan(files: tuple[str, ...], devices: str | None, output: str) -> None:
-    """Plan where every block of the model goes. Reads config.json only: no weights needed."""
+def plan(files: tuple[str, ...], devices: str | None, budget: str | None, output: str) -> None:
+    """Plan where every block of the model goes. Reads config.json only: no weights needed.
+    FILES may be directories (their *.yaml manifests)."""
     from ..control.reconciler import plan_deployment
 
-    plans, failures = [], []
+    plans, failures, manifests = [], [], []
     for item in load_all(files):
         try:
             plans.append(plan_deployment(item, devices=devices))
+            manifests.append(item)
         except PlanInfeasible as exc:
             failures.append(located(item, exc))
-    if output == "json":
+    if budget is not None:
+        _packing(budget, devices, manifests, plans, output)
+    elif output == "json":
         payload = [plan_json(p) for p in plans]
         print_json(payload[0] if len(payload) == 1 else payload)
     else:
@@ -43,3 +50,37 @@ def plan(files: tuple[str, ...], devices: str | None, output: str) -> None:
                 out.print(f"node {n.node} {n.name}: {layers}, {format_size(n.bytes)}, load {100 * n.actual_share:.2f}%")
     if failures:
         fail(EXIT_FAILED, failures)
+
+
+def _packing(text: str, devices: str | None, manifests: list, plans: list, output: str) -> None:
+    """The plans against deploykit serve's budget: sizes, what fits together, what can never fit."""
+    from rich.table import Table
+
+    from ..control.budget import plan_tiers, serve_budget
+    from ..control.packing import Item, pack
+    from ..names import Load
+
+    budget = serve_budget(text, devices)
+    items = [Item(m.name, plan_tiers(p), m.manifest.spec.lifecycle.priority,
+                  m.manifest.spec.lifecycle.load == Load.EAGER) for m, p in zip(manifests, plans)]
+    packing = pack(budget, items)
+    if output == "json":
+        print_json({"budget": dict(budget.tiers), "deployments": [
+            {"name": i.name, "bytes": dict(i.bytes), "priority": i.priority, "load": "eager" if i.eager else "on-demand",
+             "fits_alone": i.name not in packing.never, "plan": plan_json(p)} for i, p in zip(items, plans)],
+            "packing": packing.to_dict()})
+        return
+    table = Table(title=f"under {budget.describe()}", title_justify="left")
+    for column in ("deployment", "bytes", "priority", "load", "fits alone"):
+        table.add_column(column, justify="right" if column in ("bytes", "priority") else "left")
+    for i in items:
+        size = ", ".join(f"{t} {format_size(b)}" for t, b in sorted(i.bytes.items())) or "0 B"
+        table.add_row(i.name, size, str(i.priority), "eager" if i.eager else "on-demand",
+                      "no: can never load" if i.name in packing.never else "yes")
+    out.print(table)
+    total = ", ".join(f"{t} {format_size(b)}" for t, b in sorted(packing.used_by_all.items())) or "0 B"
+    out.print(f"all at once ({total}): {'fit' if packing.all_fit else 'do not fit'}; "
+              f"eager ones together: {'fit' if packing.eager_fit else 'do not fit (later ones unload earlier ones)'}")
+    out.print(f"most held at once: {len(packing.most_at_once)} ({', '.join(packing.most_at_once) or 'none'})")
+    if packing.never:
+        out.print(f"can never load (alone over the budget): {', '.join(packing.never)}")

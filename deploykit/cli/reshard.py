@@ -17,9 +17,12 @@ from .console import EXIT_FAILED, Bar, err, fail, handle_errors, out, show_progr
 @click.option("--allow-pickle", is_flag=True,
               help="Accept *.bin/*.pt checkpoints (read with torch.load(weights_only=True)).")
 @click.option("--quiet", "-q", is_flag=True, help="No progress bar.")
+@click.option("--tensor-parallel", type=click.IntRange(min=1), default=1, metavar="N",
+              help="Write one file per tensor-parallel rank (its slices plus what it replicates) instead; "
+                   "needs --dtype.")
 @handle_errors
 def reshard(src: str, dst: str, max_shard_size: str, dtype: str | None, allow_pickle: bool,
-            quiet: bool) -> None:
+            quiet: bool, tensor_parallel: int) -> None:
     """Rewrite the checkpoint SRC into DST with shards of at most --max-shard-size.
 
     Streams tensor by tensor with bounded memory, writes atomically (DST is either as it was or
@@ -35,6 +38,9 @@ def reshard(src: str, dst: str, max_shard_size: str, dtype: str | None, allow_pi
         raise click.BadParameter(str(exc), param_hint="--max-shard-size") from None
     if size <= 0:
         raise click.BadParameter("must be greater than 0", param_hint="--max-shard-size")
+    if tensor_parallel > 1:
+        _rank_files(src, dst, tensor_parallel, dtype)
+        return
     if show_progress(quiet):
         with Bar("resharding") as bar:
             result = run(src, dst, max_shard_size=size, dtype=dtype, allow_pickle=allow_pickle, progress=bar)
@@ -49,6 +55,21 @@ def reshard(src: str, dst: str, max_shard_size: str, dtype: str | None, allow_pi
     resumed = f", {result.resumed_shards} resumed" if result.resumed_shards else ""
     out.print(f"{dst}: wrote {len(result.layout.shards)} shards{resumed}, "
               f"{format_size(result.bytes_written)} in {result.seconds:.2f}s ({rate:.0f} MiB/s)")
+
+
+def _rank_files(src: str, dst: str, ranks: int, dtype: str | None) -> None:
+    """``--tensor-parallel N``: the rank files ``apply`` would lay out for ``tensor_parallel: N``."""
+    from pathlib import Path
+
+    from ..artifacts.rank_shards import rank_layout, write_rank_shards
+    from ..model.checkpoint import open_checkpoint
+
+    if dtype is None:
+        raise click.BadParameter("rank files are written at one dtype: give --dtype", param_hint="--dtype")
+    checkpoint = open_checkpoint(Path(src))
+    written = write_rank_shards(checkpoint, Path(dst), rank_layout(checkpoint, ranks=ranks, dtype=dtype))
+    files = sorted(written.glob("rank-*.safetensors"))
+    out.print(f"{dst}: {len(files)} rank files, {format_size(sum(f.stat().st_size for f in files))}")
 
 
 @click.command()

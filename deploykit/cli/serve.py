@@ -26,14 +26,20 @@ from .console import STATE_OPTION, err, handle_errors, store
 @click.option("--devices", metavar="SPEC", default=None, help="Simulated inventory (CPU-only plans).")
 @click.option("--debounce", type=float, default=0.3, show_default=True, help="Seconds a burst of file "
               "events must settle before reloading.")
+@click.option("--budget", envvar="DEPLOYKIT_BUDGET", metavar="TIER=SIZE,...", default=None,
+              help="The most all deployments may hold together, e.g. cpu=6GiB or cpu=32GiB,gpu0=20GiB "
+                   "(default: $DEPLOYKIT_BUDGET, else what the host has). docs/budget.md.")
+@click.option("--budget-timeout", type=float, default=120.0, show_default=True,
+              help="Seconds a request for an unloaded model waits for room before a 503.")
 @click.option("--drain-timeout", type=float, default=30.0, show_default=True,
               help="Seconds running requests get to finish on SIGTERM.")
-@click.option("--log-level", type=click.Choice(["debug", "info", "warning", "error"]), default="info",
+@click.option("--log-level", type=click.Choice(["debug", "info", "warning", "error"]), default="warning",
               show_default=True, help="Least severe log lines written to stderr (loads, frees, client disconnects).")
 @STATE_OPTION
 @handle_errors
 def serve(path: str | None, host: str, port: int, api_key: str | None, control_token: str | None, prune: bool,
-          devices: str | None, debounce: float, drain_timeout: float, log_level: str, state_dir: str | None) -> None:
+          devices: str | None, budget: str | None, budget_timeout: float, debounce: float, drain_timeout: float,
+          log_level: str, state_dir: str | None) -> None:
     """Hold every deployment in PATH (a manifest or a directory of manifests), reload them when their
     files change, and serve them: the OpenAI-compatible API (/v1/models, /v1/chat/completions,
     /v1/completions, /v1/embeddings) and /healthz, /readyz, /status, /metrics.
@@ -42,6 +48,8 @@ def serve(path: str | None, host: str, port: int, api_key: str | None, control_t
     way, `deploykit apply/diff/status/history/rollback/delete` send their work to this server through
     its control API (/control/v1), found via <state dir>/server.json.
     """
+    from ..control.budget import serve_budget
+    from ..control.host import Host
     from ..control.state import open_store
     from ..control.supervisor import Supervisor
     from ..serve.app import create_app
@@ -57,8 +65,10 @@ def serve(path: str | None, host: str, port: int, api_key: str | None, control_t
         raise DeploykitError(f"another deploykit serve (pid {other.pid}, {other.url}) already owns the state "
                              f"directory {states.directory}; stop it, or use another --state-dir")
     token = control_token or new_token()
+    budget_source = "--budget" if budget is None or os.environ.get("DEPLOYKIT_BUDGET") != budget else "DEPLOYKIT_BUDGET"
+    budgeted = Host(serve_budget(budget, devices, source=budget_source), wait_timeout=budget_timeout)
     supervisor = Supervisor(Path(path) if path else None, store=states, devices=devices, prune=prune,
-                            debounce=debounce)
+                            debounce=debounce, host=budgeted)
     sock = bind(host, port)
     url = f"http://{host if ':' not in host else f'[{host}]'}:{sock.getsockname()[1]}"
     written = False
@@ -70,9 +80,9 @@ def serve(path: str | None, host: str, port: int, api_key: str | None, control_t
         supervisor.start()
         names = ", ".join(n for n, _ in supervisor.items()) or "none"
         source = f"watching {supervisor.path}" if supervisor.path else "restored from the state store"
-        err.print(f"deploykit serve: serving {len(supervisor.items())} deployment(s): {names}; {source}",
-                  markup=False)
-        for file, problem in supervisor.errors.items():
+        err.print(f"deploykit serve: serving {len(supervisor.items())} deployment(s): {names}; {source}; "
+                  f"under {budgeted.budget.describe()}", markup=False)
+        for file, problem in supervisor.problems().items():
             err.print(f"deploykit serve: {file}: not deployed: {problem}", markup=False)
 
     err.print(f"deploykit serve: {url} (/v1 API, /healthz /readyz /status /metrics, /control/v1); loading…",
@@ -86,13 +96,22 @@ def serve(path: str | None, host: str, port: int, api_key: str | None, control_t
         err.print("deploykit serve: stopping: draining in-flight work")
         supervisor.close()
         err.print("deploykit serve: stopped")
+        # daemon threads (Ray's, engines') may still log while the interpreter shuts down; a write to
+        # stderr then aborts the process ("could not acquire lock ... at interpreter shutdown")
+        logging.getLogger("deploykit").handlers.clear()
     os.environ.pop("DEPLOYKIT_API_KEY", None)
 
 
 def _log_to_stderr(level: str) -> None:
-    """deploykit's own log lines, one per line, on stderr (library code only logs; it never prints)."""
+    """deploykit's own log lines, one per line, on stderr (library code only logs; it never prints).
+    At the default level Python's own last-resort handler already writes warnings and errors: no
+    handler is installed then (one installed aborted a Ray-connected server at exit, seen here)."""
+    if level in ("warning", "error"):
+        logging.getLogger("deploykit").setLevel(level.upper())
+        return
     handler = logging.StreamHandler()
     handler.setFormatter(logging.Formatter("deploykit serve: %(levelname)s %(name)s: %(message)s"))
     logger = logging.getLogger("deploykit")
     logger.addHandler(handler)
     logger.setLevel(level.upper())
+    logger.propagate = False  # libraries that configure the root logger (Ray) would print each line twice

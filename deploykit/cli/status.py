@@ -54,8 +54,23 @@ def status(name: str | None, output: str, server: str | None, state_dir: str | N
             for d in r["plan"]["devices"]:
                 device = f"cuda:{d['device']}" if isinstance(d["device"], int) else d["device"]
                 out.print(f"  {device}: {', '.join(d['blocks'])} ({format_size(d['bytes'])})", markup=False)
+        if r.get("budget"):
+            out.print("  " + _memory_line(r["budget"]), markup=False)
         if r["last_error"]:
             out.print(f"  last error: {r['last_error']}", markup=False)
+
+
+def _memory_line(b: dict[str, Any]) -> str:
+    """A deployment under deploykit serve's budget: loaded, unloaded or loading; bytes; last used; keep-alive."""
+    if b["keep_alive"] is None:
+        keep = "keep-alive forever"
+    elif b["keep_alive_left"] is None:
+        keep = f"keep-alive {b['keep_alive']:g}s"
+    else:
+        keep = f"keep-alive left {b['keep_alive_left']:g}s of {b['keep_alive']:g}s"
+    busy = f", {b['busy']} request(s) in flight" if b["busy"] else ""
+    return (f"memory: {b['state']}, {format_size(b['bytes'])}, priority {b['priority']}; last used "
+            f"{b['idle_seconds']:g}s ago{busy}; {keep}")
 
 
 @click.command()

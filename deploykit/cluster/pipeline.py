@@ -44,6 +44,36 @@ def stages_of(plan: Plan, checkpoint: Path, *, dtype: str, threads: int = 1) -> 
     return specs
 
 
+def _new_group(count: int, bundle: dict[str, float], timeout: float) -> Any:
+    """A STRICT_SPREAD placement group of ``count`` bundles, ready (or a ClusterError naming the nodes)."""
+    ray = require_ray()
+    from ray.util.placement_group import placement_group, remove_placement_group
+
+    group = placement_group([dict(bundle) for _ in range(count)], strategy="STRICT_SPREAD",
+                            name=f"deploykit-pipeline-{uuid.uuid4().hex[:8]}")
+    try:
+        ray.get(group.ready(), timeout=timeout)
+    except Exception as exc:
+        remove_placement_group(group)
+        nodes = sum(1 for n in ray.nodes() if n.get("Alive"))
+        raise ClusterError(f"cannot place {count} pipeline stages on distinct nodes ({bundle} each) "
+                           f"within {timeout:g}s: the cluster has {nodes} alive node(s) "
+                           f"({type(exc).__name__})") from None
+    return group
+
+
+def _current_group(count: int) -> Any:
+    """The placement group this actor runs in (a Ray Serve replica's), which must hold a bundle per stage."""
+    require_ray()
+    from ray.util import get_current_placement_group
+
+    group = get_current_placement_group()
+    if group is None or len(group.bundle_specs) < count:
+        have = 0 if group is None else len(group.bundle_specs)
+        raise ClusterError(f"the replica's placement group has {have} bundle(s), {count} stages need one each")
+    return group
+
+
 def split_layers(num_layers: int, count: int) -> list[tuple[int, int]]:
     """An even split of ``num_layers`` into ``count`` contiguous runs (for tests and benchmarks)."""
     bounds = [round(i * num_layers / count) for i in range(count + 1)]
@@ -78,33 +108,26 @@ class RayPipeline:
 
     @classmethod
     def start(cls, specs: list[StageSpec], *, num_cpus: float = 1.0, num_gpus: float = 0.0,
-              timeout: float = 300.0, env: dict[str, str] | None = None) -> RayPipeline:
+              timeout: float = 300.0, env: dict[str, str] | None = None,
+              in_current_group: bool = False) -> RayPipeline:
         """Reserve one bundle per stage on distinct nodes (STRICT_SPREAD), start a stage actor in each and
-        wait until every stage has built its model. ``num_cpus`` may be fractional."""
+        wait until every stage has built its model. ``num_cpus`` may be fractional. ``in_current_group``:
+        the caller (a Ray Serve replica) already holds such a group, one bundle per stage: use it (it is
+        the caller's, so ``close`` leaves it)."""
         ray = require_ray()
-        from ray.util.placement_group import placement_group, remove_placement_group
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
         bundle: dict[str, float] = {"CPU": num_cpus}
         if num_gpus:
             bundle["GPU"] = num_gpus
-        group = placement_group([dict(bundle) for _ in specs], strategy="STRICT_SPREAD",
-                                name=f"deploykit-pipeline-{uuid.uuid4().hex[:8]}")
-        try:
-            ray.get(group.ready(), timeout=timeout)
-        except Exception as exc:
-            remove_placement_group(group)
-            nodes = sum(1 for n in ray.nodes() if n.get("Alive"))
-            raise ClusterError(f"cannot place {len(specs)} pipeline stages on distinct nodes ({bundle} each) "
-                               f"within {timeout:g}s: the cluster has {nodes} alive node(s) "
-                               f"({type(exc).__name__})") from None
+        group = _current_group(len(specs)) if in_current_group else _new_group(len(specs), bundle, timeout)
         actor_cls = ray.remote(Stage)
         runtime_env = {"env_vars": {**worker_env(), **(env or {})}}
         actors = [actor_cls.options(
             num_cpus=num_cpus, num_gpus=num_gpus, runtime_env=runtime_env, max_concurrency=1,
             scheduling_strategy=PlacementGroupSchedulingStrategy(group, placement_group_bundle_index=i),
         ).remote(spec) for i, spec in enumerate(specs)]
-        pipeline = cls(actors, group, specs)
+        pipeline = cls(actors, None if in_current_group else group, specs)
         try:
             ray.get([a.info.remote() for a in actors], timeout=timeout)
         except Exception as exc:

@@ -29,9 +29,12 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from ..errors import ApplyError, DeploykitError, ManifestError, PlanInfeasible
+from ..names import Phase
 from ..placement.inventory import process_rss
 from ..spec.manifest import LoadedManifest, load_manifests
+from .loading import serving_of
 from .pool import GenerationPool
+from .report import phase_of
 from .reconciler import ApplyOptions, ApplyOutcome, apply
 from .rollout import Rollout, RolloutResult
 from .state import StateStore, open_store
@@ -40,6 +43,8 @@ if TYPE_CHECKING:
     from ..artifacts.reshard import ProgressSink
     from ..engine.loader import LoadedModel
     from ..engine.runtime import Completion, TextRuntime
+    from .host import Host
+    from .pool import Generation
     from .watcher import ManifestWatcher
 
 log = logging.getLogger(__name__)
@@ -63,7 +68,8 @@ class Deployment:
     """A deployed model held by this process. Thread-safe. See the module docstring."""
 
     def __init__(self, manifest_path: Path, *, name: str | None = None, devices: str | None = None,
-                 store: StateStore | None = None, acquire_timeout: float = DEFAULT_ACQUIRE_TIMEOUT) -> None:
+                 store: StateStore | None = None, acquire_timeout: float = DEFAULT_ACQUIRE_TIMEOUT,
+                 host: Host | None = None) -> None:
         self.manifest_path = Path(manifest_path)
         self._wanted_name = name
         self.devices = devices
@@ -72,8 +78,9 @@ class Deployment:
         self.name: str = name or ""
         self.pool = GenerationPool(self.name)
         self._reload_lock = threading.Lock()  # one reload at a time
-        self._phase = "Pending"
+        self._phase = Phase.PENDING  # Pending, Progressing while a change runs, then Ready/Failed, Closed
         self._last_error: str | None = None
+        self._conflict: str | None = None  # a watched file declares this API-owned name (supervisor)
         self._callbacks: list[Callable[[Deployment], None]] = []
         self.reloads: deque[ReloadRecord] = deque(maxlen=RELOAD_HISTORY)
         self.reload_count = 0
@@ -83,15 +90,19 @@ class Deployment:
         self._closed = False
         self._given: LoadedManifest | None = None  # a manifest handed over (control API), not a file
         self.last_outcome: ApplyOutcome | None = None
+        self.host = host  # the budget this deployment loads and unloads under (deploykit serve), if any
+        self._verified: int | None = None  # the revision whose shards this process checked by hash
+        self.pending: LoadedManifest | None = None  # an on-demand manifest to apply at its first load
+        self._load_error: str | None = None  # why the last load on demand failed (cleared by one that works)
 
     @classmethod
     def from_manifest(cls, path: str | Path, *, watch: bool = False, name: str | None = None,
                       devices: str | None = None, state_dir: str | Path | None = None,
                       store: StateStore | None = None, acquire_timeout: float = DEFAULT_ACQUIRE_TIMEOUT,
-                      debounce: float = 0.3) -> Deployment:
+                      debounce: float = 0.3, host: Host | None = None) -> Deployment:
         """Apply the manifest at ``path`` and hold its model. ``watch=True`` reloads on changes."""
         store = store or open_store(Path(state_dir) if state_dir is not None else None)
-        dep = cls(Path(path), name=name, devices=devices, store=store, acquire_timeout=acquire_timeout)
+        dep = cls(Path(path), name=name, devices=devices, store=store, acquire_timeout=acquire_timeout, host=host)
         dep.start()
         if watch:
             dep.watch(debounce=debounce)
@@ -101,11 +112,11 @@ class Deployment:
     def from_loaded(cls, loaded: LoadedManifest, *, devices: str | None = None, store: StateStore | None = None,
                     acquire_timeout: float = DEFAULT_ACQUIRE_TIMEOUT, force: bool = False,
                     progress: ProgressSink | None = None,
-                    on_step: Callable[[str], None] | None = None) -> Deployment:
+                    on_step: Callable[[str], None] | None = None, host: Host | None = None) -> Deployment:
         """Apply an already loaded manifest (one sent over the control API, or a revision's recorded
         manifest after a restart) and hold its model. It has no file to watch: ``roll_to`` changes it."""
         dep = cls(Path(loaded.source), name=loaded.name, devices=devices, store=store,
-                  acquire_timeout=acquire_timeout)
+                  acquire_timeout=acquire_timeout, host=host)
         dep._given = loaded
         dep.start(force=force, progress=progress, on_step=on_step)
         return dep
@@ -128,19 +139,85 @@ class Deployment:
         """Apply the manifest (or load the current revision, verified and health-checked)."""
         loaded = self._manifest()
         self.name = self.pool.name = loaded.name
-        self._phase = "Progressing"
+        self._phase = Phase.PROGRESSING
         try:
-            outcome = apply(loaded, store=self.store, options=ApplyOptions(
-                devices=self.devices, keep_model=True, load_if_unchanged=True, force=force),
-                progress=progress, on_step=on_step)
-        except DeploykitError as exc:
-            self._phase, self._last_error = "Failed", describe(exc, loaded)
+            if self.host is None:
+                self.load_initial(loaded, force=force, progress=progress, on_step=on_step)
+            else:
+                from .budgeting import start_budgeted
+
+                start_budgeted(self, self.host, loaded, force=force, progress=progress, on_step=on_step)
+        except Exception as exc:
+            self._phase, self._last_error = Phase.FAILED, describe(exc, loaded)
             raise
+        self._phase = Phase.READY
+
+    def load_initial(self, loaded: LoadedManifest, *, force: bool = False, progress: ProgressSink | None = None,
+                      on_step: Callable[[str], None] | None = None) -> None:
+        """Apply ``loaded`` (or load its current revision, verified and health-checked) and serve it."""
+        outcome = apply(loaded, store=self.store, options=ApplyOptions(
+            devices=self.devices, keep_model=True, load_if_unchanged=True, force=force),
+            progress=progress, on_step=on_step)
         assert outcome.loaded is not None
-        self.pool.install(outcome.loaded, outcome.plan, outcome.revision or 0, "initial", loaded)
+        self.pool.install(outcome.loaded, outcome.plan, outcome.revision or 0, "initial", serving_of(loaded))
         outcome.loaded = None  # the pool owns the model now: a kept outcome must not pin it
         self.last_outcome = outcome
-        self._phase = "Ready"
+        if outcome.revision is not None:
+            self._verified = outcome.revision
+
+    def pin(self, timeout: float | None = None) -> Generation:
+        """The current generation, pinned (``pool.unpin`` it). An unloaded deployment is loaded first,
+        once the host has made room (a ``BudgetError`` naming the budget if it cannot in time)."""
+        timeout = self.acquire_timeout if timeout is None else timeout
+        if self.host is None:
+            return self.pool.pin(timeout)
+        from .pool import NotLoaded
+
+        deadline = time.monotonic() + timeout
+        with self.host.wanted(self.name):  # busy from now: what loads for this request stays loaded
+            while True:
+                try:
+                    return self.pool.pin(max(0.0, deadline - time.monotonic()))
+                except NotLoaded:
+                    self._load_for_request()
+
+    def _load_for_request(self) -> None:
+        """Load on demand; a failed load (not a lack of room) shows in ``status()`` like a failed reload."""
+        from .budget import BudgetError
+
+        assert self.host is not None
+        try:
+            self.host.load(self.name, self.load_current, reason="request")
+        except BudgetError:
+            raise
+        except DeploykitError as exc:
+            self._load_error = describe(exc, self.pending)
+            log.warning("loading %s on demand failed: %s", self.name, self._load_error)
+            raise
+        self._load_error = None
+
+    def load_current(self) -> None:
+        """Load the current revision from its laid-out shards (no reshard) and serve it: shards checked
+        (by hash the first time this process loads that revision, by presence and size after), then
+        loaded and health-checked."""
+        from .loading import StepTimer, load_checked, recorded_manifest, shards_problem
+        from ..errors import CheckpointError
+        from ..placement.planner import Plan
+
+        if self.pending is not None:  # a new revision of an on-demand deployment: the whole apply, now
+            self.load_initial(self.pending)
+            self.pending = None
+            return
+        current = self.store.current(self.name)
+        if current is None or current.plan is None:
+            raise ApplyError(f"{self.name!r} has no Ready revision to load")
+        problem = shards_problem(current, hashes=self._verified != current.revision)
+        if problem is not None:
+            raise CheckpointError(f"revision {current.revision} of {self.name!r} cannot be loaded: {problem}")
+        self._verified = current.revision
+        manifest, plan = recorded_manifest(current), Plan.from_dict(current.plan)
+        model, _ = load_checked(manifest, plan, Path(current.shards_path or ""), StepTimer(None))
+        self.pool.install(model, plan, current.revision, "on-demand", serving_of(manifest))
 
     # ---- serving --------------------------------------------------------------------------------
 
@@ -161,12 +238,12 @@ class Deployment:
     @contextmanager
     def acquire_loaded(self, timeout: float | None = None) -> Iterator[LoadedModel]:
         """Like ``acquire`` but yields the LoadedModel (model, tokenizer, input device, plan)."""
-        gen = self.pool.pin(self.acquire_timeout if timeout is None else timeout)
+        gen = self.pin(timeout)
         try:
             assert gen.loaded is not None  # pinned generations are never freed
             if gen.loaded.model is None:
-                raise ApplyError(f"{self.name!r} runs as pipeline stages on a Ray cluster: there is no model "
-                                 "in this process; use generate/chat or the API")
+                raise ApplyError(f"{self.name!r} runs outside this process (pipeline stages on a Ray cluster, or "
+                                 "tensor-parallel ranks): there is no model here; use generate/chat or the API")
             if gen.forward_lock is not None:  # accelerate offload hooks: one forward at a time
                 with gen.forward_lock:
                     yield gen.loaded
@@ -197,7 +274,7 @@ class Deployment:
         """Sentence embeddings of a feature-extraction deployment, pooled as its checkpoint says."""
         from ..engine.runtime import EmbeddingRuntime
 
-        gen = self.pool.pin(self.acquire_timeout)
+        gen = self.pin()
         try:
             if not isinstance(gen.runtime, EmbeddingRuntime):
                 raise ApplyError(f"{self.name!r} ({gen.task}) does not serve embeddings")
@@ -209,7 +286,7 @@ class Deployment:
     def _text_runtime(self) -> Iterator[TextRuntime]:
         from ..engine.runtime import TextRuntime
 
-        gen = self.pool.pin(self.acquire_timeout)
+        gen = self.pin()
         try:
             if not isinstance(gen.runtime, TextRuntime):
                 raise ApplyError(f"{self.name!r} ({gen.task}) does not generate text")
@@ -233,11 +310,7 @@ class Deployment:
                 return False
             swapped = self._reload_once() is True
         if swapped:
-            for callback in list(self._callbacks):
-                try:
-                    callback(self)
-                except Exception:  # a callback's bug must not break serving
-                    log.exception("on_reload callback failed")
+            self._notify()
         return swapped
 
     def roll_to(self, loaded: LoadedManifest, *, force: bool = False, progress: ProgressSink | None = None,
@@ -251,12 +324,32 @@ class Deployment:
             result = self._reload_once(loaded, force=force, progress=progress, on_step=on_step, raise_errors=True)
         assert isinstance(result, RolloutResult)
         if result.swapped:
-            for callback in list(self._callbacks):
-                try:
-                    callback(self)
-                except Exception:
-                    log.exception("on_reload callback failed")
+            self._notify()
         return result
+
+    def reconcile(self, *, force: bool = False, progress: ProgressSink | None = None,
+                  on_step: Callable[[str], None] | None = None) -> RolloutResult:
+        """Roll out the manifest file as it is now (what a save of it does) and raise the real reason
+        when that fails; the serving generation stays. ``deploykit apply`` of a watched file."""
+        with self._reload_lock:
+            if self._closed:
+                raise ApplyError(f"{self.name!r} is being deleted")
+            result = self._reload_once(force=force, progress=progress, on_step=on_step, raise_errors=True)
+        assert isinstance(result, RolloutResult)
+        if result.swapped:
+            self._notify()
+        return result
+
+    def set_conflict(self, message: str | None) -> None:
+        """Show (or clear) an ownership conflict as this deployment's error (the supervisor's)."""
+        self._conflict = message
+
+    def _notify(self) -> None:
+        for callback in list(self._callbacks):
+            try:
+                callback(self)
+            except Exception:  # a callback's bug must not break serving
+                log.exception("on_reload callback failed")
 
     def _reload_once(self, given: LoadedManifest | None = None, *, force: bool = False,
                      progress: ProgressSink | None = None, on_step: Callable[[str], None] | None = None,
@@ -264,17 +357,24 @@ class Deployment:
         started, rss_before = time.perf_counter(), process_rss()
         loaded: LoadedManifest | None = given
         strategy = "none"
-        self._phase = "Progressing"
+        self._phase = Phase.PROGRESSING
         try:
             loaded = given or self._manifest()
             if loaded.name != self.name:
                 raise ApplyError(f"the manifest now names {loaded.name!r}, this deployment is "
                                  f"{self.name!r}; a rename is a new deployment")
-            result = Rollout(self.pool, self.store, devices=self.devices,
-                             acquire_timeout=self.acquire_timeout).run(loaded, force=force, progress=progress,
-                                                                       on_step=on_step)
+            if self.host is None:
+                result = Rollout(self.pool, self.store, devices=self.devices,
+                                 acquire_timeout=self.acquire_timeout).run(loaded, force=force, progress=progress,
+                                                                           on_step=on_step)
+            else:
+                from .budgeting import roll_budgeted
+
+                result = roll_budgeted(self, self.host, loaded, force=force, progress=progress, on_step=on_step)
             strategy = result.strategy
-        except DeploykitError as exc:
+        except Exception as exc:  # any failure, expected or not: recorded, the last good generation serves
+            if not isinstance(exc, DeploykitError):
+                log.error("reload of %s failed unexpectedly", self.name, exc_info=exc)
             self._record_failure(exc, loaded, strategy, started, rss_before)
             if raise_errors:
                 raise
@@ -286,7 +386,7 @@ class Deployment:
         return result if raise_errors else swapped
 
     def _finish_reload(self, result: RolloutResult, started: float, rss_before: int) -> bool:
-        self._phase = "Ready" if self.pool.current is not None else "Failed"
+        self._phase = Phase.READY if self.pool.current is not None else Phase.FAILED
         if not result.swapped:  # nothing changed that needs a new generation
             return False
         current = self.pool.current
@@ -295,17 +395,17 @@ class Deployment:
                                   process_rss()))
         return True
 
-    def _record_failure(self, exc: DeploykitError, loaded: LoadedManifest | None, strategy: str,
+    def _record_failure(self, exc: Exception, loaded: LoadedManifest | None, strategy: str,
                         started: float, rss_before: int) -> None:
-        self._last_error = describe(exc, loaded)
-        self._phase = "Ready" if self.pool.current is not None else "Failed"
-        log.warning("reload of %s failed; generation %d keeps serving: %s", self.name, self.generation,
-                    self._last_error)
-        if self.name and self.store.deployment(self.name) is not None:
-            if isinstance(exc, (ManifestError, PlanInfeasible)) or loaded is None:  # no revision recorded
-                self.store.set_pending_error(self.name, self._last_error)
+        error = describe(exc, loaded)
+        log.warning("reload of %s failed; generation %d keeps serving: %s", self.name, self.generation, error)
+        if self.name and self.store.deployment(self.name) is not None:  # the store first: a reader that
+            if isinstance(exc, (ManifestError, PlanInfeasible)) or loaded is None:  # sees the error here
+                self.store.set_pending_error(self.name, error)  # finds it in `deploykit status` too
             else:
-                self.store.record_event(self.name, "ReloadFailed", self._last_error)
+                self.store.record_event(self.name, "ReloadFailed", error)
+        self._last_error = error
+        self._phase = Phase.FAILED
         self.reload_failures += 1
         self._record(ReloadRecord(self.generation, None, False, time.perf_counter() - started, strategy,
                                   self._last_error, rss_before, process_rss()))
@@ -334,14 +434,21 @@ class Deployment:
 
     def status(self) -> dict[str, Any]:
         gen = self.pool.current
+        last_error = self._last_error or self._conflict or self._load_error
+        phase = self._phase
+        if phase not in (Phase.PENDING, Phase.CLOSED):
+            phase = phase_of(progressing=phase == Phase.PROGRESSING, last_error=last_error,
+                             current=gen is not None or self.pool.unloaded)  # unloaded: loads on demand
         return {
             "name": self.name,
-            "phase": self._phase,
+            "phase": phase.value,
             "generation": self.generation,
             "revision": gen.revision if gen else None,
-            "serving": gen is not None,
+            "serving": gen is not None or self.pool.unloaded,  # unloaded: loads at its next request
+            "loaded": (self.host.state(self.name) if self.host is not None else None) or ("loaded" if gen else "unloaded"),
+            "budget": self.host.describe(self.name) if self.host is not None else None,
             "in_flight": gen.refs if gen else 0,
-            "last_error": self._last_error,
+            "last_error": last_error,
             "manifest": str(self.manifest_path),
             "serialize_forward": bool(gen and gen.forward_lock),
             "reloads": {"total": self.reload_count, "failed": self.reload_failures},
@@ -360,7 +467,7 @@ class Deployment:
         with self._reload_lock:
             self._closed = True
             self.pool.close(timeout)
-            self._phase = "Closed"
+            self._phase = Phase.CLOSED
 
     def __enter__(self) -> Deployment:
         return self
@@ -390,7 +497,10 @@ class _ReloadWorker:
             if self._stop.is_set():
                 return
             self._wanted.clear()
-            self.deployment.reload()
+            try:
+                self.deployment.reload()
+            except Exception:  # reload() records every failure; this only keeps the worker alive
+                log.exception("reload of %s failed", self.deployment.name)
 
     def stop(self) -> None:
         self._stop.set()
@@ -410,4 +520,6 @@ def describe(exc: Exception, loaded: LoadedManifest | None) -> str:
         return "\n".join(str(i) for i in exc.issues)
     if isinstance(exc, PlanInfeasible) and exc.field and loaded is not None:
         return loaded.located(exc.field, str(exc))
+    if not isinstance(exc, DeploykitError):
+        return f"internal error: {type(exc).__name__}: {exc}"
     return str(exc)

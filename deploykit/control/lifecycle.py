@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Any
 
 from ..errors import DeploykitError
+from ..names import Phase
 from .loading import recorded_manifest
 from .reconciler import ApplyOptions, ApplyOutcome, apply
 from .state import Revision, StateStore
@@ -29,7 +30,7 @@ def rollback_target(store: StateStore, name: str, *, to_revision: int | None = N
         return found
     current = store.current(name)
     ready = [r for r in store.history(name)
-             if r.phase == "Ready" and (current is None or r.revision < current.revision)]
+             if r.phase == Phase.READY and (current is None or r.revision < current.revision)]
     if not ready:
         raise DeploykitError(f"{name!r} has no Ready revision before the current one to roll back to")
     return ready[-1]

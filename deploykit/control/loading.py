@@ -20,6 +20,7 @@ from .state import Revision
 
 if TYPE_CHECKING:
     from ..engine.loader import LoadedModel
+    from ..engine.serving import ServingSpec
 
 
 def shards_problem(revision: Revision | None, *, hashes: bool) -> str | None:
@@ -53,86 +54,128 @@ class StepTimer:
             self.timings[name] = round(time.perf_counter() - start, 4)
 
 
+def serving_of(loaded: LoadedManifest, *, show_progress: bool = False) -> ServingSpec:
+    """What the layers below need of a manifest to load and serve it (they never see the manifest)."""
+    from ..engine.loader import LoadOptions
+    from ..engine.runtime import Limits
+    from ..engine.serving import ServingSpec
+
+    spec = loaded.manifest.spec
+    disk, s, hc = spec.offload.disk, spec.serving, spec.rollout.health_check
+    load = LoadOptions(task=spec.model.task, dtype=spec.model.dtype, trust_remote_code=spec.model.trust_remote_code,
+                       allow_pickle=spec.model.allow_pickle, offload_dir=loaded.resolve(disk.path) if disk else None,
+                       show_progress=show_progress)
+    limits = Limits(s.context_length, s.max_tokens, s.default_max_tokens, s.max_concurrent, s.max_queued,
+                    s.max_input_items, s.batching)
+    return ServingSpec(loaded.name, load, limits, health_input=hc.input, health_timeout=hc.timeout)
+
+
 def load_checked(loaded: LoadedManifest, plan: Plan, shards: Path, timer: StepTimer, *,
                   show_progress: bool = False) -> tuple[LoadedModel, str]:
+    """Load ``shards`` as ``plan`` places them, where the manifest says (this process, pipeline stages on
+    its cluster, or Serve replicas), and health-check the result."""
     from ..engine.health import check
 
-    if is_pipeline(loaded):
-        return _start_pipeline(loaded, plan, shards, timer)
-    if is_replicated(loaded):
-        return _start_replicas(loaded, plan, timer)
+    serving = serving_of(loaded, show_progress=show_progress)
+    cluster = loaded.manifest.spec.cluster
+    if cluster is not None and is_replicated(loaded):
+        return _start_replicas(plan, shards, serving, cluster.address, loaded.manifest.spec.replicas, timer)
+    if cluster is not None and is_pipeline(loaded):
+        return _start_pipeline(plan, shards, serving, cluster.address, timer)
+    if is_tensor_parallel(loaded):
+        return _start_ranks(plan, shards, serving, loaded.manifest.spec.placement.tensor_parallel, timer)
     with timer.step("load"):
-        model = load_model(loaded, plan, shards, show_progress=show_progress)
+        model = load_model(plan, shards, serving)
     with timer.step("health-check"):
-        hc = loaded.manifest.spec.rollout.health_check
-        health = check(model, task=loaded.manifest.spec.model.task, text=hc.input, timeout=hc.timeout)
+        health = check(model, task=serving.load.task, text=serving.health_input, timeout=serving.health_timeout)
     return model, health.detail
 
 
 def is_pipeline(loaded: LoadedManifest) -> bool:
-    """Stages on several nodes of a Ray cluster rather than a model in this process."""
+    """One pipeline of stages on several nodes of a Ray cluster, driven from this process."""
     spec = loaded.manifest.spec
-    return spec.cluster is not None and spec.placement.nodes > 1
+    return spec.cluster is not None and spec.placement.nodes > 1 and spec.replicas == 1
 
 
 def is_replicated(loaded: LoadedManifest) -> bool:
-    """Replicas on Ray Serve (``spec.replicas`` of them) rather than a model in this process."""
+    """Ray Serve replicas (``spec.replicas`` of them; each one model, or one pipeline of its own stages
+    when ``placement.nodes > 1``) rather than a model in this process."""
     spec = loaded.manifest.spec
-    return spec.cluster is not None and spec.placement.nodes == 1
+    return spec.cluster is not None and (spec.placement.nodes == 1 or spec.replicas > 1)
 
 
-def _start_replicas(loaded: LoadedManifest, plan: Plan, timer: StepTimer) -> tuple[LoadedModel, str]:
-    """A new Serve application of ``spec.replicas`` replicas, checked with one generated token."""
-    from ..cluster.replica_runtime import build_replica_runtime
-    from ..engine.health import within
+def is_tensor_parallel(loaded: LoadedManifest) -> bool:
+    """Rank processes, each holding its slices of every layer, rather than one model in this process."""
+    return loaded.manifest.spec.placement.tensor_parallel > 1
+
+
+def _start_ranks(plan: Plan, shards: Path, serving: ServingSpec, ranks: int,
+                 timer: StepTimer) -> tuple[LoadedModel, str]:
+    """Start the ranks on their own rank files and check them through one forward across all of them."""
     from ..engine.loader import LoadedModel
-    from ..engine.runtime import Sampling
-    from .pool import limits_of
+    from ..engine.tensor_parallel.runtime import RankOptions, build_tensor_parallel_runtime
 
+    gpus = tuple(d.device for d in plan.devices if isinstance(d.device, int))
+    options = RankOptions(ranks=ranks, dtype=serving.load.dtype, gpus=gpus,
+                          trust_remote_code=serving.load.trust_remote_code)
     with timer.step("load"):
-        runtime = build_replica_runtime(loaded, limits_of(loaded))
+        runtime = build_tensor_parallel_runtime(shards, options, serving.limits)
     try:
         with timer.step("health-check"):
-            hc = loaded.manifest.spec.rollout.health_check
-            ids = runtime.tokenizer(hc.input)["input_ids"] or [0]
-            done, elapsed = within(lambda: runtime.complete(ids, Sampling(max_tokens=1)), timeout=hc.timeout)
-    except BaseException:
-        runtime.close()
-        raise
-    detail = f"{loaded.manifest.spec.replicas} replica(s) answered in {elapsed:.2f}s ({done.finish_reason})"
-    return LoadedModel(None, plan, loaded.model_path, "cpu", False, runtime.tokenizer, runtime=runtime), detail
-
-
-def _start_pipeline(loaded: LoadedManifest, plan: Plan, shards: Path, timer: StepTimer) -> tuple[LoadedModel, str]:
-    """Start the plan's stages on the cluster (each reads its own tensors from ``shards``) and check them
-    like an in-process model. No model lives here: the LoadedModel carries the runtime instead."""
-    from ..cluster.runtime import build_pipeline_runtime
-    from ..engine.loader import LoadedModel
-    from .pool import limits_of
-
-    with timer.step("load"):
-        runtime = build_pipeline_runtime(loaded, plan, limits_of(loaded), checkpoint=shards)
-    try:
-        with timer.step("health-check"):
-            hc = loaded.manifest.spec.rollout.health_check
-            health = runtime.health_check(hc.input, timeout=hc.timeout)
+            health = runtime.health_check(serving.health_input, timeout=serving.health_timeout)
     except BaseException:
         runtime.close()
         raise
     return LoadedModel(None, plan, shards, "cpu", False, runtime.tokenizer, runtime=runtime), health.detail
 
 
-def load_model(loaded: LoadedManifest, plan: Plan, shards: Path, *, show_progress: bool = False) -> LoadedModel:
+def _start_replicas(plan: Plan, shards: Path, serving: ServingSpec, address: str, replicas: int,
+                    timer: StepTimer) -> tuple[LoadedModel, str]:
+    """A new Serve application of ``replicas`` replicas, checked with one generated token."""
+    from ..cluster.replica_runtime import build_replica_runtime
+    from ..engine.health import within
+    from ..engine.loader import LoadedModel
+    from ..engine.runtime import Sampling
+
+    with timer.step("load"):
+        runtime = build_replica_runtime(plan, shards, serving, address=address, replicas=replicas)
+    try:
+        with timer.step("health-check"):
+            ids = runtime.tokenizer(serving.health_input)["input_ids"] or [0]
+            done, elapsed = within(lambda: runtime.complete(ids, Sampling(max_tokens=1)),
+                                   timeout=serving.health_timeout)
+    except BaseException:
+        runtime.close()
+        raise
+    stages = f" of {len(plan.nodes)} stages each" if plan.nodes else ""
+    detail = f"{replicas} replica(s){stages} answered in {elapsed:.2f}s ({done.finish_reason})"
+    return LoadedModel(None, plan, shards, "cpu", False, runtime.tokenizer, runtime=runtime), detail
+
+
+def _start_pipeline(plan: Plan, shards: Path, serving: ServingSpec, address: str,
+                    timer: StepTimer) -> tuple[LoadedModel, str]:
+    """Start the plan's stages on the cluster (each reads its own tensors from ``shards``) and check them
+    like an in-process model. No model lives here: the LoadedModel carries the runtime instead."""
+    from ..cluster.runtime import build_pipeline_runtime
+    from ..engine.loader import LoadedModel
+
+    with timer.step("load"):
+        runtime = build_pipeline_runtime(plan, shards, serving, address)
+    try:
+        with timer.step("health-check"):
+            health = runtime.health_check(serving.health_input, timeout=serving.health_timeout)
+    except BaseException:
+        runtime.close()
+        raise
+    return LoadedModel(None, plan, shards, "cpu", False, runtime.tokenizer, runtime=runtime), health.detail
+
+
+def load_model(plan: Plan, shards: Path, serving: ServingSpec) -> LoadedModel:
     """Load ``shards`` as ``plan`` places them, with the manifest's model options (not health-checked:
     callers go through ``load_revision`` or ``apply``)."""
-    from ..engine.loader import LoadOptions, load
+    from ..engine.loader import load
 
-    spec = loaded.manifest.spec
-    disk = spec.offload.disk
-    options = LoadOptions(task=spec.model.task, dtype=spec.model.dtype, trust_remote_code=spec.model.trust_remote_code,
-                          allow_pickle=spec.model.allow_pickle,
-                          offload_dir=loaded.resolve(disk.path) if disk else None, show_progress=show_progress)
-    return load(plan, shards, options)
+    return load(plan, shards, serving.load)
 
 
 def load_revision(revision: Revision) -> LoadedModel:

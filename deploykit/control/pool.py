@@ -26,11 +26,16 @@ from ..placement.planner import Plan
 
 if TYPE_CHECKING:
     from ..engine.loader import LoadedModel
-    from ..engine.runtime import Limits, Runtime
-    from ..spec.manifest import LoadedManifest
+    from ..engine.runtime import Runtime
+    from ..engine.serving import ServingSpec
 
 log = logging.getLogger(__name__)
 MEMORY_HISTORY = 64  # leak-guard samples kept
+LEAK_FLOOR = 16 << 20  # RSS growth below this is allocator noise, not a kept model (tiny models)
+
+
+class NotLoaded(ApplyError):
+    """The deployment is unloaded (budget, keep-alive, on-demand): the caller asks the host to load it."""
 
 
 @dataclass
@@ -61,25 +66,16 @@ def kv_cache_budget(plan: Plan | None) -> int:
     return max(64 << 20, first.budget - first.bytes)
 
 
-def limits_of(manifest: LoadedManifest) -> Limits:
-    """The engine's limits from the manifest's ``spec.serving``."""
-    from ..engine.runtime import Limits
-
-    s = manifest.manifest.spec.serving
-    return Limits(s.context_length, s.max_tokens, s.default_max_tokens, s.max_concurrent, s.max_queued,
-                  s.max_input_items, s.batching)
-
-
 def new_generation(number: int, loaded: LoadedModel, plan: Plan | None, revision: int, strategy: str,
-                   manifest: LoadedManifest) -> Generation:
-    """A generation with its runtime (batching engine or embedder) built from the manifest's limits."""
+                   serving: ServingSpec) -> Generation:
+    """A generation with its runtime (batching engine or embedder) built from the deployment's limits."""
     from ..engine.runtime import build_runtime
 
     lock = threading.Lock() if loaded.serialize_forward else None
-    task = manifest.manifest.spec.model.task
-    runtime = loaded.runtime or build_runtime(loaded, limits_of(manifest), task=task,
+    runtime = loaded.runtime or build_runtime(loaded, serving.limits, task=serving.load.task,
                                               kv_cache_bytes=kv_cache_budget(plan), forward_lock=lock)
-    return Generation(number, revision, loaded, plan, strategy, forward_lock=lock, runtime=runtime, task=task)
+    return Generation(number, revision, loaded, plan, strategy, forward_lock=lock, runtime=runtime,
+                      task=serving.load.task)
 
 
 class GenerationPool:
@@ -93,6 +89,8 @@ class GenerationPool:
         self._closed = False
         self.baseline_rss: int | None = None
         self.memory: deque[tuple[int, int]] = deque(maxlen=MEMORY_HISTORY)  # (generation freed, RSS after)
+        self.unloaded = False  # unloaded under the host's budget: a pin raises NotLoaded instead of waiting
+        self.last_used = time.monotonic()  # when the last caller unpinned (keep-alive counts from here)
 
     @property
     def current(self) -> Generation | None:
@@ -115,6 +113,8 @@ class GenerationPool:
         deadline = time.monotonic() + timeout
         with self._cond:
             while self._current is None:
+                if self.unloaded:
+                    raise NotLoaded(f"deployment {self.name!r} is not loaded")
                 if self._closed:
                     raise ApplyError(f"deployment {self.name!r} is closed")
                 remaining = deadline - time.monotonic()
@@ -143,19 +143,22 @@ class GenerationPool:
                 log.error("%s: generation %d unpinned more often than pinned", self.name, gen.number)
                 return False
             gen.refs -= 1
+            self.last_used = time.monotonic()
             free = gen.retired and gen.refs == 0 and gen.loaded is not None
             self._cond.notify_all()
         return free
 
     def install(self, loaded: LoadedModel, plan: Plan | None, revision: int, strategy: str,
-                manifest: LoadedManifest) -> Generation:
+                serving: ServingSpec) -> Generation:
         """Make ``loaded`` the current generation; the previous one is freed once unpinned."""
         with self._cond:
             self._number += 1
             number = self._number
-        gen = new_generation(number, loaded, plan, revision, strategy, manifest)
+        gen = new_generation(number, loaded, plan, revision, strategy, serving)
         with self._cond:
             old, self._current = self._current, gen
+            self.unloaded = False
+            self.last_used = time.monotonic()
             if old is not None:
                 old.retired = True
             free_old = old is not None and old.refs == 0
@@ -182,6 +185,29 @@ class GenerationPool:
                 return
         self._free(old)
 
+    def unload_if_idle(self) -> Generation | None:
+        """Unload the current generation if no caller holds it (checked and done under the pool's lock, so
+        a request pinning it at the same moment either wins, or finds it unloaded and loads it again).
+        Returns the generation to ``free`` (the caller frees it outside its own locks), or None."""
+        with self._cond:
+            gen = self._current
+            if gen is None or gen.refs > 0 or self._closed:
+                return None
+            self._current, self.unloaded, gen.retired = None, True, True
+            self._cond.notify_all()
+        return gen
+
+    def free(self, gen: Generation) -> None:
+        """Free a generation ``unload_if_idle`` returned: the drain/free path, with the leak guard."""
+        self._free(gen)
+
+    def mark_unloaded(self) -> None:
+        """Nothing is loaded and nothing should wait for a load (an on-demand deployment not yet used)."""
+        with self._cond:
+            if self._current is None:
+                self.unloaded = True
+                self._cond.notify_all()
+
     def close(self, timeout: float) -> None:
         self.drain(timeout)
         with self._cond:
@@ -199,6 +225,7 @@ class GenerationPool:
         with self._cond:
             gen.loaded = None
         gc.collect()
+        _trim_heap()
         try:
             import torch
 
@@ -211,15 +238,31 @@ class GenerationPool:
     def _check_memory(self, freed: Generation) -> None:
         """Leak guard: after a generation is freed, RSS should be near the first generation's."""
         rss = process_rss()
-        current = self._current
-        model_bytes = sum(d.bytes for d in current.plan.devices) if current and current.plan else 0
+        current = self._current if self._current is not None else freed  # an unload: nothing current
+        model_bytes = sum(d.bytes for d in current.plan.devices) if current.plan else 0
         self.memory.append((freed.number, rss))
         if self.baseline_rss is None or not model_bytes:
             return
         excess = rss - self.baseline_rss
-        if excess > 1.5 * model_bytes:
+        if excess > max(1.5 * model_bytes, LEAK_FLOOR):
             log.warning("%s: memory not reclaimed after freeing generation %d: RSS %d MiB is %d MiB above "
                         "the first generation's (the model is %d MiB); is a model kept outside acquire()?",
                         self.name, freed.number, rss >> 20, excess >> 20, model_bytes >> 20)
         else:
             log.info("generation %d of %s freed; RSS %d MiB", freed.number, self.name, rss >> 20)
+
+
+def _trim_heap() -> None:
+    """Hand freed heap pages back to the OS (glibc keeps them otherwise: its mmap threshold grows as large
+    tensors are freed, and later ones come from the heap), so an unload lowers RSS, not only the
+    allocator's free lists. A no-op where glibc is absent."""
+    import ctypes
+    import ctypes.util
+
+    name = ctypes.util.find_library("c")
+    try:
+        libc = ctypes.CDLL(name) if name else None
+        if libc is not None and hasattr(libc, "malloc_trim"):
+            libc.malloc_trim(0)
+    except OSError:  # pragma: no cover
+        pass

@@ -35,6 +35,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from ..artifacts.fsutil import discard_dir
+from ..names import Phase
 from ..artifacts.gguf import import_dir, import_gguf, import_problem, source_fingerprint
 from ..artifacts.reshard import ProgressSink, ReshardResult, fits_layout, plan_layout, reshard
 from ..artifacts.verify import checksums, read_lock, shard_problem
@@ -44,7 +45,7 @@ from ..model.gguf import is_gguf
 from ..placement.inventory import Inventory
 from ..placement.planner import Plan
 from ..spec.manifest import LoadedManifest, check_on_host
-from .loading import StepTimer, is_pipeline, load_checked, shards_problem
+from .loading import StepTimer, load_checked, shards_problem
 from .state import Revision, StateStore
 
 if TYPE_CHECKING:
@@ -128,7 +129,7 @@ class ApplyOptions:
 @dataclass
 class ApplyOutcome:
     name: str
-    status: str  # "unchanged" | "applied" | "loaded" | "dry-run"
+    status: str  # "unchanged" | "applied" | "loaded" | "dry-run" | "deferred" (applied by the first request)
     revision: int | None
     plan: Plan | None
     actions: tuple[Action, ...] = ()
@@ -284,11 +285,13 @@ def deployment_inventory(loaded: LoadedManifest, devices: str | None) -> Invento
 
     from ..placement.planning import inventory_for
 
-    if devices is None and not os.environ.get("DEPLOYKIT_DEVICES") and is_pipeline(loaded):
+    cluster = loaded.manifest.spec.cluster
+    spans_nodes = cluster is not None and loaded.manifest.spec.placement.nodes > 1
+    if devices is None and not os.environ.get("DEPLOYKIT_DEVICES") and spans_nodes:
         from ..cluster.inventory import probe_cluster  # imports ray: only for such manifests
 
-        assert loaded.manifest.spec.cluster is not None
-        return probe_cluster(loaded.manifest.spec.cluster.address)
+        assert cluster is not None
+        return probe_cluster(cluster.address)
     return inventory_for(loaded, devices)
 
 
@@ -315,12 +318,14 @@ def _act(loaded: LoadedManifest, store: StateStore, checkpoint: Checkpoint, deci
     revision = store.begin_revision(
         name=loaded.name, manifest_path=str(source), manifest_text=loaded.text, manifest_digest=loaded.digest,
         checkpoint_fingerprint=checkpoint.fingerprint, git_commit=git_commit(source))
+    if decision.actions:  # why this revision exists (a damaged shard is named here), for `deploykit history`
+        store.record_event(loaded.name, "Decided", f"revision {revision}: {decision.actions[0].reason}")
     try:
         with timer.step("reshard"):
             shards, result = _lay_out(loaded, store, checkpoint, plan, progress)
+        in_place = result is None and shards == checkpoint.path
         store.set_plan(loaded.name, revision, plan_json=json.dumps(plan.to_dict()), plan_digest=plan.digest,
-                       shards_path=str(shards),
-                       checksums=None if result is not None else _in_place_checksums(checkpoint))
+                       shards_path=str(shards), checksums=_in_place_checksums(checkpoint) if in_place else None)
         if options.before_load is not None:
             with timer.step("drain"):
                 options.before_load()
@@ -343,6 +348,8 @@ def _lay_out(loaded: LoadedManifest, store: StateStore, checkpoint: Checkpoint, 
     """The directory the plan loads from: the checkpoint itself when its layout fits, else shards
     written for this (content, layout), laid out again if a previous copy is damaged."""
     spec = loaded.manifest.spec
+    if spec.placement.tensor_parallel > 1:
+        return _lay_out_ranks(loaded, store, checkpoint), None
     layout_args = {"max_shard_size": spec.sharding.max_shard_size, "dtype": spec.model.dtype,
                    "device_map": plan.device_map}
     if fits_layout(checkpoint, **layout_args):  # type: ignore[arg-type]
@@ -357,6 +364,22 @@ def _lay_out(loaded: LoadedManifest, store: StateStore, checkpoint: Checkpoint, 
     return shards, reshard(checkpoint, shards, progress=progress, **layout_args)  # type: ignore[arg-type]
 
 
+def _lay_out_ranks(loaded: LoadedManifest, store: StateStore, checkpoint: Checkpoint) -> Path:
+    """Tensor parallel: one file per rank (its slices and what it replicates), with checksums."""
+    from ..artifacts.rank_shards import rank_layout, write_rank_shards
+
+    model = loaded.manifest.spec.model
+    layout = rank_layout(checkpoint, ranks=loaded.manifest.spec.placement.tensor_parallel, dtype=model.dtype,
+                         task=model.task, trust_remote_code=model.trust_remote_code)
+    shards = shards_dir(loaded, store, checkpoint.fingerprint, layout.digest)
+    lock = read_lock(shards)
+    if lock is not None and (problem := shard_problem(shards, lock, hashes=True)) is not None:
+        log.warning("%s: %s; laying the rank shards out again from %s", loaded.name, problem, checkpoint.path)
+        discard_dir(shards)
+    shards.parent.mkdir(parents=True, exist_ok=True)
+    return write_rank_shards(checkpoint, shards, layout)
+
+
 def _in_place_checksums(checkpoint: Checkpoint) -> dict[str, dict]:
     return checksums(checkpoint.path, sorted({str(t.file.relative_to(checkpoint.path)) for t in checkpoint.tensors}))
 
@@ -365,7 +388,7 @@ def collect_old_shards(loaded: LoadedManifest, store: StateStore) -> None:
     """Keep the shards of the current and the previous Ready revision (for rollback); remove the rest."""
     root = shards_root(loaded, store)
     keep = [Path(r.shards_path) for r in store.history(loaded.name)
-            if r.phase == "Ready" and r.shards_path][-2:]
+            if r.phase == Phase.READY and r.shards_path][-2:]
     if not root.is_dir():
         return
     for child in root.iterdir():

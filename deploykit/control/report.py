@@ -10,7 +10,19 @@ import time
 from typing import Any
 
 from ..errors import DeploykitError
+from ..names import Phase
 from .state import Revision, StateStore
+
+
+def phase_of(*, progressing: bool, last_error: str | None, current: bool) -> Phase:
+    """A deployment's one phase (docs/concepts.md), whoever shows it (ops ``/status``, ``deploykit
+    status``, the library's ``status()``): Progressing while a change runs; Failed while the latest
+    change failed, even when the last good revision still serves; else Ready once something is current."""
+    if progressing:
+        return Phase.PROGRESSING
+    if last_error:
+        return Phase.FAILED
+    return Phase.READY if current else Phase.PENDING
 
 
 def _open_failure(store: StateStore, name: str, latest: Revision | None, running: bool) -> str | None:
@@ -19,11 +31,11 @@ def _open_failure(store: StateStore, name: str, latest: Revision | None, running
     row = store.deployment(name) or {}
     if row.get("pending_error"):
         return str(row["pending_error"])
-    if latest is None or latest.phase == "Ready" or running:
+    if latest is None or latest.phase == Phase.READY or running:
         return None
     if row.get("settled_revision") is not None and latest.revision <= row["settled_revision"]:
         return None
-    if latest.phase == "Progressing":
+    if latest.phase == Phase.PROGRESSING:
         return "interrupted: the applying process died (the next apply finishes the job)"
     return latest.reason or "failed"
 
@@ -40,17 +52,10 @@ def status_report(store: StateStore, name: str) -> dict[str, Any]:
     """Phase (Pending | Progressing | Ready | Failed), conditions with reasons, the serving revision's
     plan summary and the error that still matters: the shape of `deploykit status -o json`."""
     current, latest = store.current(name), store.latest(name)
-    running = latest is not None and latest.phase == "Progressing" and store.apply_running(name)
+    running = latest is not None and latest.phase == Phase.PROGRESSING and store.apply_running(name)
     last_error = _open_failure(store, name, latest, running)
-    if running:
-        phase = "Progressing"
-    elif last_error is not None:
-        phase = "Failed"
-    elif current is not None:
-        phase = "Ready"
-    else:
-        phase = "Pending"
-    failed = latest.revision if last_error and latest is not None and latest.phase != "Ready" else None
+    phase = phase_of(progressing=running, last_error=last_error, current=current is not None)
+    failed = latest.revision if last_error and latest is not None and latest.phase != Phase.READY else None
     subject = f"revision {failed}" if failed else "the last change"
     conditions = [
         {"type": "Ready", "status": current is not None,
@@ -69,7 +74,7 @@ def status_report(store: StateStore, name: str) -> dict[str, Any]:
     return {
         "name": name,
         "revision": current.revision if current else None,
-        "phase": phase,
+        "phase": phase.value,
         "conditions": conditions,
         "plan": _plan_summary(current.plan if current else None),
         "shards": current.shards_path if current else None,

@@ -19,25 +19,26 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 from ..artifacts.reshard import ProgressSink
-from ..errors import DeploykitError, PlanInfeasible
+from ..errors import PlanInfeasible
+from ..names import Strategy
 from ..placement.inventory import Gpu, Inventory
 from ..placement.planner import Plan
 from ..spec.manifest import LoadedManifest
 from .pool import Generation, GenerationPool
-from .loading import load_revision, recorded_manifest
+from .loading import load_revision, recorded_manifest, serving_of
 from .reconciler import ApplyOptions, ApplyOutcome, apply
 from .state import StateStore
 
 log = logging.getLogger(__name__)
 
 
-def choose_strategy(requested: str, *, fits_beside: bool) -> str | None:
+def choose_strategy(requested: str, *, fits_beside: bool) -> Strategy | None:
     """The strategy a rollout runs: None when blue-green was asked for and does not fit."""
-    if requested == "recreate":
-        return "recreate"
+    if requested == Strategy.RECREATE:
+        return Strategy.RECREATE
     if fits_beside:
-        return "blue-green"
-    return "recreate" if requested == "auto" else None
+        return Strategy.BLUE_GREEN
+    return Strategy.RECREATE if requested == Strategy.AUTO else None
 
 
 def inventory_beside(inventory: Inventory, gen: Generation | None) -> Inventory:
@@ -46,7 +47,8 @@ def inventory_beside(inventory: Inventory, gen: Generation | None) -> Inventory:
         return inventory  # a probed host already reports the old generation's memory as used
     held = {d.device: d.bytes for d in gen.plan.devices}
     gpus = tuple(Gpu(g.index, max(0, g.memory - held.get(g.index, 0)), g.name) for g in inventory.gpus)
-    cpu = None if inventory.cpu is None else max(0, inventory.cpu - held.get("cpu", 0))
+    held_cpu = sum(d.bytes for d in gen.plan.devices if d.tier == "cpu")  # "cpu", or tensor-parallel "cpu:R"
+    cpu = None if inventory.cpu is None else max(0, inventory.cpu - held_cpu)
     return replace(inventory, gpus=gpus, cpu=cpu)
 
 
@@ -71,26 +73,28 @@ class Rollout:
         self._apply_args: dict[str, Any] = {}
 
     def run(self, loaded: LoadedManifest, *, force: bool = False, progress: ProgressSink | None = None,
-            on_step: Callable[[str], None] | None = None) -> RolloutResult:
-        """``force``, ``progress`` and ``on_step`` are passed to the apply (the control API streams them)."""
+            on_step: Callable[[str], None] | None = None, strategy: str | None = None) -> RolloutResult:
+        """``force``, ``progress`` and ``on_step`` are passed to the apply (the control API streams them).
+        ``strategy`` overrides the manifest's (the host budget's decision: recreate when two generations
+        do not fit in it)."""
         from ..placement.planning import plan_manifest
         from .reconciler import deployment_inventory
 
-        requested = loaded.manifest.spec.rollout.strategy
+        requested = strategy or loaded.manifest.spec.rollout.strategy
         beside = inventory_beside(deployment_inventory(loaded, self.devices), self.pool.current)
         infeasible: PlanInfeasible | None = None
-        if requested != "recreate":
+        if requested != Strategy.RECREATE:
             try:
                 plan_manifest(loaded, inventory=beside)
             except PlanInfeasible as exc:
                 infeasible = exc
-        strategy = choose_strategy(requested, fits_beside=infeasible is None)
-        if strategy is None:
+        chosen = choose_strategy(requested, fits_beside=infeasible is None)
+        if chosen is None:
             assert infeasible is not None
             raise infeasible
         self._apply_args = {"progress": progress, "on_step": on_step}
         self._force = force
-        if strategy == "blue-green":
+        if chosen == Strategy.BLUE_GREEN:
             return self._blue_green(loaded, beside)
         return self._recreate(loaded)
 
@@ -99,7 +103,7 @@ class Rollout:
                                                                        force=self._force), **self._apply_args)
         if outcome.status == "unchanged" or outcome.loaded is None:
             return RolloutResult(False, "none", outcome)
-        self.pool.install(outcome.loaded, outcome.plan, outcome.revision or 0, "blue-green", loaded)
+        self.pool.install(outcome.loaded, outcome.plan, outcome.revision or 0, "blue-green", serving_of(loaded))
         outcome.loaded = None  # the pool owns the model now: a kept outcome must not pin it
         return RolloutResult(True, "blue-green", outcome)
 
@@ -114,15 +118,23 @@ class Rollout:
         options = ApplyOptions(devices=self.devices, keep_model=True, before_load=before_load, force=self._force)
         try:
             outcome = apply(loaded, store=self.store, options=options, **self._apply_args)
-        except DeploykitError:
+        except Exception:  # any failure after the drain: serve the last Ready revision again
             if drained:
-                self.restore()
+                self._restore_after_failure()
             raise
         if outcome.status == "unchanged" or outcome.loaded is None:
             return RolloutResult(False, "none", outcome)
-        self.pool.install(outcome.loaded, outcome.plan, outcome.revision or 0, "recreate", loaded)
+        self.pool.install(outcome.loaded, outcome.plan, outcome.revision or 0, "recreate", serving_of(loaded))
         outcome.loaded = None
         return RolloutResult(True, "recreate", outcome)
+
+    def _restore_after_failure(self) -> None:
+        """``restore``, never masking the rollout's own error: a failed restore is logged (nothing serves
+        then, and the deployment's phase says Failed)."""
+        try:
+            self.restore()
+        except Exception:
+            log.exception("%s: restoring the last Ready revision after a failed recreate failed", self.pool.name)
 
     def restore(self) -> None:
         """After a failed recreate: load the last Ready revision again (verified, health-checked)."""
@@ -131,5 +143,5 @@ class Rollout:
             return
         model = load_revision(current)
         self.pool.install(model, Plan.from_dict(current.plan), current.revision, "restore",
-                          recorded_manifest(current))
+                          serving_of(recorded_manifest(current)))
         log.warning("%s: restored revision %d after a failed recreate", self.pool.name, current.revision)

@@ -7,7 +7,9 @@ loads, so readiness can say which are still loading.
 Deployments can also be handed over without a file (``apply_manifest``, ``rollback``, ``delete``: the
 control API of ``deploykit serve``). Those are recorded in the state store like any apply, and a
 supervisor without a path restores every recorded deployment at start (``restore``). One owner per
-name: a name a watched file declares refuses changes through the API, naming the file. Changes to
+name, a watched file or the API (``ownership.Owners``): a file's name refuses changes through the API
+naming the file, except an apply of that very file, which reconciles it now; a file that declares a
+name the API deployed is an error on that name until ``delete`` hands the name to the file. Changes to
 one name are serialised (``on_wait`` says what a change waits for); different names never wait for
 each other.
 
@@ -31,6 +33,7 @@ from ..errors import DeploykitError
 from ..spec.manifest import LoadedManifest, load_manifests, manifest_files
 from .deployment import Deployment
 from .loading import recorded_manifest
+from .ownership import Owners
 from .reconciler import ApplyOptions, ApplyOutcome, apply
 from .report import status_report
 from .state import StateStore
@@ -38,6 +41,7 @@ from .watcher import ManifestWatcher
 
 if TYPE_CHECKING:
     from ..artifacts.reshard import ProgressSink
+    from .host import Host
     from .state import Revision
 
 log = logging.getLogger(__name__)
@@ -49,20 +53,21 @@ class Supervisor:
     start) and follows the files."""
 
     def __init__(self, path: Path | None, *, store: StateStore, devices: str | None = None, prune: bool = False,
-                 debounce: float = 0.3) -> None:
+                 debounce: float = 0.3, host: Host | None = None) -> None:
         self.path = Path(path).resolve() if path is not None else None
         self.store = store
         self.devices = devices
         self.prune = prune
         self.debounce = debounce
         self.deployments: dict[str, Deployment] = {}
-        self.files: dict[str, Path] = {}  # deployment name -> manifest file
-        self.errors: dict[str, str] = {}  # manifest file -> why it (or a deployment in it) is not serving
+        self.owners = Owners()
+        self._errors: dict[str, str] = {}  # manifest file -> why it (or a deployment in it) is not serving
         self.loading: set[str] = set()  # names declared by a file, not yet serving
-        self._lock = threading.Lock()
+        self._lock = threading.Lock()  # guards deployments, _errors and loading
         self._watcher: ManifestWatcher | None = None
         self._name_locks: dict[str, threading.Lock] = {}
         self._busy: dict[str, str] = {}  # name -> the change running for it now
+        self.host = host  # the memory budget every deployment loads under (None: each plans alone)
 
     def manifest_files(self) -> list[Path]:
         if self.path is None:
@@ -72,6 +77,8 @@ class Supervisor:
     def start(self) -> None:
         """Load every file's deployments (in parallel, one worker each), then follow the files.
         Without a path: restore every recorded deployment instead."""
+        if self.host is not None:
+            self.host.start()
         if self.path is None:
             self.restore()
             return
@@ -89,59 +96,86 @@ class Supervisor:
         self._watcher = ManifestWatcher([self.path], self._on_change, debounce=self.debounce)
         self._watcher.start()
 
+    def problems(self) -> dict[str, str]:
+        """manifest file -> why it (or a deployment it declares) does not serve."""
+        with self._lock:
+            return dict(self._errors)
+
+    def _set_error(self, file: Path, error: str | None) -> None:
+        with self._lock:
+            if error is None:
+                self._errors.pop(str(file), None)
+            else:
+                self._errors[str(file)] = error
+
     def _names(self, file: Path) -> list[str]:
         try:
             names = [m.name for m in load_manifests(file)]
         except DeploykitError as exc:
-            self.errors[str(file)] = str(exc)
+            self._set_error(file, str(exc))
             log.error("%s", exc)
             return []
-        self.errors.pop(str(file), None)
+        self._set_error(file, None)
+        for name in self.owners.drop_conflicts(file, keep=set(names)):
+            self._show_conflict(name)
         return names
 
     def _add(self, file: Path, names: list[str]) -> None:
         for name in names:
-            if name in self.deployments:
-                if name not in self.files:
-                    self.errors[str(file)] = (f"{name}: already deployed through the control API; run "
-                                              f"`deploykit delete {name}` to let this file own it")
-                continue
             try:
-                dep = Deployment.from_manifest(file, name=name, devices=self.devices, store=self.store)
+                self._add_one(file, name)
             except DeploykitError as exc:
-                self.errors[str(file)] = f"{name}: {exc}"
+                self._set_error(file, f"{name}: {exc}")
                 log.error("%s: %s could not be deployed: %s", file, name, exc)
-                continue
             except Exception as exc:  # a bug, or a library failing oddly: report it, keep the others
-                self.errors[str(file)] = f"{name}: internal error: {type(exc).__name__}: {exc}"
+                self._set_error(file, f"{name}: internal error: {type(exc).__name__}: {exc}")
                 log.exception("%s: %s could not be deployed", file, name)
-                continue
-            finally:
-                with self._lock:
-                    self.loading.discard(name)
+
+    def _add_one(self, file: Path, name: str) -> Deployment | None:
+        """Deploy ``name`` from ``file`` if the file owns it (None when it does not, or it serves already)."""
+        try:
+            claim = self.owners.claim_for_file(name, file)
+            if claim.conflict is not None:
+                log.error("%s", claim.conflict)
+                self._show_conflict(name)
+            if not claim.ok or self.get(name) is not None:
+                return None
+            dep = Deployment.from_manifest(file, name=name, devices=self.devices, store=self.store, host=self.host)
+        finally:
             with self._lock:
-                self.deployments[name] = dep
-                self.files[name] = file
-            log.info("%s: serving %s (generation %d)", file, name, dep.generation)
+                self.loading.discard(name)
+        with self._lock:
+            self.deployments[name] = dep
+        log.info("%s: serving %s (generation %d)", file, name, dep.generation)
+        return dep
+
+    def _show_conflict(self, name: str) -> None:
+        dep = self.get(name)
+        if dep is not None:
+            dep.set_conflict(self.owners.conflict_of(name))
 
     def _on_change(self, changed: list[Path]) -> None:
         for file in changed:
-            with self._lock:
-                owned = [n for n, f in self.files.items() if f == file]
+            owned = self.owners.names_of(file)
             if not file.exists():
                 self._file_removed(file, owned)
                 continue
             for name in owned:
-                self.deployments[name].request_reload()
-            new = [n for n in self._names(file) if n not in self.deployments]
+                dep = self.get(name)
+                if dep is not None:
+                    dep.request_reload()
+            new = [n for n in self._names(file) if self.get(n) is None or self.owners.owned_by_api(n)]
             if new:
+                unloaded = [n for n in new if self.get(n) is None]
                 with self._lock:
-                    self.loading.update(new)
+                    self.loading.update(unloaded)
                 threading.Thread(target=self._add, args=(file, new), daemon=True,
                                  name="deploykit-add").start()
 
     def _file_removed(self, file: Path, owned: list[str]) -> None:
-        self.errors.pop(str(file), None)
+        self._set_error(file, None)
+        for name in self.owners.drop_conflicts(file, keep=set()):
+            self._show_conflict(name)
         for name in owned:
             if self.prune:
                 self._remove(name)
@@ -152,9 +186,12 @@ class Supervisor:
         from .lifecycle import delete
 
         with self._lock:
-            dep = self.deployments.pop(name)
-            self.files.pop(name, None)
-        dep.close()
+            dep = self.deployments.pop(name, None)
+        self.owners.release(name)
+        if dep is not None:
+            dep.close()
+        if self.host is not None:
+            self.host.forget(name)
         delete(self.store, name, reason="manifest removed; deployment pruned")
         log.info("pruned %s", name)
 
@@ -180,35 +217,23 @@ class Supervisor:
                 current = self.store.current(name)
                 if current is None or self.get(name) is not None:
                     return
-                dep = Deployment.from_loaded(recorded_manifest(current), devices=self.devices, store=self.store)
+                dep = Deployment.from_loaded(recorded_manifest(current), devices=self.devices, store=self.store,
+                                             host=self.host)
+                self.owners.claim_for_api(name)
                 with self._lock:
                     self.deployments[name] = dep
                 log.info("restored %s (revision %s)", name, current.revision)
         except Exception as exc:
-            self.errors[f"revision of {name}"] = f"{name}: could not be restored: {exc}"
+            with self._lock:
+                self._errors[f"revision of {name}"] = f"{name}: could not be restored: {exc}"
             log.exception("%s could not be restored", name)
         finally:
             with self._lock:
                 self.loading.discard(name)
 
     def owner(self, name: str) -> Path | None:
-        """The watched file that declares ``name``, if any (it alone may change the deployment)."""
-        with self._lock:
-            if name in self.files:
-                return self.files[name]
-        for file in self.manifest_files():
-            try:
-                if name in (m.name for m in load_manifests(file)):
-                    return file
-            except DeploykitError:
-                continue
-        return None
-
-    def _refuse_owned(self, name: str, what: str) -> None:
-        file = self.owner(name)
-        if file is not None:
-            raise DeploykitError(f"{name!r} is owned by the watched file {file}: change that file to {what} "
-                                 "it (this server follows it), not the control API")
+        """The watched file that owns ``name``, if any (it alone may change the deployment)."""
+        return self.owners.file_of(name)
 
     @contextmanager
     def _exclusive(self, name: str, what: str, on_wait: StepSink | None = None) -> Iterator[None]:
@@ -240,7 +265,11 @@ class Supervisor:
         from ..spec.manifest import check_on_host
 
         name = loaded.name
-        self._refuse_owned(name, what)
+        if self.owners.check_api_change(name, what, Path(loaded.source) if what == "apply" else None):
+            if dry_run:
+                return apply(loaded, store=self.store, options=ApplyOptions(devices=self.devices, dry_run=True,
+                                                                            force=force))
+            return self._reconcile_file(name, force=force, progress=progress, on_step=on_step, on_wait=on_wait)
         issues = check_on_host(loaded)  # as a local apply validates first (a rollout would plan first)
         if issues:
             raise ManifestError(issues)
@@ -257,22 +286,45 @@ class Supervisor:
                 self.loading.add(name)
             try:
                 dep = Deployment.from_loaded(loaded, devices=self.devices, store=self.store, force=force,
-                                             progress=progress, on_step=on_step)
+                                             progress=progress, on_step=on_step, host=self.host)
             finally:
                 with self._lock:
                     self.loading.discard(name)
+            self.owners.claim_for_api(name)
             with self._lock:
                 self.deployments[name] = dep
-            self.errors.pop(f"revision of {name}", None)
+                self._errors.pop(f"revision of {name}", None)
             assert dep.last_outcome is not None
             return dep.last_outcome
+
+    def _reconcile_file(self, name: str, *, force: bool, progress: ProgressSink | None, on_step: StepSink | None,
+                        on_wait: StepSink | None) -> ApplyOutcome:
+        """``deploykit apply`` of the watched file that owns ``name``: what a save of it would do, now,
+        raising the real reason when it fails. A save seen meanwhile makes no second revision (the
+        deployment's reloads are serialised and an unchanged manifest is a no-op)."""
+        file = self.owners.file_of(name)
+        assert file is not None
+        with self._exclusive(name, "apply", on_wait):
+            dep = self.get(name)
+            if dep is None:  # the file's deployment never loaded: try again now
+                with self._lock:
+                    self.loading.add(name)
+                dep = self._add_one(file, name)
+                if dep is None:
+                    raise DeploykitError(f"{name!r} could not be deployed from {file}")
+                self._set_error(file, None)
+                assert dep.last_outcome is not None
+                return dep.last_outcome
+            result = dep.reconcile(force=force, progress=progress, on_step=on_step)
+        assert result.outcome is not None
+        return result.outcome
 
     def rollback(self, name: str, *, to_revision: int | None = None, progress: ProgressSink | None = None,
                  on_step: StepSink | None = None, on_wait: StepSink | None = None) -> tuple[Revision, ApplyOutcome]:
         """Re-apply a recorded revision's manifest (``lifecycle.rollback_target`` chooses) and serve it."""
         from .lifecycle import rollback_target
 
-        self._refuse_owned(name, "roll back")
+        self.owners.check_api_change(name, "roll back")
         target = rollback_target(self.store, name, to_revision=to_revision)
         outcome = self.apply_manifest(recorded_manifest(target), force=True, progress=progress, on_step=on_step,
                                       on_wait=on_wait, what="rollback")
@@ -284,18 +336,25 @@ class Supervisor:
         remove its shards unless ``keep_shards``."""
         from .lifecycle import delete
 
-        self._refuse_owned(name, "delete")
+        self.owners.check_api_change(name, "delete")
         with self._exclusive(name, "delete", on_wait):
             with self._lock:
                 dep = self.deployments.pop(name, None)
-                self.files.pop(name, None)
+            heir = self.owners.release(name)
             if dep is None and name not in self.store.names():
                 raise DeploykitError(f"no deployment named {name!r} (known: {', '.join(self.store.names()) or 'none'})")
             if dep is not None:
                 dep.close()
+            if self.host is not None:
+                self.host.forget(name)
             if name in self.store.names():
                 delete(self.store, name, keep_shards=keep_shards, reason=reason)
             log.info("deleted %s", name)
+        if heir is not None:  # a watched file declares the name: it owns it now and serves it
+            log.info("%s now owns %s", heir, name)
+            with self._lock:
+                self.loading.add(name)
+            threading.Thread(target=self._add, args=(heir, [name]), daemon=True, name="deploykit-add").start()
 
     def prune_directory(self, directory: Path, *, keep: set[str]) -> list[str]:
         """Delete the deployments whose manifests lived in ``directory`` and are not in ``keep`` (names
@@ -327,7 +386,7 @@ class Supervisor:
             live = dep.status()
             report.update({"phase": live["phase"], "generation": live["generation"],
                            "serving_revision": live["revision"], "in_flight": live["in_flight"],
-                           "reloads": live["reloads"]})
+                           "reloads": live["reloads"], "loaded": live["loaded"], "budget": live["budget"]})
             if live["last_error"]:
                 report["last_error"] = live["last_error"]
             out.append(report)
@@ -335,10 +394,14 @@ class Supervisor:
             loading = sorted(self.loading)
         out += [{"name": n, "phase": "Progressing", "serving_revision": None, "last_error": None}
                 for n in loading]
-        served = {self.files[n] for n in self.deployments if n in self.files}
         out += [{"name": None, "manifest": f, "phase": "Failed", "last_error": e}
-                for f, e in self.errors.items() if Path(f) not in served]
+                for f, e in self._unserved_errors(self.items())]
         return out
+
+    def _unserved_errors(self, items: list[tuple[str, Deployment]]) -> list[tuple[str, str]]:
+        """Errors of files none of whose deployments serve (a served one shows its own error)."""
+        served = {self.owners.file_of(n) for n, _ in items}
+        return [(f, e) for f, e in self.problems().items() if Path(f) not in served]
 
     def ready(self) -> tuple[bool, list[str]]:
         """(every deployment can serve, what cannot)."""
@@ -346,11 +409,12 @@ class Supervisor:
         not_ready = [n for n, d in items if not d.status()["serving"]]
         with self._lock:
             not_ready += [f"{n}: loading" for n in sorted(self.loading)]
-            served = {self.files[n] for n, _ in items if n in self.files}
-        not_ready += [f"{f}: {e}" for f, e in self.errors.items() if Path(f) not in served]
+        not_ready += [f"{f}: {e}" for f, e in self._unserved_errors(items)]
         return (not not_ready and bool(items)), not_ready
 
     def close(self) -> None:
+        if self.host is not None:
+            self.host.stop()
         if self._watcher is not None:
             self._watcher.stop()
         for _, dep in self.items():

@@ -27,11 +27,9 @@ thread (an asyncio server forwards them with ``call_soon_threadsafe``).
 
 from __future__ import annotations
 
-import itertools
 import queue
 import threading
 import time
-from collections import deque
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass, field
@@ -40,20 +38,13 @@ from typing import Any, Literal
 import torch
 import torch.nn.functional as F
 
-from ..errors import DeploykitError
+from .admission import Admission, FinishReason, QueueFull, stop_reason
 from .kvcache import growing_cache
-from .sampling import (TokenLogprobs, is_plain_greedy, next_token, prompt_logprobs, request_generator,
-                       sample_token)
+from .sampling import TokenLogprobs, is_plain_greedy, next_token, prompt_logprobs, request_generator
 
-__all__ = ["Engine", "GenerationRequest", "GenerationResult", "QueueFull", "RequestHandle", "TokenLogprobs",
-           "request_generator", "sample_token"]
-
-FinishReason = Literal["stop", "length", "cancelled", "error"]
+__all__ = ["Engine", "FinishReason", "GenerationRequest", "GenerationResult", "QueueFull", "RequestHandle",
+           "TokenLogprobs"]
 _FINISH_LOCK = threading.Lock()
-
-
-class QueueFull(DeploykitError):
-    """Raised by :meth:`Engine.submit` when ``max_queued`` requests are already waiting."""
 
 
 @dataclass(frozen=True)
@@ -159,9 +150,8 @@ class Engine:
         head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
         kv_heads = getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads
         self.kv_bytes_per_token = 2 * cfg.num_hidden_layers * kv_heads * head_dim * model.dtype.itemsize  # K+V
-        self._waiting: deque[RequestHandle] = deque()  # padded backend, guarded by _cond
-        self._running = 0
-        self._cond, self._closing, self._ids = threading.Condition(), threading.Event(), itertools.count()
+        self._queue = Admission(max_queued=max_queued)  # padded backend: the waiting requests
+        self._closing = self._queue.closing
         self._cb: Any = self._start_cb(cb_page_size) if backend == "continuous" else None
         self._cb_handles: dict[str, RequestHandle] = {}  # cb backend: request id -> handle
         target = self._cb_dispatch if backend == "continuous" else self._loop  # the one engine thread
@@ -172,22 +162,11 @@ class Engine:
                listener: Callable[[int | GenerationResult], None] | None = None) -> RequestHandle:
         """Queue ``request``; QueueFull when ``max_queued`` already wait. ``listener`` gets every token
         id, then the result."""
-        if self._closing.is_set():
-            raise RuntimeError("engine is closed")
-        if not request.prompt_ids or request.max_new_tokens < 0:
-            raise ValueError("need a non-empty prompt and max_new_tokens >= 0")
-        h = RequestHandle(request, f"req-{next(self._ids)}", rng=request_generator(request), listener=listener)
+        h = RequestHandle(request, self._queue.check(request), rng=request_generator(request), listener=listener)
         if self._cb is not None:
             return self._cb_submit(h)
-        with self._cond:
-            # requests that a free batch slot takes at the next step are not queued: count only the rest
-            room = self.max_queued + max(0, self.max_batch_size - self._running)
-            if len(self._waiting) >= room:  # purge cancelled ones before refusing
-                self._waiting = deque(w for w in self._waiting if not w.done)
-            if len(self._waiting) >= room:
-                raise QueueFull(f"{self.max_queued} requests already waiting")
-            self._waiting.append(h)
-            self._cond.notify()
+        # requests that a free batch slot takes at the next step are not queued: count only the rest
+        self._queue.put(h, free_slots=max(0, self.max_batch_size - self._queue.running))
         return h
 
     def cancel(self, handle: RequestHandle) -> None:
@@ -202,23 +181,17 @@ class Engine:
         if self._cb is not None:  # transformers keeps its own queue: count what it holds beyond a batch
             held = len(self._cb_handles)
             return {"running": min(held, self.max_batch_size), "waiting": max(0, held - self.max_batch_size)}
-        with self._cond:
-            waiting = sum(not h.done for h in self._waiting)
-        return {"running": self._running, "waiting": waiting}
+        return self._queue.stats()
 
     def close(self, timeout: float | None = None) -> None:
         """Stop accepting requests, let in-flight and waiting ones finish, stop the worker."""
-        self._closing.set()  # the idle loop polls it every 0.5 s
+        self._queue.close()
         if self._cb is not None:
             self._cb.stop(block=True, timeout=timeout)  # also restores the attention implementation
         self._thread.join(timeout)
 
     def _stop_hit(self, h: RequestHandle, tok: int) -> FinishReason | None:
-        r = h.request  # for stop strings, decode only a tail long enough to hold any of them
-        tail = self.tokenizer.decode(h.tokens[-(max(map(len, r.stop_strings)) + 8):]) if r.stop_strings else ""
-        if tok in self.eos_ids or tok in r.stop_token_ids or any(s in tail for s in r.stop_strings):
-            return "stop"
-        return "length" if len(h.tokens) >= r.max_new_tokens else None
+        return stop_reason(h, tok, eos_ids=self.eos_ids, tokenizer=self.tokenizer)
 
     @torch.inference_mode()
     def _loop(self) -> None:
@@ -229,12 +202,10 @@ class Engine:
         while True:
             rows, cache, mask = _drop_done(rows, cache, mask)
             new = self._admit(rows, mask.shape[1])
-            self._running = len(rows) + len(new)
+            self._queue.running = len(rows) + len(new)
             if not rows and not new:
-                with self._cond:  # idle: sleep until a submit or close
-                    if self._closing.is_set() and not self._waiting:
-                        return
-                    self._cond.wait_for(lambda: bool(self._waiting) or self._closing.is_set(), 0.5)
+                if not self._queue.wait_for_work(0.5):  # idle: sleep until a submit or close
+                    return
                 continue
             new = self._start(new)
             try:
@@ -321,19 +292,15 @@ class Engine:
 
     def _admit(self, rows: list[RequestHandle], width: int) -> list[RequestHandle]:
         """Pop waiting requests (FIFO) that fit the batch-size and KV-byte budgets."""
-        new: list[RequestHandle] = []
-        need = [len(h.request.prompt_ids) + h.request.max_new_tokens for h in rows]
-        with self._cond:
-            while self._waiting and len(rows) + len(new) < self.max_batch_size:
-                h = self._waiting[0]
-                n = len(h.request.prompt_ids) + h.request.max_new_tokens
-                worst = (len(need) + 1) * (width + max(need + [n]))  # padded cache if all rows run to the end
-                if not h.done and need and worst * self.kv_bytes_per_token > self.kv_cache_bytes:
-                    break  # wait for running rows to finish
-                self._waiting.popleft()
-                if not h.done:  # skip requests cancelled while waiting
-                    need, new = need + [n], new + [h]
-        return new
+        def size(h: RequestHandle) -> int:
+            return len(h.request.prompt_ids) + h.request.max_new_tokens
+
+        def fits(taken: list[RequestHandle], h: RequestHandle) -> bool:
+            need = [size(r) for r in rows + taken]
+            worst = (len(need) + 1) * (width + max(need + [size(h)]))  # padded cache if all rows run to the end
+            return not need or worst * self.kv_bytes_per_token <= self.kv_cache_bytes  # else wait for rows to end
+
+        return self._queue.take(self.max_batch_size - len(rows), fits)
 
     def _prefill_and_merge(self, new: list[RequestHandle], cache: Any, mask: torch.Tensor
                            ) -> tuple[torch.Tensor, Any, torch.Tensor]:

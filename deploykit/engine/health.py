@@ -14,6 +14,7 @@ from collections.abc import Callable
 from typing import Any, TypeVar
 
 from ..errors import ApplyError
+from ..names import Task
 from .loader import LoadedModel
 
 T = TypeVar("T")
@@ -44,11 +45,11 @@ def _forward(loaded: LoadedModel, text: str, task: str) -> str:
 
     inputs = _inputs(loaded, text)
     with torch.no_grad():
-        if task == "seq2seq-lm":
+        if task == Task.SEQ2SEQ_LM:
             start = loaded.model.config.decoder_start_token_id or 0
             decoder = torch.tensor([[start]], device=loaded.input_device)
             output = loaded.model(**inputs, decoder_input_ids=decoder).logits
-        elif task == "causal-lm":
+        elif task == Task.CAUSAL_LM:
             output = loaded.model(**inputs).logits[:, -1]
         else:
             output = loaded.model(**inputs).last_hidden_state

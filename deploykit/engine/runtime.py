@@ -13,11 +13,13 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+from ..names import Task
 from .embeddings import Pooling, embed, pooling_of
 from .text import RequestError, TextStream, check_length
 
 if TYPE_CHECKING:
     from .loader import LoadedModel
+    from .serving import TextEngine
 
 log = logging.getLogger(__name__)
 MAX_DEFAULT_CONTEXT = 8192
@@ -77,7 +79,7 @@ class TextRuntime:
         self.tokenizer = loaded.tokenizer
         self.limits = limits
         self.context_length = context_length(loaded.model, limits)
-        self.engine: Engine = Engine(loaded.model, loaded.tokenizer, max_batch_size=limits.max_concurrent,
+        self.engine: TextEngine = Engine(loaded.model, loaded.tokenizer, max_batch_size=limits.max_concurrent,
                                      max_queued=limits.max_queued, kv_cache_bytes=kv_cache_bytes,
                                      forward_lock=forward_lock,
                                      backend="continuous" if limits.batching == "continuous" else "padded")
@@ -147,8 +149,8 @@ def build_runtime(loaded: LoadedModel, limits: Limits, *, task: str, kv_cache_by
     if loaded.tokenizer is None:
         log.info("%s ships no tokenizer: the inference API will not serve it", loaded.source)
         return None
-    if task == "causal-lm":
+    if task == Task.CAUSAL_LM:
         return TextRuntime(loaded, limits, kv_cache_bytes=kv_cache_bytes, forward_lock=forward_lock)
-    if task == "feature-extraction":
+    if task == Task.FEATURE_EXTRACTION:
         return EmbeddingRuntime(loaded, limits)
     return None

@@ -33,6 +33,7 @@ from ..errors import CheckpointError
 from . import gguf, structure_cache
 from .hf import auto_class, quiet_transformers
 from ..names import DTYPE_SIZES, FROM_TORCH
+from ..names import Task as TaskName
 
 if TYPE_CHECKING:
     import torch
@@ -43,7 +44,7 @@ log = logging.getLogger(__name__)
 
 # Bump whenever what ``structure_from_model`` returns for a given config may change (the rules, the
 # fields of Block/Structure): it is part of the on-disk cache key, so old cache files stop matching.
-FORMAT_VERSION = 2
+FORMAT_VERSION = 3
 
 
 def _expect(value: Any, kind: type) -> Any:
@@ -74,6 +75,7 @@ class Block:
     flops_per_token: int  # ~2 x parameters of the matmuls it runs; embedding lookups cost ~0
     kv_bytes_per_token: int = 0  # KV cache per cached token, for decoder layers
     logits_bytes_per_token: int = 0  # for the block that computes the output logits
+    split_bytes: int = 0  # of weight_bytes, what the model's tensor-parallel plan splits across ranks
 
     @classmethod
     def from_dict(cls, data: Any) -> Block:
@@ -84,7 +86,8 @@ class Block:
             raise ValueError(f"unknown block kind {kind!r}")
         return cls(name=_expect(data["name"], str), modules=_strings(data["modules"]), kind=kind,
                    **{k: _expect(data[k], int) for k in
-                      ("weight_bytes", "flops_per_token", "kv_bytes_per_token", "logits_bytes_per_token")})
+                      ("weight_bytes", "flops_per_token", "kv_bytes_per_token", "logits_bytes_per_token",
+                       "split_bytes")})
 
 
 @dataclass(frozen=True)
@@ -229,7 +232,10 @@ def structure_from_model(model: Any, *, task: Task, dtype: str) -> Structure:
     import torch
     from accelerate.utils import find_tied_parameters
 
+    from .tensor_parallel import split_parameters
+
     dtype_bytes = DTYPE_SIZES[FROM_TORCH[dtype]]
+    split = set(split_parameters(model)) if task == "causal-lm" else set()
     config = model.config
     no_split = set(getattr(model, "_no_split_modules", None) or ())
     leaves = _leaves(model, no_split)
@@ -238,6 +244,7 @@ def structure_from_model(model: Any, *, task: Task, dtype: str) -> Structure:
     owner: dict[int, int] = {}
     param_leaf: dict[str, int] = {}
     sizes = [0] * len(leaves)
+    split_sizes = [0] * len(leaves)
     flops = [0] * len(leaves)
     for i, (name, module, _) in enumerate(leaves):
         for sub in module.modules():
@@ -248,6 +255,7 @@ def structure_from_model(model: Any, *, task: Task, dtype: str) -> Structure:
             if id(p) not in owner:
                 owner[id(p)] = i
                 sizes[i] += _tensor_bytes(p, dtype_bytes)
+                split_sizes[i] += _tensor_bytes(p, dtype_bytes) if pname in split else 0
         for _, b in module.named_buffers(prefix=name, remove_duplicate=False):
             if id(b) not in owner:
                 owner[id(b)] = i
@@ -272,7 +280,7 @@ def structure_from_model(model: Any, *, task: Task, dtype: str) -> Structure:
                 leader[find(i)] = find(owner[id(p)])
 
     input_emb = model.get_input_embeddings()
-    output_emb = model.get_output_embeddings() if task != "feature-extraction" else None
+    output_emb = model.get_output_embeddings() if task != TaskName.FEATURE_EXTRACTION else None
     emb_leaf = next(i for i, (_, m, _) in enumerate(leaves)
                     if m is input_emb or any(s is input_emb for s in m.modules()))
     kv = _kv_bytes_per_token(config, dtype_bytes)
@@ -300,7 +308,7 @@ def structure_from_model(model: Any, *, task: Task, dtype: str) -> Structure:
     embedding_block = 0
     for members in merged:
         name, module, is_layer = leaves[members[0]]
-        in_decoder = task == "causal-lm" or (task == "seq2seq-lm" and ".decoder." in f".{name}.")
+        in_decoder = task == TaskName.CAUSAL_LM or (task == TaskName.SEQ2SEQ_LM and ".decoder." in f".{name}.")
         has_head = output_emb is not None and any(
             m is output_emb or any(s is output_emb for s in m.modules())
             for m in (leaves[j][1] for j in members))
@@ -323,6 +331,7 @@ def structure_from_model(model: Any, *, task: Task, dtype: str) -> Structure:
             flops_per_token=sum(flops[j] for j in members),
             kv_bytes_per_token=kv if (is_layer and in_decoder) else 0,
             logits_bytes_per_token=vocab * dtype_bytes if has_head else 0,
+            split_bytes=sum(split_sizes[j] for j in members),
         ))
     notes = tuple(
         f"{', '.join(leaves[j][0] for j in members[1:])} share weights with {leaves[lead][0]}: "

@@ -37,4 +37,18 @@ def plan_manifest(loaded: LoadedManifest, *, devices: str | None = None,
                   inventory: Inventory | None = None) -> Plan:
     """Plan one manifest against ``inventory``, or ``devices`` (a simulated spec), or this host."""
     inv = inventory if inventory is not None else inventory_for(loaded, devices)
+    if loaded.manifest.spec.placement.tensor_parallel > 1:
+        return _plan_tensor_parallel(loaded, inv)
     return plan(structure_for(loaded), loaded.manifest.spec, inv, name=loaded.name)
+
+
+def _plan_tensor_parallel(loaded: LoadedManifest, inventory: Inventory) -> Plan:
+    """Heads checked first (a located ManifestError, as ``validate`` gives), then each rank's share."""
+    from ..errors import ManifestError
+    from ..spec.tensor_parallel import heads_issues
+    from .tensor_parallel import plan_tensor_parallel
+
+    issues = heads_issues(loaded)
+    if issues:
+        raise ManifestError(issues)
+    return plan_tensor_parallel(structure_for(loaded), loaded.manifest.spec, inventory, name=loaded.name)

@@ -270,17 +270,22 @@ async def status(request: Request, name: str | None = None) -> JSONResponse:
     def work() -> list[dict[str, Any]]:
         from ..control.report import status_report
 
-        names = supervisor.store.names()
-        if name is not None and supervisor.store.latest(name) is None:
+        held = [n for n, _ in supervisor.items()]  # an on-demand deployment is recorded by its first load
+        names = supervisor.store.names() + [n for n in held if n not in supervisor.store.names()]
+        if name is not None and name not in names:
             raise DeploykitError(f"no deployment named {name!r} (known: {', '.join(names) or 'none'})")
         reports = []
         for n in [name] if name else names:
             report = status_report(supervisor.store, n)
             dep = supervisor.get(n)
             live = dep.status() if dep is not None else None
+            if live is not None:  # what this server holds now: a pending error or a conflict, and its phase
+                report["last_error"] = live["last_error"] or report["last_error"]
+                report["phase"] = live["phase"]
             report["serving"] = bool(live and live["serving"])
             report["serving_revision"] = live["revision"] if live else None
             report["generation"] = live["generation"] if live else None
+            report["loaded"], report["budget"] = (live["loaded"], live["budget"]) if live else (None, None)
             reports.append(report)
         return reports
 

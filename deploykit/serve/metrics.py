@@ -14,10 +14,12 @@ from prometheus_client import CollectorRegistry, Counter, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
 
 if TYPE_CHECKING:
+    from ..control.host import Host
     from .openai.common import Registry
 
 _LABELS = ("model_name", "generation")
 _LATENCY_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 20, 40, 80, 160, float("inf"))
+_LOAD_BUCKETS = (0.1, 0.25, 0.5, 1, 2, 5, 10, 30, 60, 120, float("inf"))
 _RELOAD_BUCKETS = (0.5, 1, 2, 5, 10, 30, 60, 120, 300, 600, float("inf"))
 
 
@@ -88,6 +90,37 @@ class DeploymentCollector:
             for device in status["plan"] or []:
                 device_bytes.add_metric([name, str(device["device"])], device["bytes"])
         yield from (running, waiting, reloads, failed, duration, generation, in_flight, pending, device_bytes)
+        host = getattr(self.registry, "host", None)
+        if host is not None:
+            yield from budget_metrics(host, [name for name, _ in self.registry.items()])
+
+
+def budget_metrics(host: Host, names: list[str]) -> Iterator[Any]:
+    """The host budget: what is loaded, loads and unloads by reason, the budget and its use per tier."""
+    loaded = GaugeMetricFamily("deploykit_model_loaded", "1 while the model is in memory, else 0 (unloaded "
+                               "ones load at their next request)", labels=["model"])
+    loads = CounterMetricFamily("deploykit_model_loads", "Loads under the budget", labels=["model", "reason"])
+    unloads = CounterMetricFamily("deploykit_model_unloads", "Unloads under the budget (idle: keep-alive "
+                                  "expired; pressure: room made for another model)", labels=["model", "reason"])
+    budget = GaugeMetricFamily("deploykit_budget_bytes", "The most all models may hold together", labels=["tier"])
+    used = GaugeMetricFamily("deploykit_budget_used_bytes", "The plan bytes of the loaded (and loading) models",
+                             labels=["tier"])
+    seconds = HistogramMetricFamily("deploykit_model_load_seconds", "Room made, model loaded and checked")
+    states = {e.name: e.state for e in host.entries()}
+    for name in sorted(set(names) | set(states)):
+        loaded.add_metric([name], 1 if states.get(name) == "loaded" else 0)
+    for (name, reason), n in sorted(host.loads.items()):
+        loads.add_metric([name, reason], n)
+    for (name, reason), n in sorted(host.unloads.items()):
+        unloads.add_metric([name, reason], n)
+    usage = host.used()
+    for tier, b in sorted(host.budget.tiers.items()):
+        budget.add_metric([tier], b)
+        used.add_metric([tier], usage.get(tier, 0))
+    records = list(host.load_seconds)
+    seconds.add_metric([], [(str(b) if b != float("inf") else "+Inf", sum(r <= b for r in records))
+                            for b in _LOAD_BUCKETS], sum(records))
+    yield from (loaded, loads, unloads, budget, used, seconds)
 
 
 def new_registry(deployments: Registry) -> tuple[CollectorRegistry, ServingMetrics]:

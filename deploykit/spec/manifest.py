@@ -27,12 +27,15 @@ from pydantic import (
     WithJsonSchema,
     field_validator,
     model_serializer,
+    model_validator,
 )
 from pydantic_core import PydanticCustomError
 
 from ..errors import Issue, ManifestError
+from ..names import Task
 from ..units import SIZE_UNITS_TEXT, format_duration, parse_duration, parse_size
 from .yamlsource import Document, load_documents
+from .tensor_parallel import heads_issues
 
 API_VERSION = "deploykit/v1"
 KIND = "ModelDeployment"
@@ -72,6 +75,27 @@ Duration = Annotated[
         "anyOf": [{"type": "number", "exclusiveMinimum": 0},
                   {"type": "string", "pattern": r"^\s*\d+(\.\d+)?\s*(ms|s|m|h)?\s*$"}],
         "description": "A duration: '500ms', '120s', '2m', '1h', or a number of seconds.",
+    }),
+]
+
+
+def _keep_alive(value: object) -> float | None:
+    if value is None or value == "forever":
+        return None
+    try:
+        return parse_duration(value)
+    except ValueError as exc:
+        raise PydanticCustomError("keep_alive", f"{exc}, or 'forever'") from None
+
+
+KeepAlive = Annotated[
+    float | None,
+    BeforeValidator(_keep_alive),
+    PlainSerializer(lambda v: "forever" if v is None else format_duration(v), return_type=str),
+    WithJsonSchema({
+        "anyOf": [{"type": "number", "exclusiveMinimum": 0},
+                  {"type": "string", "pattern": r"^\s*(forever|\d+(\.\d+)?\s*(ms|s|m|h)?)\s*$"}],
+        "description": "A duration ('30s', '5m', '1h', or a number of seconds), or 'forever'.",
     }),
 ]
 
@@ -118,14 +142,32 @@ class Placement(_Strict):
     kv_cache: KVCache | None = Field(None, description="Plan KV-cache and logits memory per layer.")
     nodes: int = Field(1, ge=1, description="Pipeline stages, one per node of spec.cluster: layers are split "
                                             "node-major (contiguous runs per node, then per GPU within a node; "
-                                            "embeddings on the first node's first GPU). 1: one host.")
+                                            "embeddings on the first node's first GPU). 1: one host. "
+                                            "Deploying more than 1 needs spec.cluster; `deploykit plan "
+                                            "--devices` does not.")
+    tensor_parallel: int = Field(1, ge=1, description="Ranks every attention and MLP layer is split across "
+                                                      "(transformers' tp_plan): one per listed GPU, or that many "
+                                                      "worker processes on a CPU-only host. Must divide the "
+                                                      "attention and key-value heads. 1: no split.")
 
     @model_serializer(mode="wrap")
     def _omit_default_nodes(self, handler: SerializerFunctionWrapHandler) -> dict[str, Any]:
         data: dict[str, Any] = handler(self)
         if self.nodes == 1:  # manifests that never name nodes keep their digest
             data.pop("nodes", None)
+        if self.tensor_parallel == 1:
+            data.pop("tensor_parallel", None)
         return data
+
+    @field_validator("tensor_parallel")
+    @classmethod
+    def _ranks_fit_placement(cls, ranks: int, info: ValidationInfo) -> int:
+        from .tensor_parallel import placement_problem
+
+        problem = placement_problem(ranks, gpus=info.data.get("gpus"), nodes=info.data.get("nodes"))
+        if problem:
+            raise PydanticCustomError("tensor_parallel", problem)
+        return ranks
 
     @field_validator("gpus")
     @classmethod
@@ -241,6 +283,17 @@ class Serving(_Strict):
         return max_tokens
 
 
+class Lifecycle(_Strict):
+    """When ``deploykit serve`` holds this model in memory, under its budget (docs/budget.md)."""
+
+    keep_alive: KeepAlive = Field(None, description="Unload after being idle this long (counted from the end "
+                                                    "of the last request); 'forever' never unloads when idle.")
+    load: Literal["eager", "on-demand"] = Field(
+        "eager", description="eager: loaded when served or applied; on-demand: loaded at its first request.")
+    priority: int = Field(0, description="Making room for a deployment unloads idle ones of this priority or "
+                                         "lower (lowest first, then least recently used).")
+
+
 _RAY_ADDRESS_RE = re.compile(r"^(auto|local|(ray://)?[A-Za-z0-9._-]+:\d{1,5})$")
 
 
@@ -266,23 +319,27 @@ class Spec(_Strict):
     model: ModelSpec = Field(description="The checkpoint.")
     cluster: Cluster | None = Field(None, description="Ray cluster for replicas and pipeline stages; "
                                                       "absent: in-process on this host.")
-    replicas: int = Field(1, ge=1, description="Copies of the model serving behind one endpoint (Ray Serve "
-                                               "replicas when spec.cluster is set).")
+    replicas: int = Field(1, ge=1, description="Copies of the model serving behind one endpoint: Ray Serve "
+                                               "replicas, each with its own pipeline stages when "
+                                               "placement.nodes > 1. More than 1 needs spec.cluster.")
     placement: Placement = Field(default_factory=Placement, description="GPUs and their shares.")
     sharding: Sharding = Field(default_factory=Sharding, description="Checkpoint file layout.")
     offload: Offload = Field(default_factory=Offload, description="CPU and disk tiers after the GPUs.")
     rollout: Rollout = Field(default_factory=Rollout, description="How a change goes live.")
     serving: Serving = Field(default_factory=Serving, description="Limits of the inference API.")
+    lifecycle: Lifecycle = Field(default_factory=Lifecycle, description="Loading, unloading and priority "
+                                                                        "under deploykit serve's budget.")
 
-    @field_validator("placement")
-    @classmethod
-    def _nodes_need_a_cluster(cls, placement: Placement, info: ValidationInfo) -> Placement:
-        # a cluster that was given but is invalid is absent from info.data, and already reported
-        if placement.nodes > 1 and "cluster" in info.data and info.data["cluster"] is None:
-            raise PydanticCustomError(
-                "nodes_without_cluster", "{n} nodes need a cluster: add spec.cluster.address (a Ray "
-                "address, 'auto' or 'local'), or set nodes to 1", {"n": placement.nodes, "at": "nodes"})
-        return placement
+    @model_validator(mode="after")
+    def _tensor_parallel_alone(self) -> Spec:
+        from .tensor_parallel import spec_problem
+
+        problem = spec_problem(self.placement.tensor_parallel, cluster=self.cluster is not None,
+                               offload=self.offload.disk is not None,
+                               task=self.model.task, batching=self.serving.batching)
+        if problem:
+            raise PydanticCustomError("tensor_parallel", problem, {"at": "placement.tensor_parallel"})
+        return self
 
     @model_serializer(mode="wrap")
     def _omit_defaults(self, handler: SerializerFunctionWrapHandler) -> dict[str, Any]:
@@ -291,6 +348,8 @@ class Spec(_Strict):
             data.pop("cluster", None)
         if self.replicas == 1:
             data.pop("replicas", None)
+        if self.lifecycle == Lifecycle():  # manifests that never name a lifecycle keep their digest
+            data.pop("lifecycle", None)
         return data
 
 
@@ -564,11 +623,30 @@ def check_on_host(loaded: LoadedManifest) -> list[Issue]:
     elif not (model_dir / "config.json").is_file():
         issues.append(loaded.issue("spec.model.path", f"{str(model_dir)!r} holds no config.json",
                                    hint="point path at a Hugging Face checkpoint directory or a .gguf file"))
+    if not issues:
+        issues.extend(heads_issues(loaded))
+    issues.extend(_scale_out_issues(loaded))
     disk = loaded.manifest.spec.offload.disk
     if disk is not None:
         disk_dir = loaded.resolve(disk.path)
         if disk_dir.exists() and not disk_dir.is_dir():
             issues.append(loaded.issue("spec.offload.disk.path", f"{str(disk_dir)!r} is not a directory"))
+    return issues
+
+
+def _scale_out_issues(loaded: LoadedManifest) -> list[Issue]:
+    """What a deployment on a Ray cluster cannot serve. Planning does not need these (a plan against
+    ``--devices`` needs no cluster); deploying does."""
+    spec, issues = loaded.manifest.spec, []
+    if spec.placement.nodes > 1 and spec.cluster is None:
+        issues.append(loaded.issue("spec.placement.nodes", f"{spec.placement.nodes} nodes need a cluster: add "
+                                   "spec.cluster.address (a Ray address, 'auto' or 'local'), or set nodes to 1"))
+    if spec.replicas > 1 and spec.cluster is None:
+        issues.append(loaded.issue("spec.replicas", f"{spec.replicas} replicas need a cluster: add "
+                                   "spec.cluster.address (a Ray address, 'auto' or 'local'), or set replicas to 1"))
+    if spec.cluster is not None and spec.model.task != Task.CAUSAL_LM:
+        issues.append(loaded.issue("spec.model.task", f"a cluster (replicas, pipeline stages) serves causal-lm "
+                                   f"models only, not {spec.model.task}", hint="remove spec.cluster"))
     return issues
 
 

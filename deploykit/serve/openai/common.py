@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING, Any, Protocol, TypeVar
 
 from starlette.concurrency import run_in_threadpool
 
+from ...control.budget import BudgetError
 from ...engine.batching import GenerationRequest, GenerationResult, QueueFull
 from ...engine.text import RequestError
 from ...errors import DeploykitError
@@ -30,6 +31,7 @@ if TYPE_CHECKING:
     from ...engine.runtime import TextRuntime
 
 RETRY_AFTER_SECONDS = 1
+BUDGET_RETRY_AFTER_SECONDS = 10
 T = TypeVar("T")
 
 
@@ -83,7 +85,8 @@ async def _pin(dep: Deployment) -> Generation:
     gen = dep.pool.try_pin()
     if gen is not None:
         return gen
-    waiting = asyncio.ensure_future(run_in_threadpool(dep.pool.pin, dep.acquire_timeout))
+    # Deployment.pin also loads an unloaded model first (making room under the host's budget)
+    waiting = asyncio.ensure_future(run_in_threadpool(dep.pin, dep.acquire_timeout))
     try:
         return await asyncio.shield(waiting)
     except asyncio.CancelledError:
@@ -101,6 +104,9 @@ async def lease(dep: Deployment, kind: str) -> Lease:
     the caller releases it when the request ends, however it ends."""
     try:
         held = Lease(dep, await _pin(dep))
+    except BudgetError as exc:
+        raise APIError(503, f"model {dep.name!r} cannot be loaded now: {exc}", param="model",
+                       code="budget_exhausted", headers={"Retry-After": str(BUDGET_RETRY_AFTER_SECONDS)}) from None
     except DeploykitError as exc:
         raise APIError(503, f"model {dep.name!r} is not ready: {exc}", param="model", code="model_not_ready",
                        headers={"Retry-After": "5"}) from None

@@ -1,4 +1,5 @@
-"""``GET /v1/models``: the deployments that serve now (id = ``metadata.name``)."""
+"""``GET /v1/models``: every deployment (id = ``metadata.name``), loaded in memory or not (``loaded``,
+``state``): a request for an unloaded one loads it."""
 
 from __future__ import annotations
 
@@ -14,19 +15,19 @@ router = APIRouter()
 
 def _card(name: str, dep: Any) -> ModelCard:
     gen = dep.pool.current
-    return ModelCard(id=name, created=int(gen.created) if gen else 0)
+    state = dep.status()["loaded"]
+    return ModelCard(id=name, created=int(gen.created) if gen else 0, loaded=state == "loaded", state=state)
 
 
 @router.get("/v1/models")
 async def list_models(request: Request) -> ModelList:
     items = request.app.state.registry.items()
-    return ModelList(data=[_card(name, dep) for name, dep in items if dep.pool.current is not None])
+    return ModelList(data=[_card(name, dep) for name, dep in items])
 
 
 @router.get("/v1/models/{name}")
 async def get_model(name: str, request: Request) -> ModelCard:
     dep = request.app.state.registry.get(name)
-    if dep is None or dep.pool.current is None:
-        raise APIError(404, f"the model {name!r} does not exist or is not serving", param="model",
-                       code="model_not_found")
+    if dep is None:
+        raise APIError(404, f"the model {name!r} does not exist", param="model", code="model_not_found")
     return _card(name, dep)

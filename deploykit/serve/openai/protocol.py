@@ -233,6 +233,10 @@ class ModelCard(BaseModel):
     object: Literal["model"] = "model"
     created: int
     owned_by: str = "deploykit"
+    # deploykit's own: whether the model is in memory now ("loaded", "unloaded", "loading"); an unloaded
+    # one is loaded by its next request (docs/budget.md)
+    loaded: bool = True
+    state: Literal["loaded", "unloaded", "loading"] = "loaded"
 
 
 class ModelList(BaseModel):

@@ -1,0 +1,288 @@
+"""``Host``: the deployments of one ``deploykit serve`` under one memory budget.
+
+It keeps what the scheduler needs (bytes per tier, priority, keep-alive, busy counts), asks
+``scheduler.make_room`` before every load and does what it answers: unloads the chosen idle deployments
+through their pools (the drain/free path with the leak guard), then lets the load run with its bytes
+reserved. A load that finds no room waits (``wait_timeout``, default 120 s) for deployments to become
+idle or unload, then fails with a ``BudgetError`` naming the budget. A thread unloads deployments idle
+past their keep-alive (``scheduler.expired``). It never loads a model itself: the deployment does.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections import Counter, deque
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+from .budget import Budget, BudgetError
+from .scheduler import Never, Resident, Room, Want, expired, make_room
+
+if TYPE_CHECKING:
+    from .pool import Generation, GenerationPool
+
+log = logging.getLogger(__name__)
+DEFAULT_WAIT_TIMEOUT = 120.0  # seconds a load waits for room before its request gets 503
+KEEP_ALIVE_POLL = 0.5  # seconds between keep-alive checks: an unload follows expiry within this
+LOAD_HISTORY = 256  # load durations kept for the histogram
+UNLOADED, LOADING, LOADED = "unloaded", "loading", "loaded"
+
+
+@dataclass
+class Entry:
+    """What the host knows of one deployment."""
+
+    name: str
+    pool: GenerationPool
+    bytes: dict[str, int]  # per tier, of the plan that serves (or will)
+    priority: int = 0
+    keep_alive: float | None = None
+    state: str = UNLOADED
+    waiting: int = 0  # requests waiting for this deployment to load (they count as busy)
+    rolling: bool = False  # a rollout holds it: never unloaded meanwhile
+    extra: dict[str, int] = field(default_factory=dict)  # a blue-green rollout's next generation
+    load_lock: threading.Lock = field(default_factory=threading.Lock)
+
+    def busy(self) -> int:
+        gen = self.pool.current
+        return (gen.refs if gen is not None else 0) + self.waiting + (self.state == LOADING) + self.rolling
+
+
+class Host:
+    """Thread-safe. See the module docstring."""
+
+    def __init__(self, budget: Budget, *, wait_timeout: float = DEFAULT_WAIT_TIMEOUT,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        self.budget = budget
+        self.wait_timeout = wait_timeout
+        self.clock = clock
+        self._cond = threading.Condition()
+        self._entries: dict[str, Entry] = {}
+        self.loads: Counter[tuple[str, str]] = Counter()  # (name, reason) -> loads
+        self.unloads: Counter[tuple[str, str]] = Counter()  # (name, reason) -> unloads
+        self.load_seconds: deque[float] = deque(maxlen=LOAD_HISTORY)
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    # ---- membership ----------------------------------------------------------------------------
+
+    def register(self, name: str, pool: GenerationPool, need: dict[str, int], *, priority: int,
+                 keep_alive: float | None) -> None:
+        """Know ``name`` (refused with a BudgetError naming the budget if its plan alone exceeds it)."""
+        decision = make_room(self.budget, [], Want(name, need, priority))
+        if isinstance(decision, Never):
+            raise BudgetError(f"{name!r} can never be loaded: {decision.reason}")
+        with self._cond:
+            entry = self._entries.get(name)
+            if entry is None:
+                self._entries[name] = Entry(name, pool, dict(need), priority, keep_alive,
+                                            LOADED if pool.current is not None else UNLOADED)
+            else:
+                entry.priority, entry.keep_alive = priority, keep_alive
+
+    @contextmanager
+    def rolling(self, name: str) -> Iterator[None]:
+        """A rollout holds ``name``: it is not unloaded meanwhile (keep-alive or pressure)."""
+        entry = self._entry(name)
+        with self._cond:
+            entry.rolling = True
+        try:
+            yield
+        finally:
+            with self._cond:
+                entry.rolling = False
+                entry.state = LOADED if entry.pool.current is not None else UNLOADED
+                self._cond.notify_all()
+
+    def forget(self, name: str) -> None:
+        with self._cond:
+            self._entries.pop(name, None)
+            self._cond.notify_all()
+
+    def state(self, name: str) -> str | None:
+        with self._cond:
+            entry = self._entries.get(name)
+            return entry.state if entry is not None else None
+
+    def describe(self, name: str) -> dict[str, Any] | None:
+        """What ``deploykit status`` shows of ``name``: bytes, seconds since its last request, keep-alive left."""
+        with self._cond:
+            entry = self._entries.get(name)
+            if entry is None:
+                return None
+            idle = max(0.0, self.clock() - entry.pool.last_used)
+            busy = entry.busy()
+            left = (None if entry.keep_alive is None or entry.state != LOADED
+                    else entry.keep_alive if busy else max(0.0, entry.keep_alive - idle))
+            return {"state": entry.state, "bytes": sum(entry.bytes.values()), "tiers": dict(entry.bytes),
+                    "priority": entry.priority, "keep_alive": entry.keep_alive, "idle_seconds": round(idle, 1),
+                    "keep_alive_left": None if left is None else round(left, 1), "busy": busy}
+
+    def entries(self) -> list[Entry]:
+        with self._cond:
+            return list(self._entries.values())
+
+    def used(self) -> dict[str, int]:
+        """Bytes per tier of the loaded and loading deployments (a rollout's next generation included)."""
+        with self._cond:
+            return self._used()
+
+    def _used(self) -> dict[str, int]:
+        used = {tier: 0 for tier in self.budget.tiers}
+        for e in self._entries.values():
+            for need in (e.bytes if e.state != UNLOADED else {}, e.extra):
+                for tier, b in need.items():
+                    used[tier] = used.get(tier, 0) + b
+        return used
+
+    # ---- making room and loading ---------------------------------------------------------------
+
+    @contextmanager
+    def wanted(self, name: str) -> Iterator[None]:
+        """A request waits for ``name`` (to load, then to pin it): it is busy meanwhile."""
+        with self._cond:
+            entry = self._entries.get(name)
+            if entry is not None:
+                entry.waiting += 1
+        try:
+            yield
+        finally:
+            with self._cond:
+                if entry is not None:
+                    entry.waiting -= 1
+                self._cond.notify_all()
+
+    def load(self, name: str, do_load: Callable[[], None], *, reason: str, need: dict[str, int] | None = None,
+             timeout: float | None = None) -> bool:
+        """Load ``name`` with ``do_load`` once room is made (one load per name at a time; False when it was
+        loaded meanwhile). Raises BudgetError when no room can be made within ``timeout``."""
+        entry = self._entry(name)
+        with entry.load_lock:
+            if entry.pool.current is not None:
+                return False
+            with self.room(name, need or entry.bytes, reason=reason, timeout=timeout):
+                do_load()
+            return True
+
+    @contextmanager
+    def room(self, name: str, need: dict[str, int], *, reason: str, timeout: float | None = None,
+             beside: bool = False) -> Iterator[None]:
+        """Reserve ``need`` for ``name`` while the block loads it, unloading idle deployments as the
+        scheduler says (waiting up to ``timeout`` for room). ``beside``: a blue-green rollout's next
+        generation, held beside the one that serves; else the block makes ``need`` what ``name`` holds."""
+        entry = self._entry(name)
+        started = self.clock()
+        self._reserve(entry, need, timeout=self.wait_timeout if timeout is None else timeout, beside=beside)
+        ok = False
+        try:
+            yield
+            ok = True
+        finally:
+            with self._cond:
+                if beside:
+                    entry.extra = {}
+                    if ok:
+                        entry.bytes = dict(need)
+                else:
+                    entry.state = LOADED if ok and entry.pool.current is not None else UNLOADED
+                    if ok:
+                        entry.bytes = dict(need)
+                self._cond.notify_all()
+            if ok:
+                self.loads[(name, reason)] += 1
+                self.load_seconds.append(self.clock() - started)
+
+    def _entry(self, name: str) -> Entry:
+        with self._cond:
+            entry = self._entries.get(name)
+        if entry is None:
+            raise BudgetError(f"{name!r} is not registered with the host budget")
+        return entry
+
+    def _reserve(self, entry: Entry, need: dict[str, int], *, timeout: float, beside: bool) -> None:
+        deadline = self.clock() + timeout
+        while True:
+            with self._cond:
+                residents = self._residents(entry.name if not beside else None)
+                decision = make_room(self.budget, residents, Want(entry.name if not beside else f"{entry.name} (next)",
+                                                                  need, entry.priority))
+                if isinstance(decision, Never):
+                    raise BudgetError(f"{entry.name!r} can never be loaded: {decision.reason}")
+                if isinstance(decision, Room) and not decision.unload:
+                    if beside:
+                        entry.extra = dict(need)
+                    else:
+                        entry.state, entry.bytes = LOADING, dict(need)
+                    return
+                victims = self._detach(decision.unload, "pressure") if isinstance(decision, Room) else []
+                if not isinstance(decision, Room):
+                    remaining = deadline - self.clock()
+                    if remaining <= 0:
+                        raise BudgetError(f"no room for {entry.name!r} after waiting {timeout:g}s: {decision.reason}")
+                    self._cond.wait(min(remaining, KEEP_ALIVE_POLL))
+            self._free(victims, "pressure")  # then decide again: it now fits, or someone got busy meanwhile
+
+    def _residents(self, exclude: str | None) -> list[Resident]:
+        out = []
+        for e in self._entries.values():
+            if e.name != exclude and e.state != UNLOADED:
+                out.append(Resident(e.name, e.bytes, e.priority, e.pool.last_used, e.busy(), e.keep_alive))
+            if e.extra:
+                out.append(Resident(f"{e.name} (next)", e.extra, e.priority, e.pool.last_used, 1))
+        return out
+
+    def _detach(self, names: tuple[str, ...] | list[str], reason: str) -> list[tuple[Entry, Generation]]:
+        """Under the lock: unload each idle one from its pool (a pin that won the race keeps it); the
+        caller frees them (``_free``) outside the lock."""
+        out = []
+        for name in names:
+            entry = self._entries.get(name)
+            if entry is None or entry.busy():
+                continue
+            gen = entry.pool.unload_if_idle()
+            if gen is not None:
+                entry.state = UNLOADED
+                self.unloads[(name, reason)] += 1
+                out.append((entry, gen))
+        return out
+
+    def _free(self, victims: list[tuple[Entry, Generation]], reason: str) -> None:
+        for entry, gen in victims:
+            entry.pool.free(gen)
+            log.info("unloaded %s (%s)", entry.name, "idle past its keep-alive" if reason == "idle" else
+                     "making room under the budget")
+        if victims:
+            with self._cond:
+                self._cond.notify_all()
+
+    # ---- keep-alive ------------------------------------------------------------------------------
+
+    def unload_expired(self) -> list[str]:
+        """Unload the deployments idle past their keep-alive; returns their names."""
+        with self._cond:
+            residents = [Resident(e.name, e.bytes, e.priority, e.pool.last_used, e.busy(), e.keep_alive)
+                         for e in self._entries.values() if e.state == LOADED]
+            victims = self._detach(expired(residents, self.clock()), "idle")
+        self._free(victims, "idle")
+        return [e.name for e, _ in victims]
+
+    def start(self) -> None:
+        if self._thread is None:
+            self._thread = threading.Thread(target=self._keep_alive_loop, name="deploykit-keep-alive", daemon=True)
+            self._thread.start()
+
+    def _keep_alive_loop(self) -> None:
+        while not self._stop.wait(KEEP_ALIVE_POLL):
+            try:
+                self.unload_expired()
+            except Exception:  # a bug here must not stop keep-alive for good
+                log.exception("keep-alive check failed")
+
+    def stop(self) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(timeout=5)
