@@ -8,7 +8,8 @@ The engine batches *statically*: waiting requests (up to ``max_concurrent``) sta
 left-padded batch and run until all of them finish or are cancelled; requests arriving meanwhile wait
 for the next batch. Each batch is one request group on the stepper: its KV caches are freed when the
 batch ends, whether it finished, was cancelled or failed. Sampling is per request (greedy, temperature,
-top_p, seed, penalties, logit_bias, logprobs), with the same sampler as the in-process engine; admission is the shared ``Admission``.
+top_p, seed, penalties, logit_bias, logprobs), with the in-process engine's sampler (``sampling.py``);
+admission is the shared ``Admission``.
 """
 
 from __future__ import annotations
