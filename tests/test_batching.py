@@ -23,6 +23,7 @@ import torch
 
 from deploykit.engine.batching import Engine, GenerationRequest, GenerationResult, QueueFull
 from deploykit.errors import DeploykitError
+from penalties import Penalties
 
 BACKENDS = ["padded", "continuous"]
 Reference = Callable[[tuple[int, ...], int], list[int]]
@@ -183,7 +184,7 @@ def test_the_continuous_backend_refuses_sampling(llama: Any) -> None:
 
 def test_bad_requests_are_refused_at_submit(llama: Any) -> None:
     with engine(llama) as eng:
-        for bad in (GenerationRequest([]), GenerationRequest([5], max_new_tokens=0)):
+        for bad in (GenerationRequest([]), GenerationRequest([5], max_new_tokens=-1)):
             with pytest.raises(ValueError):
                 eng.submit(bad)
     with pytest.raises(RuntimeError, match="closed"):
@@ -300,3 +301,66 @@ def test_asyncio_clients_through_call_soon_threadsafe(llama: Any, reference: Ref
     for want, events in zip(expected, outs):
         assert events[:-1] == want
 
+
+
+# ---- per-request logits work, and one bad request among good ones ------------------------------------
+
+def test_penalties_and_logit_bias_match_a_logits_processor(llama: Any) -> None:
+    from transformers import LogitsProcessorList
+
+    cases = [(0.0, 1.5, {}), (1.2, 0.0, {}), (-0.8, 0.7, {}), (0.0, 0.0, {7: 100.0}), (0.5, 0.5, {9: -100.0, 11: 5.0})]
+    p = prompts(1, seed=11)[0]
+    expected = []
+    for presence, frequency, bias in cases:
+        with torch.inference_mode():
+            out = llama.generate(torch.tensor([list(p)]), attention_mask=torch.ones(1, len(p), dtype=torch.long),
+                                 max_new_tokens=12, do_sample=False, logits_processor=LogitsProcessorList(
+                                     [Penalties(len(p), presence, frequency, bias)]))
+        expected.append(out[0, len(p):].tolist())
+    assert len({tuple(e) for e in expected} | {tuple(generate(llama, p, 12))}) > 3  # the settings matter
+    with engine(llama) as eng:
+        handles = [eng.submit(GenerationRequest(p, max_new_tokens=12, presence_penalty=presence,
+                                                frequency_penalty=frequency, logit_bias=tuple(bias.items())))
+                   for presence, frequency, bias in cases]
+        assert [h.result(timeout=60).token_ids for h in handles] == expected
+
+
+def test_logprobs_are_the_models_own_before_bias(llama: Any) -> None:
+    p = list(prompts(1, seed=12)[0])
+    with engine(llama) as eng:
+        got = eng.submit(GenerationRequest(p, max_new_tokens=5, logprobs=3, prompt_logprobs=2,
+                                           logit_bias=((7, 100.0),))).result(timeout=60)
+    ids = torch.tensor([p + got.token_ids])
+    with torch.inference_mode():
+        logp = torch.log_softmax(llama(ids).logits[0].float(), -1)
+    assert got.token_ids == [7] * 5  # the bias chose the tokens ...
+    assert got.logprobs is not None and got.prompt_logprobs is not None
+    for step, lp in enumerate(got.logprobs):  # ... the logprobs are the model's own
+        row = logp[len(p) - 1 + step]
+        assert lp.token == 7 and abs(lp.logprob - float(row[7])) < 1e-4
+        assert [t for t, _ in lp.top] == row.topk(3).indices.tolist()
+    assert [lp.token for lp in got.prompt_logprobs] == p[1:]
+    assert max(abs(lp.logprob - float(logp[i, p[i + 1]])) for i, lp in enumerate(got.prompt_logprobs)) < 1e-4
+
+
+def test_max_new_tokens_zero_answers_the_prompt_logprobs_only(llama: Any) -> None:
+    with engine(llama) as eng:
+        got = eng.submit(GenerationRequest([5, 6, 7], max_new_tokens=0, prompt_logprobs=0)).result(timeout=60)
+    assert got.finish_reason == "length" and got.token_ids == []
+    assert got.prompt_logprobs is not None and [lp.token for lp in got.prompt_logprobs] == [6, 7]
+
+
+def test_one_failing_request_does_not_fail_the_batch(llama: Any, reference: Reference) -> None:
+    good = prompts(3, seed=13)
+    expected = [reference(p, 8) for p in good]
+    with engine(llama) as eng:
+        gate = threading.Event()  # hold the engine so that all requests join one step
+        eng.submit(GenerationRequest([5], max_new_tokens=1), listener=lambda _: gate.wait(30))
+        handles = [eng.submit(GenerationRequest(p, max_new_tokens=8)) for p in good[:2]]
+        bad_prompt = eng.submit(GenerationRequest([5, 10_000], max_new_tokens=4))  # prefill fails
+        bad_bias = eng.submit(GenerationRequest(good[2], max_new_tokens=8, logit_bias=((10_000, 1.0),)))  # sampling
+        handles.append(eng.submit(GenerationRequest(good[2], max_new_tokens=8)))
+        gate.set()
+        assert [h.result(timeout=60).token_ids for h in handles] == expected
+        for bad in (bad_prompt, bad_bias):
+            assert bad.result(timeout=60).finish_reason == "error"

@@ -49,6 +49,9 @@ class ReplicaEngine:
 
     def submit(self, request: GenerationRequest,
                listener: Callable[[int | GenerationResult], None] | None = None) -> RequestHandle:
+        if not request.is_plain():  # a replica answers with token ids only
+            raise ValueError("logprobs, echo, presence/frequency penalties and logit_bias are not served "
+                             "through replicas (spec.replicas > 1)")
         h = RequestHandle(request, self._queue.check(request), rng=request_generator(request), listener=listener)
         self._queue.put(h, free_slots=max(0, self.slots - self._queue.running))  # free senders take them at once
         return h

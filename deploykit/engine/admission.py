@@ -47,8 +47,8 @@ class Admission:
         """A fresh request id, or why ``request`` cannot be taken (closed engine, empty request)."""
         if self.closing.is_set():
             raise EngineClosed("engine is closed")
-        if not request.prompt_ids or request.max_new_tokens < 1:
-            raise ValueError("need a non-empty prompt and max_new_tokens >= 1")
+        if not request.prompt_ids or request.max_new_tokens < 0:
+            raise ValueError("need a non-empty prompt and max_new_tokens >= 0")
         return f"{self._prefix}-{next(self._ids)}"
 
     def put(self, handle: RequestHandle, *, free_slots: int = 0) -> None:

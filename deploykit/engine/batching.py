@@ -4,10 +4,13 @@ Two backends, one interface (``submit`` -> ``RequestHandle``, ``cancel``, ``clos
 
 - ``"padded"`` (default): deploykit's own decode loop on one worker thread. Waiting requests join the
   running batch at step boundaries (left-padded prefill, then their KV cache is appended to the
-  batch's), finished or cancelled rows leave it at once and free their cache, and every request
-  samples on its own (greedy, temperature, top_p, a private seeded ``torch.Generator``).
+  batch's; it grows in place, ``kvcache.py``), finished or cancelled rows leave it at once and free
+  their cache, and every request chooses its tokens on its own (``sampling.py``: greedy, temperature,
+  top_p, a private seeded ``torch.Generator``, penalties, logit_bias, logprobs; one argmax for all the
+  plain greedy rows). A request that fails its prefill or its sampling fails alone; a failing decode
+  step fails the rows decoded together, never the engine.
 - ``"continuous"``: transformers' ``ContinuousBatchingManager`` (paged KV cache), sized explicitly
-  from ``kv_cache_bytes`` (its default takes ~60% of host RAM). Greedy only.
+  from ``kv_cache_bytes`` (its default takes ~60% of host RAM). Plain greedy only.
 
 Why deploykit has its own loop at all: in transformers 5.23 continuous batching reads ``do_sample``
 and the seed once per manager, so greedy and sampled requests (or two seeds) cannot share one, which an
@@ -25,7 +28,6 @@ thread (an asyncio server forwards them with ``call_soon_threadsafe``).
 from __future__ import annotations
 
 import queue
-import random
 import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
@@ -37,8 +39,11 @@ import torch
 import torch.nn.functional as F
 
 from .admission import Admission, FinishReason, QueueFull, stop_reason
+from .kvcache import growing_cache
+from .sampling import TokenLogprobs, is_plain_greedy, next_token, prompt_logprobs, request_generator
 
-__all__ = ["Engine", "FinishReason", "GenerationRequest", "GenerationResult", "QueueFull", "RequestHandle"]
+__all__ = ["Engine", "FinishReason", "GenerationRequest", "GenerationResult", "QueueFull", "RequestHandle",
+           "TokenLogprobs"]
 _FINISH_LOCK = threading.Lock()
 
 
@@ -51,6 +56,16 @@ class GenerationRequest:
     seed: int | None = None  # None => random
     stop_token_ids: Sequence[int] = ()  # in addition to the model's EOS ids
     stop_strings: Sequence[str] = ()
+    logprobs: int | None = None  # None: none; k: each generated token's logprob and the k most likely
+    prompt_logprobs: int | None = None  # the same for every prompt token after the first (echo)
+    presence_penalty: float = 0.0  # OpenAI's penalties over the tokens generated so far (sampling.py)
+    frequency_penalty: float = 0.0
+    logit_bias: Sequence[tuple[int, float]] = ()  # (token id, bias added to its logit)
+
+    def is_plain(self) -> bool:
+        """Nothing beyond greedy / temperature / top_p: what every backend can serve."""
+        return (self.logprobs is None and self.prompt_logprobs is None and not self.presence_penalty
+                and not self.frequency_penalty and not self.logit_bias)
 
 
 @dataclass(frozen=True)
@@ -61,6 +76,8 @@ class GenerationResult:
     completion_tokens: int
     time_to_first_token: float | None  # seconds since submit
     error: str | None = None
+    logprobs: list[TokenLogprobs] | None = None  # one per token id, when the request asked for them
+    prompt_logprobs: list[TokenLogprobs] | None = None  # one per prompt token after the first
 
 
 @dataclass(eq=False)
@@ -73,6 +90,8 @@ class RequestHandle:
     submitted: float = field(default_factory=time.monotonic)
     first_token_at: float | None = None
     tokens: list[int] = field(default_factory=list)  # written by the engine thread only
+    logprobs: list[TokenLogprobs] = field(default_factory=list)  # one per token when requested
+    prompt_logprobs: list[TokenLogprobs] | None = None  # set before the first token is pushed
     done: bool = False  # set (under _FINISH_LOCK) just before the final result
     finished: threading.Event = field(default_factory=threading.Event)
     listener: Callable[[int | GenerationResult], None] | None = None  # called from the engine's thread
@@ -80,8 +99,10 @@ class RequestHandle:
     _q: queue.Queue[int | GenerationResult] = field(default_factory=queue.Queue)
 
     # push and finish are the engine side of a handle (deploykit's engines call them; callers read).
-    def push(self, tok: int) -> None:
+    def push(self, tok: int, logprobs: TokenLogprobs | None = None) -> None:
         self.first_token_at = self.first_token_at or time.monotonic()
+        if logprobs is not None:  # before the listener hears of the token: it may read them at once
+            self.logprobs.append(logprobs)
         self.tokens.append(tok)
         self._q.put(tok)
         if self.listener is not None:
@@ -94,7 +115,8 @@ class RequestHandle:
             self.done = True
         ttft = None if self.first_token_at is None else self.first_token_at - self.submitted
         n, m = len(self.request.prompt_ids), len(self.tokens)
-        self._final = GenerationResult(list(self.tokens), reason, n, m, ttft, error)
+        lps = list(self.logprobs) if self.request.logprobs is not None else None
+        self._final = GenerationResult(list(self.tokens), reason, n, m, ttft, error, lps, self.prompt_logprobs)
         self.finished.set()
         self._q.put(self._final)
         if self.listener is not None:
@@ -178,39 +200,95 @@ class Engine:
         cache: Any = None
         mask = torch.zeros(0, 0, dtype=torch.long)  # 0 = left padding
         while True:
-            keep = [i for i, h in enumerate(rows) if not h.done]
-            if len(keep) < len(rows):  # drop finished / cancelled rows and free their KV cache
-                idx, rows = torch.tensor(keep, dtype=torch.long), [rows[i] for i in keep]
-                lead = int((mask[idx].sum(0) == 0).long().cumprod(0).sum())  # now all-pad columns
-                mask, cache = mask[idx, lead:], cache if rows else None
-                for layer in cache.layers if rows else []:
-                    layer.keys, layer.values = layer.keys[idx, :, lead:], layer.values[idx, :, lead:]
+            rows, cache, mask = _drop_done(rows, cache, mask)
             new = self._admit(rows, mask.shape[1])
             self._queue.running = len(rows) + len(new)
             if not rows and not new:
                 if not self._queue.wait_for_work(0.5):  # idle: sleep until a submit or close
                     return
                 continue
+            new = self._start(new)
             try:
                 if new:  # join step: only the new rows get a token (old rows advance next step)
-                    logits, cache, mask = self._prefill_and_merge(new, cache, mask)
+                    logits, cache, mask, new = self._join(new, cache, mask)
                     step_rows, rows = new, rows + new
-                else:
+                elif rows:
                     mask = F.pad(mask, (0, 1), value=1)
                     with self._forward_lock:
                         out = self.model(input_ids=torch.tensor([[h.tokens[-1]] for h in rows]),
                                          attention_mask=mask, position_ids=mask.sum(1, keepdim=True) - 1,
                                          past_key_values=cache, use_cache=True, logits_to_keep=1)
                     logits, cache, step_rows = out.logits[:, -1].float(), out.past_key_values, rows
-                for i, h in enumerate(step_rows):
-                    if not h.done:
-                        h.push(sample_token(logits[i], h.request, h.rng))
-                        if reason := self._stop_hit(h, h.tokens[-1]):
-                            h.finish(reason)
-            except Exception as exc:  # a model failure fails this batch, not the engine
-                for h in rows + new:
+                else:
+                    continue
+            except Exception as exc:  # a failed decode step fails the rows decoded together, not the engine
+                for h in rows:
                     h.finish("error", repr(exc))
                 rows, cache, mask = [], None, mask[:0, :0]
+                continue
+            self._choose(step_rows, logits)
+
+    def _start(self, new: list[RequestHandle]) -> list[RequestHandle]:
+        """Answer what needs no decoding (prompt logprobs, ``max_new_tokens`` 0); the rest will decode."""
+        keep = []
+        for h in new:
+            try:
+                if h.request.prompt_logprobs is not None:
+                    h.prompt_logprobs = self._prompt_logprobs(h.request)
+                if h.request.max_new_tokens == 0:
+                    h.finish("length")
+                else:
+                    keep.append(h)
+            except Exception as exc:  # this request fails, the batch goes on
+                h.finish("error", repr(exc))
+        return keep
+
+    def _prompt_logprobs(self, r: GenerationRequest) -> list[TokenLogprobs]:
+        """A forward of the whole prompt alone, keeping every position's logits (the batch keeps one)."""
+        ids = torch.tensor([list(r.prompt_ids)])
+        with self._forward_lock:
+            logits = self.model(input_ids=ids, attention_mask=torch.ones_like(ids), use_cache=False).logits[0]
+        return prompt_logprobs(logits, r.prompt_ids, r.prompt_logprobs or 0)
+
+    def _join(self, new: list[RequestHandle], cache: Any, mask: torch.Tensor
+              ) -> tuple[torch.Tensor | None, Any, torch.Tensor, list[RequestHandle]]:
+        """Prefill ``new`` into the batch; when that fails, each one alone, so that a request the model
+        cannot run fails alone (the running rows' cache is only touched once a prefill succeeded)."""
+        try:
+            return (*self._prefill_and_merge(new, cache, mask), new)
+        except Exception as exc:
+            if len(new) == 1:
+                new[0].finish("error", repr(exc))
+                return None, cache, mask, []
+        parts, joined = [], []
+        for h in new:
+            try:
+                logits, cache, mask = self._prefill_and_merge([h], cache, mask)
+            except Exception as exc:
+                h.finish("error", repr(exc))
+                continue
+            parts.append(logits)
+            joined.append(h)
+        return (torch.cat(parts) if parts else None), cache, mask, joined
+
+    def _choose(self, rows: list[RequestHandle], logits: torch.Tensor | None) -> None:
+        """Each row's next token (one argmax for all plain greedy rows); a row that fails here fails alone."""
+        if logits is None:
+            return
+        greedy = logits.argmax(-1).tolist() if any(is_plain_greedy(h.request) for h in rows) else []
+        for i, h in enumerate(rows):
+            if h.done:
+                continue
+            try:
+                if greedy and is_plain_greedy(h.request):
+                    tok, lp = greedy[i], None
+                else:
+                    tok, lp = next_token(logits[i], h.request, h.tokens, h.rng)
+                h.push(tok, lp)
+                if reason := self._stop_hit(h, tok):
+                    h.finish(reason)
+            except Exception as exc:
+                h.finish("error", repr(exc))
 
     def _admit(self, rows: list[RequestHandle], width: int) -> list[RequestHandle]:
         """Pop waiting requests (FIFO) that fit the batch-size and KV-byte budgets."""
@@ -233,7 +311,7 @@ class Engine:
         pos = (nmask.cumsum(1) - 1).clamp(min=0)
         with self._forward_lock:
             out = self.model(input_ids=ids, attention_mask=nmask, position_ids=pos, use_cache=True,
-                             logits_to_keep=1)
+                             past_key_values=growing_cache(self.model.config), logits_to_keep=1)
         if cache is None:
             return out.logits[:, -1].float(), out.past_key_values, nmask
         width = max(mask.shape[1], t)  # RoPE is already applied to cached keys: padding is safe
@@ -261,8 +339,9 @@ class Engine:
 
     def _cb_submit(self, h: RequestHandle) -> RequestHandle:
         r = h.request
-        if r.temperature > 0:
-            raise ValueError("the continuous backend is greedy-only; use backend='padded' for sampling")
+        if r.temperature > 0 or not r.is_plain() or r.max_new_tokens < 1:
+            raise ValueError("the continuous backend is greedy-only (no logprobs, penalties, logit_bias or "
+                             "max_tokens 0); use backend='padded' (spec.serving.batching) for these")
         if len(self._cb_handles) >= self.max_queued + self.max_batch_size:
             raise QueueFull(f"{len(self._cb_handles)} requests already running or waiting")
         eos = sorted(self.eos_ids | set(r.stop_token_ids))
@@ -295,24 +374,20 @@ class Engine:
             h.finish("error", "engine closed")
 
 
+def _drop_done(rows: list[RequestHandle], cache: Any, mask: torch.Tensor
+               ) -> tuple[list[RequestHandle], Any, torch.Tensor]:
+    """The batch without its finished or cancelled rows, their KV cache freed."""
+    keep = [i for i, h in enumerate(rows) if not h.done]
+    if len(keep) == len(rows):
+        return rows, cache, mask
+    idx, rows = torch.tensor(keep, dtype=torch.long), [rows[i] for i in keep]
+    lead = int((mask[idx].sum(0) == 0).long().cumprod(0).sum())  # now all-pad columns
+    mask, cache = mask[idx, lead:], cache if rows else None
+    for layer in cache.layers if rows else []:
+        layer.keys, layer.values = layer.keys[idx, :, lead:], layer.values[idx, :, lead:]
+    return rows, cache, mask
+
+
 def _lpad(x: torch.Tensor, width: int, dim: int = 1) -> torch.Tensor:
     """Left-pad ``x`` with zeros along ``dim`` up to ``width``."""
     return F.pad(x, (0, 0) * (x.dim() - 1 - dim) + (width - x.shape[dim], 0))
-
-
-def request_generator(r: GenerationRequest) -> torch.Generator | None:
-    """A private RNG per sampling request (torch.seed() would reseed the global RNG)."""
-    seed = r.seed if r.seed is not None else random.SystemRandom().getrandbits(63)
-    return torch.Generator().manual_seed(seed) if r.temperature > 0 else None
-
-
-def sample_token(logits: torch.Tensor, r: GenerationRequest, gen: torch.Generator | None) -> int:
-    """Greedy when temperature == 0, else temperature + nucleus (top_p) sampling."""
-    if r.temperature <= 0 or gen is None:
-        return int(logits.argmax())
-    probs = torch.softmax(logits / r.temperature, -1)
-    if r.top_p < 1.0:
-        sp, si = probs.sort(descending=True)
-        sp[sp.cumsum(0) - sp > r.top_p] = 0  # keep the smallest prefix with mass >= top_p
-        probs = torch.zeros_like(probs).scatter_(0, si, sp)
-    return int(torch.multinomial(probs, 1, generator=gen))

@@ -8,7 +8,8 @@ The engine batches *statically*: waiting requests (up to ``max_concurrent``) sta
 left-padded batch and run until all of them finish or are cancelled; requests arriving meanwhile wait
 for the next batch. Each batch is one request group on the stepper: its KV caches are freed when the
 batch ends, whether it finished, was cancelled or failed. Sampling is per request (greedy, temperature,
-top_p, seed), with the same sampler as the in-process engine; admission is the shared ``Admission``.
+top_p, seed, penalties, logit_bias, logprobs), with the in-process engine's sampler (``sampling.py``);
+admission is the shared ``Admission``.
 """
 
 from __future__ import annotations
@@ -20,7 +21,8 @@ from typing import Any, Callable, Protocol
 
 from ..errors import ApplyError
 from .admission import Admission, stop_reason
-from .batching import GenerationRequest, GenerationResult, RequestHandle, request_generator, sample_token
+from .batching import GenerationRequest, GenerationResult, RequestHandle
+from .sampling import next_token, request_generator
 from .health import HealthResult, within
 from .runtime import Limits, TextRuntime
 from .text import RequestError
@@ -47,6 +49,9 @@ class SteppedEngine:
 
     def submit(self, request: GenerationRequest,
                listener: Callable[[int | GenerationResult], None] | None = None) -> RequestHandle:
+        if request.prompt_logprobs is not None or request.max_new_tokens < 1:
+            raise ValueError("echo's prompt logprobs and max_tokens 0 are not served by this engine "
+                             "(pipeline stages, tensor-parallel ranks)")
         h = RequestHandle(request, self._queue.check(request), rng=request_generator(request), listener=listener)
         idle = self._queue.running == 0  # the next static batch starts at once only when none runs
         self._queue.put(h, free_slots=self.max_batch_size if idle else 0)
@@ -90,8 +95,8 @@ class SteppedEngine:
                         if h.done:
                             last.append(h.tokens[-1] if h.tokens else 0)
                             continue
-                        tok = sample_token(logits[i], h.request, h.rng)
-                        h.push(tok)
+                        tok, lp = next_token(logits[i].float(), h.request, h.tokens, h.rng)
+                        h.push(tok, lp)
                         last.append(tok)
                         if reason := stop_reason(h, tok, eos_ids=self.eos_ids, tokenizer=self.tokenizer):
                             h.finish(reason)

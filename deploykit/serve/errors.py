@@ -63,6 +63,13 @@ def _validation(_: Request, exc: Exception) -> JSONResponse:
         return error_response(400, "the request body is not valid JSON", code="invalid_json")
     param = _param(tuple(first.get("loc", ())))
     message = str(first.get("msg", "invalid request"))
+    ctx = first.get("ctx")
+    refused = ctx.get("error") if isinstance(ctx, dict) else None
+    if getattr(refused, "param", None):  # a refusal about one field, raised by a model-level check
+        param, message = str(getattr(refused, "param")), str(refused)
+    elif first.get("type") == "extra_forbidden":
+        message = ("deploykit does not implement this field, and refuses fields it cannot honour rather than "
+                   "answer a different question (docs/serving.md lists every field)")
     if len(exc.errors()) > 1:
         message += f" (and {len(exc.errors()) - 1} more problem(s))"
     return error_response(400, f"{param}: {message}" if param else message, param=param, code="invalid_value")

@@ -1,7 +1,9 @@
-"""``POST /v1/chat/completions``: messages through the model's chat template, streamed or not."""
+"""``POST /v1/chat/completions``: messages through the model's chat template, streamed or not; ``n``
+choices, logprobs, penalties and logit_bias as OpenAI's API defines them."""
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -9,17 +11,14 @@ from fastapi import APIRouter, Request
 
 from ...engine.batching import GenerationRequest
 from ...engine.text import chat_prompt_ids, check_length
+from .choices import end, merged, start, usage
 from .common import engine_request, find, max_tokens_of, prepare, sse
 from .generation import Outcome, Run, whole
+from .logprobs import TokenTexts, chat_content
 from .protocol import ChatCompletionRequest, new_id, now
 from .stream import LeasedStream
 
 router = APIRouter()
-
-
-def _usage(outcome: Outcome) -> dict[str, int]:
-    return {"prompt_tokens": outcome.prompt_tokens, "completion_tokens": outcome.completion_tokens,
-            "total_tokens": outcome.prompt_tokens + outcome.completion_tokens}
 
 
 @router.post("/v1/chat/completions", response_model=None)
@@ -27,47 +26,57 @@ async def chat_completions(body: ChatCompletionRequest, request: Request) -> Any
     state = request.app.state
     dep = find(state.registry, body.model)
 
-    def work(runtime: Any) -> GenerationRequest:
+    def work(runtime: Any) -> list[GenerationRequest]:
         ids = chat_prompt_ids(runtime.tokenizer, [m.as_template_message() for m in body.messages])
         max_tokens = max_tokens_of(body.requested_max_tokens(), runtime)
         check_length(len(ids), max_tokens, context_length=runtime.context_length,
                      limit=runtime.limits.max_tokens, prompt_param="messages")
-        return engine_request(body, ids, max_tokens, runtime)
+        return [engine_request(body, ids, max_tokens, runtime, choice=j, logprobs=body.top())
+                for j in range(body.n)]
 
-    held, job = await prepare(dep, "text", work)
+    held, jobs = await prepare(dep, "text", work)
+    runs = [Run(held.gen, dep.name, job, request, state.metrics) for job in jobs]
+    start(runs, held)  # before the response: a full queue is a 429, not a broken stream
+    texts = TokenTexts(held.runtime.tokenizer)
     meta = {"id": new_id("chatcmpl"), "created": now(), "model": dep.name}
-    run = Run(held.gen, dep.name, job, request, state.metrics)
-    try:
-        run.start()  # before the response: a full queue is a 429, not a broken stream
-    except BaseException:
-        held.release()
-        raise
     if body.stream:
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
-        return LeasedStream(_stream(run, meta, include_usage), lease=held, runs=[run], model=dep.name)
+        return LeasedStream(_stream(runs, meta, include_usage, body.n, texts), lease=held, runs=runs,
+                            model=dep.name)
     try:
-        outcome = await whole(run)
+        outcomes = await asyncio.gather(*(whole(run) for run in runs))
     finally:
-        run.cancel()
-        held.release()
+        end(runs, held)
     return {**meta, "object": "chat.completion",
-            "choices": [{"index": 0, "message": {"role": "assistant", "content": outcome.text},
-                         "logprobs": None, "finish_reason": outcome.finish_reason}],
-            "usage": _usage(outcome)}
+            "choices": [{"index": i, "message": {"role": "assistant", "content": o.text},
+                         "logprobs": _logprobs(o.logprobs, texts), "finish_reason": o.finish_reason}
+                        for i, o in enumerate(outcomes)],
+            "usage": usage(outcomes, body.n)}
 
 
-async def _stream(run: Run, meta: dict[str, Any], include_usage: bool) -> AsyncIterator[bytes]:
+def _logprobs(lps: Any, texts: TokenTexts) -> dict[str, Any] | None:
+    return None if lps is None else {"content": chat_content(lps, texts), "refusal": None}
+
+
+async def _stream(runs: list[Run], meta: dict[str, Any], include_usage: bool, n: int,
+                  texts: TokenTexts) -> AsyncIterator[bytes]:
     chunk = {**meta, "object": "chat.completion.chunk"}
 
-    def delta(content: dict[str, str], finish: str | None = None) -> bytes:
-        return sse({**chunk, "choices": [{"index": 0, "delta": content, "logprobs": None,
+    def choice(index: int, content: dict[str, str], logprobs: Any = None, finish: str | None = None) -> bytes:
+        return sse({**chunk, "choices": [{"index": index, "delta": content, "logprobs": logprobs,
                                           "finish_reason": finish}]})
 
-    yield delta({"role": "assistant", "content": ""})
-    async for text in run.deltas():
-        yield delta({"content": text})
-    assert run.outcome is not None
-    yield delta({}, run.outcome.finish_reason)
+    for index in range(len(runs)):
+        yield choice(index, {"role": "assistant", "content": ""})
+    async for index, delta in merged(runs):
+        if delta is not None:
+            wants = runs[index].request.logprobs is not None
+            yield choice(index, {"content": delta.text}, _logprobs(delta.logprobs, texts) if wants else None)
+        else:
+            outcome = runs[index].outcome
+            assert outcome is not None
+            yield choice(index, {}, finish=outcome.finish_reason)
     if include_usage:
-        yield sse({**chunk, "choices": [], "usage": _usage(run.outcome)})
+        outcomes: list[Outcome] = [r.outcome for r in runs if r.outcome]
+        yield sse({**chunk, "choices": [], "usage": usage(outcomes, n)})
     yield sse("[DONE]")

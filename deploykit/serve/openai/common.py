@@ -137,9 +137,21 @@ def as_api_error(exc: RequestError) -> APIError:
     return APIError(400, str(exc), param=exc.param, code=exc.code)
 
 
-def engine_request(body: Sampling, prompt_ids: list[int], max_tokens: int, runtime: TextRuntime) -> GenerationRequest:
+def engine_request(body: Sampling, prompt_ids: list[int], max_tokens: int, runtime: TextRuntime, *,
+                   choice: int = 0, logprobs: int | None = None,
+                   prompt_logprobs: int | None = None) -> GenerationRequest:
+    """The engine request of choice ``choice`` (0..n-1): choice j samples with ``seed + j``, so that a
+    seeded request repeats and its n choices still differ."""
+    vocab = len(runtime.tokenizer)
+    bad = [t for t in (body.logit_bias or {}) if not 0 <= t < vocab]
+    if bad:
+        raise RequestError(f"logit_bias: token id {bad[0]} is not in this model's vocabulary (0 to {vocab - 1})",
+                           param="logit_bias", code="invalid_token_id")
     return GenerationRequest(prompt_ids=prompt_ids, max_new_tokens=max_tokens, temperature=body.temperature,
-                             top_p=body.top_p, seed=body.seed, stop_strings=tuple(body.stop_strings()))
+                             top_p=body.top_p, seed=None if body.seed is None else body.seed + choice,
+                             stop_strings=tuple(body.stop_strings()), logprobs=logprobs,
+                             prompt_logprobs=prompt_logprobs, presence_penalty=body.presence_penalty,
+                             frequency_penalty=body.frequency_penalty, logit_bias=body.bias_pairs())
 
 
 def max_tokens_of(requested: int | None, runtime: TextRuntime) -> int:

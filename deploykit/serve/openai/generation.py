@@ -7,12 +7,12 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import AsyncIterator, Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from starlette.requests import Request
 
-from ...engine.batching import GenerationRequest, GenerationResult
+from ...engine.batching import GenerationRequest, GenerationResult, TokenLogprobs
 from ...engine.text import TextStream
 from ..errors import APIError, ClientGone
 from .common import TokenEvents, submit
@@ -32,6 +32,16 @@ class Outcome:
     prompt_tokens: int
     completion_tokens: int
     unsent: str = ""  # the end of ``text`` known only once generation ended
+    logprobs: list[TokenLogprobs] | None = None  # the tokens of ``text`` (EOS excluded), when asked for
+    prompt_logprobs: list[TokenLogprobs] | None = None
+
+
+@dataclass
+class Delta:
+    """Text that became final, and the logprobs of the tokens it comes from (when asked for)."""
+
+    text: str
+    logprobs: list[TokenLogprobs] = field(default_factory=list)
 
 
 async def _watch_disconnect(request: Request, cancel: Callable[[], None]) -> None:
@@ -55,6 +65,7 @@ class Run:
         self.handle: Any = None
         self.events: TokenEvents | None = None
         self.started = 0.0
+        self.logprobs: list[TokenLogprobs] = []  # of the tokens handed out so far
 
     def start(self) -> None:
         self.events = TokenEvents()
@@ -65,7 +76,7 @@ class Run:
         if self.handle is not None:
             self.runtime.engine.cancel(self.handle)  # a no-op once the request has ended
 
-    async def deltas(self) -> AsyncIterator[str]:
+    async def deltas(self) -> AsyncIterator[Delta]:
         if self.handle is None:
             self.start()
         assert self.events is not None
@@ -74,6 +85,7 @@ class Run:
                           skip_ids=sorted(self.runtime.eos_ids))
         watcher = asyncio.create_task(_watch_disconnect(self.http, self.cancel))
         parts: list[str] = []
+        pending: list[TokenLogprobs] = []  # logprobs of tokens whose text is held back
         result: GenerationResult | None = None
         try:
             async for event in self.events:
@@ -82,19 +94,30 @@ class Run:
                     break
                 if not parts and not text.ids:
                     metrics.time_to_first_token.labels(*self.labels).observe(time.monotonic() - self.started)
+                if self.request.logprobs is not None and not text.stopped and event not in self.runtime.eos_ids:
+                    pending.append(self.handle.logprobs[len(text.ids)])  # pushed before the listener heard
                 delta = text.push(event)
                 if text.stopped:  # a stop string: end the request now, the rest is not wanted
                     self.cancel()
                 if delta:
                     parts.append(delta)
-                    yield delta
+                    yield self._delta(delta, pending)
         finally:
             watcher.cancel()
             if result is None:  # the client went away (or this task was cancelled): free the slot
                 self.cancel()
         self.outcome = _finish(text, parts, result, metrics, self.labels, self.started)
-        if self.outcome.unsent:
-            yield self.outcome.unsent
+        if self.request.logprobs is not None:
+            self.outcome.logprobs = self.logprobs  # complete once the last delta below is out
+        self.outcome.prompt_logprobs = result.prompt_logprobs if result is not None else None
+        if self.outcome.unsent or pending:
+            yield self._delta(self.outcome.unsent, pending)
+
+    def _delta(self, text: str, pending: list[TokenLogprobs]) -> Delta:
+        delta = Delta(text, list(pending))
+        self.logprobs.extend(pending)
+        pending.clear()
+        return delta
 
 
 async def whole(run: Run) -> Outcome:

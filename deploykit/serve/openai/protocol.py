@@ -1,9 +1,10 @@
 """The OpenAI API's request and response shapes that deploykit serves (pydantic).
 
-Requests ignore fields deploykit does not implement (as the API's own servers and vLLM do, so that
-clients sending e.g. ``user`` or ``presence_penalty: 0`` keep working) but validate every field it
-uses; an invalid value is a 400 that names the field. ``n`` other than 1 is refused rather than
-silently answered once.
+Every field a request may carry is declared here: the ones deploykit implements, with OpenAI's limits;
+the ones that cannot change the answer (``user``, ``metadata``, ``store``...: ``IGNORED``), accepted
+and ignored; and the ones it cannot honour (``tools``, a ``response_format`` other than text...),
+refused. Any other field is refused too: a 400 whose ``param`` names it, never an answer to a
+different question.
 """
 
 from __future__ import annotations
@@ -12,21 +13,42 @@ import time
 import uuid
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 Temperature = Annotated[float, Field(ge=0.0, le=2.0)]
 TopP = Annotated[float, Field(gt=0.0, le=1.0)]
+Penalty = Annotated[float, Field(ge=-2.0, le=2.0)]
+Bias = Annotated[float, Field(ge=-100.0, le=100.0)]
+
+# Fields that never change the answer: accepted and ignored (docs/serving.md lists them).
+IGNORED = ("user", "metadata", "store", "service_tier", "parallel_tool_calls", "prediction", "safety_identifier",
+           "prompt_cache_key")
 
 
 class _Request(BaseModel):
     model_config = ConfigDict(extra="ignore")
 
 
+class _Strict(BaseModel):
+    """A request body: unknown fields are refused (``extra_forbidden``, named in ``param``)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    user: Any = None
+    metadata: Any = None
+    store: Any = None
+    service_tier: Any = None
+    parallel_tool_calls: Any = None
+    prediction: Any = None
+    safety_identifier: Any = None
+    prompt_cache_key: Any = None
+
+
 class StreamOptions(_Request):
     include_usage: bool = False
 
 
-class Sampling(_Request):
+class Sampling(_Strict):
     """The fields chat and completions share."""
 
     model: str = Field(min_length=1)
@@ -37,7 +59,20 @@ class Sampling(_Request):
     stop: str | list[str] | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None
-    n: int = Field(1, ge=1, le=1)
+    n: int = Field(1, ge=1, le=8)
+    presence_penalty: Penalty = 0.0
+    frequency_penalty: Penalty = 0.0
+    logit_bias: dict[int, Bias] | None = None  # JSON keys are strings: pydantic parses them as token ids
+
+    @field_validator("logit_bias")
+    @classmethod
+    def _at_most_300(cls, bias: dict[int, float] | None) -> dict[int, float] | None:
+        if bias is not None and len(bias) > 300:
+            raise ValueError("at most 300 tokens may be biased")
+        return bias
+
+    def bias_pairs(self) -> tuple[tuple[int, float], ...]:
+        return tuple(sorted((self.logit_bias or {}).items()))
 
     @field_validator("stop")
     @classmethod
@@ -68,9 +103,43 @@ class ChatMessage(_Request):
         return {"role": role, "content": content or ""}
 
 
+class ResponseFormat(_Request):
+    type: str
+
+    @field_validator("type")
+    @classmethod
+    def _text_only(cls, kind: str) -> str:
+        if kind != "text":
+            raise ValueError(f"{kind!r} is not supported, only 'text': deploykit has no constrained decoding")
+        return kind
+
+
 class ChatCompletionRequest(Sampling):
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: int | None = Field(None, ge=1)
+    logprobs: bool = False
+    top_logprobs: int | None = Field(None, ge=0, le=20)
+    response_format: ResponseFormat | None = None
+    tools: Any = None  # refused unless empty: deploykit does not call tools
+    tool_choice: Any = None  # refused unless "none"
+    functions: Any = None
+    function_call: Any = None
+
+    @model_validator(mode="after")
+    def _refused(self) -> ChatCompletionRequest:
+        if self.top_logprobs is not None and not self.logprobs:
+            raise FieldRefused("top_logprobs", "top_logprobs needs logprobs: true")
+        for name in ("tools", "functions"):
+            if getattr(self, name):
+                raise FieldRefused(name, f"{name} are not supported: deploykit does not call tools")
+        for name in ("tool_choice", "function_call"):
+            if getattr(self, name) not in (None, "none"):
+                raise FieldRefused(name, f"{name} is not supported: deploykit does not call tools")
+        return self
+
+    def top(self) -> int | None:
+        """How many alternatives each token's logprobs list; None when logprobs are off."""
+        return (self.top_logprobs or 0) if self.logprobs else None
 
     def requested_max_tokens(self) -> int | None:
         return self.max_completion_tokens or self.max_tokens
@@ -78,7 +147,21 @@ class ChatCompletionRequest(Sampling):
 
 class CompletionRequest(Sampling):
     prompt: str | list[str] | list[int] | list[list[int]]
+    max_tokens: int | None = Field(None, ge=0)  # 0 only with echo: the prompt's logprobs alone
     echo: bool = False
+    logprobs: int | None = Field(None, ge=0, le=5)
+    suffix: str | None = None  # refused unless empty: no fill-in-the-middle
+    best_of: int | None = None  # refused unless it equals n
+
+    @model_validator(mode="after")
+    def _refused(self) -> CompletionRequest:
+        if self.max_tokens == 0 and not self.echo:
+            raise FieldRefused("max_tokens", "max_tokens 0 needs echo: true (the prompt's logprobs alone)")
+        if self.suffix:
+            raise FieldRefused("suffix", "suffix is not supported: deploykit does not fill in the middle")
+        if self.best_of not in (None, self.n):
+            raise FieldRefused("best_of", "best_of other than n is not supported")
+        return self
 
     @field_validator("prompt")
     @classmethod
@@ -94,6 +177,14 @@ class CompletionRequest(Sampling):
         if all(isinstance(p, int) for p in self.prompt):
             return [list(self.prompt)]  # type: ignore[arg-type]
         return list(self.prompt)  # type: ignore[arg-type]
+
+
+class FieldRefused(ValueError):
+    """A refusal that names the field it is about (``errors._validation`` puts it in ``param``)."""
+
+    def __init__(self, param: str, message: str) -> None:
+        super().__init__(message)
+        self.param = param
 
 
 class EmbeddingRequest(_Request):
