@@ -10,7 +10,7 @@ import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from ..artifacts.verify import read_lock, recorded_problem, shard_problem
 from ..errors import ApplyError, CheckpointError
@@ -112,14 +112,23 @@ def is_tensor_parallel(loaded: LoadedManifest) -> bool:
 def _start_ranks(plan: Plan, shards: Path, serving: ServingSpec, ranks: int,
                  timer: StepTimer) -> tuple[LoadedModel, str]:
     """Start the ranks on their own rank files and check them through one forward across all of them."""
-    from ..engine.loader import LoadedModel
     from ..engine.tensor_parallel.runtime import RankOptions, build_tensor_parallel_runtime
 
     gpus = tuple(d.device for d in plan.devices if isinstance(d.device, int))
     options = RankOptions(ranks=ranks, dtype=serving.load.dtype, gpus=gpus,
                           trust_remote_code=serving.load.trust_remote_code)
+    return _started_and_checked(lambda: build_tensor_parallel_runtime(shards, options, serving.limits), plan,
+                                shards, serving, timer)
+
+
+def _started_and_checked(build: Callable[[], Any], plan: Plan, shards: Path, serving: ServingSpec,
+                         timer: StepTimer) -> tuple[LoadedModel, str]:
+    """A runtime whose model lives elsewhere (stage actors, rank processes), built and health-checked
+    like an in-process model, and closed if the check fails. The LoadedModel carries the runtime."""
+    from ..engine.loader import LoadedModel
+
     with timer.step("load"):
-        runtime = build_tensor_parallel_runtime(shards, options, serving.limits)
+        runtime = build()
     try:
         with timer.step("health-check"):
             health = runtime.health_check(serving.health_input, timeout=serving.health_timeout)
@@ -157,17 +166,9 @@ def _start_pipeline(plan: Plan, shards: Path, serving: ServingSpec, address: str
     """Start the plan's stages on the cluster (each reads its own tensors from ``shards``) and check them
     like an in-process model. No model lives here: the LoadedModel carries the runtime instead."""
     from ..cluster.runtime import build_pipeline_runtime
-    from ..engine.loader import LoadedModel
 
-    with timer.step("load"):
-        runtime = build_pipeline_runtime(plan, shards, serving, address)
-    try:
-        with timer.step("health-check"):
-            health = runtime.health_check(serving.health_input, timeout=serving.health_timeout)
-    except BaseException:
-        runtime.close()
-        raise
-    return LoadedModel(None, plan, shards, "cpu", False, runtime.tokenizer, runtime=runtime), health.detail
+    return _started_and_checked(lambda: build_pipeline_runtime(plan, shards, serving, address), plan, shards,
+                                serving, timer)
 
 
 def load_model(plan: Plan, shards: Path, serving: ServingSpec) -> LoadedModel:
