@@ -199,8 +199,9 @@ def test_an_in_flight_stream_is_never_cut_to_make_room(tmp_path, chat_model):
     specs = {"a": {"max_tokens": 200}, "b": {}}
     with served(tmp_path, chat_model, specs, "--budget", "cpu=500KB") as server:
         client = openai.OpenAI(base_url=f"{server.url}/v1", api_key="none", max_retries=0, timeout=120)
-        reference = client.completions.create(model="a", prompt="x", max_tokens=200).usage.completion_tokens
-        stream = client.completions.create(model="a", prompt="x", max_tokens=200, stream=True,
+        reference = client.completions.create(model="a", prompt="x", max_tokens=200,
+                                           temperature=0).usage.completion_tokens
+        stream = client.completions.create(model="a", prompt="x", max_tokens=200, stream=True, temperature=0,
                                            stream_options={"include_usage": True})
         first = next(iter(stream))  # a is streaming: it holds its generation
         result: dict[str, object] = {}
