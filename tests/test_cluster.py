@@ -15,6 +15,7 @@ ray = pytest.importorskip("ray")
 pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning")  # Ray Serve's own pydantic use
 
 from chatmodel import build_chat_model  # noqa: E402
+from clusters import fake_cluster  # noqa: E402
 
 from deploykit.cluster.pipeline import RayPipeline, greedy, split_layers, stages_of  # noqa: E402
 from deploykit.cluster.stage import StageSpec  # noqa: E402
@@ -25,24 +26,7 @@ PROMPTS = [[5, 6, 7, 8, 9, 10, 11], [12, 13, 14], [3]]
 
 @pytest.fixture(scope="module")
 def cluster(request):
-    from ray.cluster_utils import Cluster
-
-    from deploykit.cluster.ray_env import connect
-
-    if ray.is_initialized():
-        ray.shutdown()
-    c = Cluster(initialize_head=True, head_node_args={**NODE, "num_cpus": 0})
-
-    def stop() -> None:
-        ray.shutdown()
-        c.shutdown()
-
-    request.addfinalizer(stop)
-    c.add_node(**NODE)
-    c.add_node(**NODE)
-    c.wait_for_nodes()
-    connect(c.address)
-    return c
+    return fake_cluster(request, NODE, connect=True)
 
 
 def reference(model_dir: Path, prompts, new_tokens: int):

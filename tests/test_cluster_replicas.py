@@ -20,6 +20,7 @@ ray = pytest.importorskip("ray")
 pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning")
 
 from chatmodel import build_chat_model  # noqa: E402
+from clusters import Asker, fake_cluster  # noqa: E402
 from servers import Server  # noqa: E402
 from test_serve import reference_text  # noqa: E402
 
@@ -29,21 +30,7 @@ BOUNDED = "max_tokens: 32, max_concurrent: 1, max_queued: 1"
 
 @pytest.fixture(scope="module")
 def cluster(request):
-    from ray.cluster_utils import Cluster
-
-    if ray.is_initialized():
-        ray.shutdown()
-    c = Cluster(initialize_head=True, head_node_args={**NODE, "num_cpus": 0})
-
-    def stop() -> None:
-        ray.shutdown()
-        c.shutdown()
-
-    request.addfinalizer(stop)
-    c.add_node(**NODE)
-    c.add_node(**NODE)
-    c.wait_for_nodes()
-    return c
+    return fake_cluster(request, NODE)
 
 
 @pytest.fixture(scope="module")
@@ -169,19 +156,9 @@ def test_pipeline_replicas_scale_one_to_two_without_failures(cluster, model, tmp
 
     with Server(manifests, tmp_path / "state", ready_timeout=300) as server:
         client = openai.OpenAI(base_url=f"{server.url}/v1", api_key="none", max_retries=0, timeout=120)
-        stop, texts, failures = threading.Event(), [], []
-
-        def keep_asking() -> None:
-            while not stop.is_set():
-                try:
-                    texts.append(client.completions.create(model="piped", prompt="hello", max_tokens=8,
-                                                           temperature=0).choices[0].text)
-                except Exception as exc:  # every failure counts
-                    failures.append(repr(exc))
-
-        asker = threading.Thread(target=keep_asking, daemon=True)
-        asker.start()
-        try:
+        asker = Asker(server.url, "piped")
+        texts, failures = asker.texts, asker.failures
+        with asker:
             replace_like_an_editor(path, manifest(model, cluster.address, name="piped", nodes=2, replicas=2,
                                                   serving=BOUNDED))
             deadline = time.monotonic() + 300
@@ -197,9 +174,6 @@ def test_pipeline_replicas_scale_one_to_two_without_failures(cluster, model, tmp
             chunks = [c.choices[0].text for c in client.completions.create(
                 model="piped", prompt="hello", max_tokens=8, temperature=0, stream=True) if c.choices]
             assert "".join(chunks) == want and len([c for c in chunks if c]) > 1
-        finally:
-            stop.set()
-            asker.join(60)
         # a burst beyond 2 replicas x max_concurrent 1 in flight + max_queued 1 waiting: 429 + Retry-After
         codes, retry_after = _burst(client, 8)
         assert codes.count(429) >= 1 and set(codes) <= {200, 429} and codes.count(200) >= 3, codes

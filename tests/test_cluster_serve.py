@@ -15,6 +15,7 @@ ray = pytest.importorskip("ray")
 pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning")
 
 from chatmodel import build_chat_model  # noqa: E402
+from clusters import Asker, fake_cluster  # noqa: E402
 from servers import Server  # noqa: E402
 from test_disconnects import leave_early  # noqa: E402
 from test_serve import reference_text  # noqa: E402
@@ -24,16 +25,7 @@ NODE = dict(num_cpus=1, object_store_memory=80 * 2**20, include_dashboard=False)
 
 @pytest.fixture(scope="module")
 def cluster(request):
-    from ray.cluster_utils import Cluster
-
-    if ray.is_initialized():
-        ray.shutdown()
-    c = Cluster(initialize_head=True, head_node_args={**NODE, "num_cpus": 0})
-    request.addfinalizer(c.shutdown)
-    c.add_node(**NODE)
-    c.add_node(**NODE)
-    c.wait_for_nodes()
-    return c
+    return fake_cluster(request, NODE)
 
 
 def manifest(model: Path, address: str) -> str:
@@ -85,7 +77,6 @@ def replicated(model: Path, address: str, replicas: int) -> str:
 def test_replicas_scale_and_a_broken_revision_keeps_the_old_ones_serving(cluster, tmp_path):
     import json
     import shutil
-    import threading
     import urllib.request
 
     from deploykit.control.state import StateStore
@@ -102,20 +93,9 @@ def test_replicas_scale_and_a_broken_revision_keeps_the_old_ones_serving(cluster
             return int(json.loads(r.read())[0]["generation"])
 
     with Server(manifests, tmp_path / "state", ready_timeout=240) as server:
-        client = openai.OpenAI(base_url=f"{server.url}/v1", api_key="none", max_retries=0, timeout=120)
-        stop, texts, failures = threading.Event(), [], []
-
-        def keep_asking() -> None:
-            while not stop.is_set():
-                try:
-                    texts.append(client.completions.create(model="rep", prompt="hello", max_tokens=8,
-                                                           temperature=0).choices[0].text)
-                except Exception as exc:  # every failure counts
-                    failures.append(repr(exc))
-
-        asker = threading.Thread(target=keep_asking, daemon=True)
-        asker.start()
-        try:
+        asker = Asker(server.url, "rep")
+        texts, failures = asker.texts, asker.failures
+        with asker:
             replace_like_an_editor(path, replicated(model, cluster.address, 2))  # scale 1 -> 2
             deadline = time.monotonic() + 180
             while generation() != 2:
@@ -135,9 +115,6 @@ def test_replicas_scale_and_a_broken_revision_keeps_the_old_ones_serving(cluster
             while len(texts) < served + 3:
                 time.sleep(0.2)
             assert generation() == 2  # the old replicas kept serving
-        finally:
-            stop.set()
-            asker.join(60)
         leave_early(server, "rep", max_tokens=32)  # with the asker stopped: clients that leave early pin nothing
     assert failures == []
     assert len(set(texts)) == 1 and len(texts) >= 5
