@@ -107,7 +107,8 @@ def test_pull_reloads_and_revert_rolls_back(upstream, tmp_path):
 
         git(upstream, "revert", "--no-edit", "HEAD")
         git(host, "pull", "-q")
-        assert wait_for(lambda: status()["generation"] == 3)
+        # the new generation serves a moment before its reload is counted: wait for both
+        assert wait_for(lambda: (s := status())["generation"] == 3 and s["reloads"]["total"] == 2)
         store = StateStore(state)
         assert store.get("tiny", 3).plan["device_map"] == store.get("tiny", 1).plan["device_map"]
         assert store.get("tiny", 3).manifest_digest == store.get("tiny", 1).manifest_digest

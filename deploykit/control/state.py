@@ -132,6 +132,12 @@ class StateStore:
             raise ApplyError(f"cannot create the state directory {self.directory}: {exc.strerror} "
                              "(set DEPLOYKIT_STATE to a writable directory)") from None
         self.path = self.directory / "state.db"
+        # Two processes that open a new store at once would race on the switch to WAL, which SQLite
+        # answers with "database is locked" at once (its busy handler does not cover it): one at a time.
+        with _file_lock(self.directory / "state.db.setup-lock"):
+            self._setup()
+
+    def _setup(self) -> None:
         setup = sqlite3.connect(self.path, timeout=30, isolation_level=None)
         try:
             setup.execute("PRAGMA journal_mode=WAL")
@@ -324,15 +330,23 @@ class StateStore:
         """Serialise applies of ``name`` across threads and processes."""
         locks = self.directory / "locks"
         locks.mkdir(exist_ok=True)
-        fd = os.open(locks / f"{name}.lock", os.O_RDWR | os.O_CREAT, 0o644)
         try:
-            try:
-                fcntl.flock(fd, fcntl.LOCK_EX | (0 if wait else fcntl.LOCK_NB))
-            except BlockingIOError:
-                raise ApplyError(f"another apply of {name!r} is running") from None
-            yield
-        finally:
-            os.close(fd)  # closing releases the flock
+            with _file_lock(locks / f"{name}.lock", wait=wait):
+                yield
+        except BlockingIOError:
+            raise ApplyError(f"another apply of {name!r} is running") from None
+
+
+@contextlib.contextmanager
+def _file_lock(path: Path, *, wait: bool = True) -> Iterator[None]:
+    """An ``flock`` on ``path`` (BlockingIOError when ``wait`` is false and it is held); it dies with its
+    process, so ``kill -9`` never leaves it held."""
+    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | (0 if wait else fcntl.LOCK_NB))
+        yield
+    finally:
+        os.close(fd)  # closing releases the flock
 
 
 _STORES: dict[Path, StateStore] = {}
