@@ -545,6 +545,7 @@ def reshard(src: str | Path | Checkpoint, dst: str | Path, *, max_shard_size: in
 def _write_all(checkpoint: Checkpoint, layout: Layout, staging: Path, key: str,
                progress: ProgressSink | None) -> tuple[int, int]:
     done = _load_journal(staging, key, layout)
+    resumed = len(done)
     todo = [s for s in layout.shards if s.file not in done]
     others = sum((checkpoint.path / rel).stat().st_size for rel in checkpoint.other_files)
     try:
@@ -561,23 +562,25 @@ def _write_all(checkpoint: Checkpoint, layout: Layout, staging: Path, key: str,
     pending: list[tuple[ShardSpec, Future[str]]] = []
 
     def record(finished: Iterable[tuple[ShardSpec, Future[str]]]) -> None:
+        before = len(done) - resumed
         for spec, future in finished:
             digest = future.result()  # waits for the shard's hash, fsync and rename
             done[spec.file] = {"size": (staging / spec.file).stat().st_size, "hash": digest}
         write_atomic(staging / "journal.json", json.dumps({"key": key, "done": done}).encode())
+        for number in range(before + 1, len(done) - resumed + 1):
+            _failpoint(f"after-shard-{number}")  # the number-th shard of this run is in the journal
 
     # Finishing a shard (hash, fsync, rename) overlaps with copying the next one: the copy runs in the
     # kernel, so the finisher thread has the other core.
     with ThreadPoolExecutor(max_workers=1, thread_name_prefix="deploykit-finish") as finisher:
         try:
-            for number, spec in enumerate(todo, 1):
+            for spec in todo:
                 partial = _write_shard(spec, by_name, layout, staging, sources, advance)
                 pending.append((spec, finisher.submit(_finalize_shard, partial)))
                 ready = [p for p in pending if p[1].done()]
                 if ready:
                     record(ready)
                     pending = [p for p in pending if p not in ready]
-                _failpoint(f"after-shard-{number}")
             if pending:
                 record(pending)
         finally:
