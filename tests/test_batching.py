@@ -182,6 +182,16 @@ def test_the_continuous_backend_refuses_sampling(llama: Any) -> None:
         assert eng.stats() == {"running": 0, "waiting": 0}
 
 
+def test_the_continuous_backend_sizes_its_cache_when_the_budget_is_the_whole_host(llama: Any,
+                                                                                   reference: Reference) -> None:
+    """The budget deploykit passes is what the device tier has left after the weights (most of the host):
+    the paged cache, allocated up front, takes at most 1 GiB of it and the manager answers."""
+    p = prompts(1, seed=9)[0]
+    expected = reference(p, 8)
+    with engine(llama, backend="continuous", kv_cache_bytes=1 << 40) as eng:
+        assert eng.submit(GenerationRequest(p, max_new_tokens=8)).result(timeout=120).token_ids == expected
+
+
 def test_bad_requests_are_refused_at_submit(llama: Any) -> None:
     with engine(llama) as eng:
         for bad in (GenerationRequest([]), GenerationRequest([5], max_new_tokens=-1)):

@@ -10,7 +10,8 @@ Two backends, one interface (``submit`` -> ``RequestHandle``, ``cancel``, ``clos
   plain greedy rows). A request that fails its prefill or its sampling fails alone; a failing decode
   step fails the rows decoded together, never the engine.
 - ``"continuous"``: transformers' ``ContinuousBatchingManager`` (paged KV cache), sized explicitly
-  from ``kv_cache_bytes`` (its default takes ~60% of host RAM). Plain greedy only.
+  from ``kv_cache_bytes``, at most ``CB_CACHE_BYTES`` (its default takes ~60% of host RAM), and started
+  with one token before it serves. Plain greedy only.
 
 Why deploykit has its own loop at all: in transformers 5.23 continuous batching reads ``do_sample``
 and the seed once per manager, so greedy and sampled requests (or two seeds) cannot share one, which an
@@ -45,6 +46,7 @@ from .sampling import TokenLogprobs, is_plain_greedy, next_token, prompt_logprob
 __all__ = ["Engine", "FinishReason", "GenerationRequest", "GenerationResult", "QueueFull", "RequestHandle",
            "TokenLogprobs"]
 _FINISH_LOCK = threading.Lock()
+CB_CACHE_BYTES = 1 << 30  # the continuous backend's paged cache is allocated up front: at most this much
 
 
 @dataclass(frozen=True)
@@ -322,11 +324,13 @@ class Engine:
 
     def _start_cb(self, page_size: int) -> Any:
         """The continuous backend: a started ContinuousBatchingManager, sized explicitly (its default takes 60% of host
-        RAM on CPU); the cache is capped so sdpa's [M, N + M] paged mask stays under 1/4 of the budget."""
+        RAM on CPU). Its paged cache is allocated up front, so it takes at most CB_CACHE_BYTES of ``kv_cache_bytes``
+        (what the device tier has left, often most of the host), capped so sdpa's [M, N + M] paged mask stays under 1/4
+        of that. The manager answers one token before the engine is used: a manager whose thread died while it
+        started (its cache did not fit) fails the load here instead of every request later."""
         from transformers import ContinuousBatchingConfig, GenerationConfig
-        m = 512
-        tokens = min(self.kv_cache_bytes // self.kv_bytes_per_token,
-                     self.kv_cache_bytes // 4 // (m * self.model.dtype.itemsize) - m)
+        m, budget = 512, min(self.kv_cache_bytes, CB_CACHE_BYTES)
+        tokens = min(budget // self.kv_bytes_per_token, budget // 4 // (m * self.model.dtype.itemsize) - m)
         gen = GenerationConfig(  # type: ignore[no-untyped-call,unused-ignore]  # do_sample is CB-wide; unset=True!
             do_sample=False, max_new_tokens=64, eos_token_id=sorted(self.eos_ids) or -1)
         cfg = ContinuousBatchingConfig(
@@ -335,6 +339,11 @@ class Engine:
             allow_block_sharing=False, auto_switch_to_flash=False)
         manager = self.model.init_continuous_batching(generation_config=gen, continuous_batching_config=cfg)
         manager.start()
+        try:
+            _cb_answers_once(manager)
+        except BaseException:
+            manager.stop(block=True, timeout=30)
+            raise
         return manager
 
     def _cb_submit(self, h: RequestHandle) -> RequestHandle:
@@ -372,6 +381,18 @@ class Engine:
                 self._cb_handles.pop(h.id, None)
         for h in list(self._cb_handles.values()):  # the manager stopped under them
             h.finish("error", "engine closed")
+
+
+def _cb_answers_once(manager: Any, timeout: float = 300.0) -> None:
+    """One token through a started manager, or RuntimeError with why it cannot serve."""
+    manager.add_request([0], request_id="deploykit-start-check", max_new_tokens=1, streaming=False)
+    deadline, out = time.monotonic() + timeout, None
+    while out is None and manager.background_thread_status.fatal_error is None and time.monotonic() < deadline:
+        out = manager.get_result(request_id="deploykit-start-check", timeout=0.5)
+    fatal = manager.background_thread_status.fatal_error
+    if fatal is not None or out is None or out.error is not None:
+        why = fatal or (out.error if out is not None else f"no answer in {timeout:.0f} s")
+        raise RuntimeError(f"transformers' continuous batching did not start: {why}")
 
 
 def _drop_done(rows: list[RequestHandle], cache: Any, mask: torch.Tensor
