@@ -15,9 +15,9 @@ Two backends, one interface (``submit`` -> ``RequestHandle``, ``cancel``, ``clos
 
 Why deploykit has its own loop at all: in transformers 5.23 continuous batching reads ``do_sample``
 and the seed once per manager, so greedy and sampled requests (or two seeds) cannot share one, which an
-OpenAI-compatible server must allow; and on this CPU it was slower (SmolLM2-135M fp32, 64 new tokens
-each, 2 cores: 42.9 / 56.1 tokens/s at 8 / 16 concurrent requests against 49.5 / 77.8 for the padded
-loop; sequential ``generate`` 15-16). Greedy outputs of both equal ``generate`` token for token (tests).
+OpenAI-compatible server must allow; and on this CPU it is slower (SmolLM2-135M fp32 through
+``deploykit serve``, 16 streaming clients, 64 new tokens each, 2 cores: 160.7 tok/s against 188.9-195.6 for
+the padded loop and 152-155 for ``transformers serve``; docs/benchmarks.md). Greedy outputs of both equal ``generate`` token for token (tests).
 Limits of the padded loop: it pads to the longest prompt, a long new prompt stalls the batch for one
 step (no chunked prefill), and it needs a full-attention cache (no sliding window).
 
