@@ -48,6 +48,7 @@ def serve(path: str | None, host: str, port: int, api_key: str | None, control_t
     way, `deploykit apply/diff/status/history/rollback/delete` send their work to this server through
     its control API (/control/v1), found via <state dir>/server.json.
     """
+    from ..cluster.ray_env import disconnect
     from ..control.budget import serve_budget
     from ..control.host import Host
     from ..control.state import open_store
@@ -95,6 +96,7 @@ def serve(path: str | None, host: str, port: int, api_key: str | None, control_t
             remove_server_file(states.directory, token)
         err.print("deploykit serve: stopping: draining in-flight work")
         supervisor.close()
+        disconnect()
         err.print("deploykit serve: stopped")
         # daemon threads (Ray's, engines') may still log while the interpreter shuts down; a write to
         # stderr then aborts the process ("could not acquire lock ... at interpreter shutdown")

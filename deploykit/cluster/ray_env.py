@@ -56,5 +56,13 @@ def connect(address: str, *, num_cpus: float | None = None) -> Any:
     return ray
 
 
+def disconnect() -> None:
+    """Leave the Ray cluster if this process joined it: the driver's threads stop now, not while the
+    interpreter shuts down (where one of them writing to stderr once aborted the process)."""
+    ray = sys.modules.get("ray")
+    if ray is not None and ray.is_initialized():
+        ray.shutdown()
+
+
 def python_version_note() -> str:
     return f"python {sys.version_info.major}.{sys.version_info.minor}"
