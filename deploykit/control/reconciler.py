@@ -362,13 +362,20 @@ def _lay_out(loaded: LoadedManifest, store: StateStore, checkpoint: Checkpoint, 
     if fits_layout(checkpoint, **layout_args):  # type: ignore[arg-type]
         return checkpoint.path, None
     layout = plan_layout(checkpoint, **layout_args)  # type: ignore[arg-type]
-    shards = shards_dir(loaded, store, checkpoint.fingerprint, layout.digest)
+    shards = _layout_dir(loaded, store, checkpoint, layout.digest, what="shards")
+    return shards, reshard(checkpoint, shards, progress=progress, **layout_args)  # type: ignore[arg-type]
+
+
+def _layout_dir(loaded: LoadedManifest, store: StateStore, checkpoint: Checkpoint, digest: str, *, what: str) -> Path:
+    """The directory of this layout of the checkpoint, emptied first when a shard there is damaged (its
+    writer then lays it out again), its parent created."""
+    shards = shards_dir(loaded, store, checkpoint.fingerprint, digest)
     lock = read_lock(shards)
     if lock is not None and (problem := shard_problem(shards, lock, hashes=True)) is not None:
-        log.warning("%s: %s; laying the shards out again from %s", loaded.name, problem, checkpoint.path)
+        log.warning("%s: %s; laying the %s out again from %s", loaded.name, problem, what, checkpoint.path)
         discard_dir(shards)
     shards.parent.mkdir(parents=True, exist_ok=True)
-    return shards, reshard(checkpoint, shards, progress=progress, **layout_args)  # type: ignore[arg-type]
+    return shards
 
 
 def _lay_out_ranks(loaded: LoadedManifest, store: StateStore, checkpoint: Checkpoint) -> Path:
@@ -378,13 +385,8 @@ def _lay_out_ranks(loaded: LoadedManifest, store: StateStore, checkpoint: Checkp
     model = loaded.manifest.spec.model
     layout = rank_layout(checkpoint, ranks=loaded.manifest.spec.placement.tensor_parallel, dtype=model.dtype,
                          task=model.task, trust_remote_code=model.trust_remote_code)
-    shards = shards_dir(loaded, store, checkpoint.fingerprint, layout.digest)
-    lock = read_lock(shards)
-    if lock is not None and (problem := shard_problem(shards, lock, hashes=True)) is not None:
-        log.warning("%s: %s; laying the rank shards out again from %s", loaded.name, problem, checkpoint.path)
-        discard_dir(shards)
-    shards.parent.mkdir(parents=True, exist_ok=True)
-    return write_rank_shards(checkpoint, shards, layout)
+    return write_rank_shards(checkpoint, _layout_dir(loaded, store, checkpoint, layout.digest, what="rank shards"),
+                             layout)
 
 
 def _in_place_checksums(checkpoint: Checkpoint) -> dict[str, dict]:
