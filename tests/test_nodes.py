@@ -17,7 +17,9 @@ from test_planner import gpus, spec, structure
 
 from deploykit.errors import InventoryError, ManifestError, PlanInfeasible
 from deploykit.placement.inventory import Inventory, Node, parse_devices
-from deploykit.placement.planner import Plan, min_max_stages, plan
+from deploykit.placement.partition import min_max_stages
+from deploykit.placement.plan import Plan
+from deploykit.placement.planner import plan
 from deploykit.spec.manifest import Spec, check_on_host, parse_manifests
 
 def nspec(**placement) -> Spec:

@@ -105,13 +105,13 @@ def test_plan_bytes_are_exact(tiny_model, tmp_path, name, scheme):
 
 
 def test_quantization_changes_the_plan_digest_not_the_unquantized_one(tiny_model, tmp_path):
-    from deploykit.placement.planner import _digest
+    from deploykit.placement.plan import plan_digest
 
     model = tiny_model("llama")
     none, int8, int4 = (_plan(model, s, tmp_path) for s in ("none", "int8", "int4"))
     assert none.device_map == int8.device_map == int4.device_map
     assert len({none.digest, int8.digest, int4.digest}) == 3
-    assert none.digest == _digest("q", none.architecture, "float32", none.device_map)  # as before the field
+    assert none.digest == plan_digest("q", none.architecture, "float32", none.device_map)  # as before the field
 
 
 def test_quantized_plan_balances_the_quantized_bytes(tiny_model, tmp_path):

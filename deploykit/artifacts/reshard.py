@@ -40,7 +40,7 @@ from ..errors import CheckpointError
 from ..model.checkpoint import INDEX, LOCK, Checkpoint, Tensor, load_pickle, open_checkpoint
 from ..model.safetensors_io import encode_header
 from ..names import DTYPE_SIZES, FLOAT_DTYPES, FROM_TORCH, TORCH_NAMES, DType
-from ..placement.planner import placement_key
+from ..placement.keys import placement_key
 from ..units import format_size
 from .fsutil import copy_file_synced, exchange_dirs, fsync_dir, write_atomic
 from .quantize import Quantize, file_rows, tensor_rows, write_quantized

@@ -16,7 +16,7 @@ from .remote import SERVER_OPTION, Remote, connect, localise, manifest_payload
 
 
 def _summary(outcome: dict[str, Any]) -> None:
-    from ..placement.planner import Plan
+    from ..placement.plan import Plan
 
     plan = Plan.from_dict(outcome["plan"]) if outcome["plan"] else None
     name, revision = outcome["name"], outcome["revision"]
@@ -54,7 +54,7 @@ def outcome_json(outcome: Any) -> dict[str, Any]:
         from ..control.lifecycle import outcome_summary
 
         outcome = outcome_summary(outcome)
-    from ..placement.planner import Plan
+    from ..placement.plan import Plan
 
     data = {k: v for k, v in outcome.items() if k != "event"}
     if data.get("plan"):

@@ -16,7 +16,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from ..placement.planner import Plan
+from ..placement.plan import Plan
 from .ray_env import ClusterError, require_ray, worker_env
 from .stage import Stage, StageSpec
 

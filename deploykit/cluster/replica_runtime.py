@@ -29,7 +29,7 @@ from ..engine.runtime import MAX_DEFAULT_CONTEXT, TextRuntime
 from ..engine.sampling import request_generator
 from ..engine.serving import ServingSpec
 from ..names import Task
-from ..placement.planner import Plan
+from ..placement.plan import Plan
 from .ray_env import ClusterError, connect
 from .replicas import ReplicaOptions, delete_replicas, run_replicas, start_serve
 

@@ -28,7 +28,7 @@ from .ray_env import ClusterError, require_ray, worker_env
 
 if TYPE_CHECKING:
     from ..engine.serving import ServingSpec
-    from ..placement.planner import Plan
+    from ..placement.plan import Plan
 
 
 @dataclass(frozen=True)
@@ -48,7 +48,7 @@ class ModelReplica:
 
         import torch
 
-        from ..placement.planner import Plan
+        from ..placement.plan import Plan
 
         torch.set_num_threads(max(1, options.threads))
         plan = Plan.from_dict(json.loads(plan_json))

@@ -12,7 +12,7 @@ from ..engine.runtime import MAX_DEFAULT_CONTEXT
 from ..engine.serving import ServingSpec
 from ..engine.stepped import SteppedEngine, SteppedRuntime, eos_ids_of
 from ..names import Task
-from ..placement.planner import Plan
+from ..placement.plan import Plan
 from .pipeline import RayPipeline, stages_of
 from .ray_env import ClusterError, connect
 

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 from ..errors import DeploykitError
 from ..placement.inventory import Inventory
-from ..placement.planner import Plan
+from ..placement.plan import Plan
 from ..units import SIZE_UNITS_TEXT, format_size, parse_size
 
 _TIER_RE = re.compile(r"^(cpu|gpu\d+)$")

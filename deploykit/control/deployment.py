@@ -202,7 +202,7 @@ class Deployment:
         loaded and health-checked."""
         from .loading import StepTimer, load_checked, recorded_manifest, shards_problem
         from ..errors import CheckpointError
-        from ..placement.planner import Plan
+        from ..placement.plan import Plan
 
         if self.pending is not None:  # a new revision of an on-demand deployment: the whole apply, now
             self.load_initial(self.pending)

@@ -14,7 +14,7 @@ from ..model.checkpoint import open_checkpoint
 from ..model.gguf import is_gguf
 from ..errors import DeploykitError
 from ..spec.manifest import LoadedManifest
-from ..placement.planner import compress_names
+from ..placement.keys import compress_names
 from ..artifacts.reshard import fits_layout, plan_layout, read_lock
 from .state import StateStore
 

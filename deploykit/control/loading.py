@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING, Any
 
 from ..artifacts.verify import read_lock, recorded_problem, shard_problem
 from ..errors import ApplyError, CheckpointError
-from ..placement.planner import Plan
+from ..placement.plan import Plan
 from ..spec.manifest import LoadedManifest
 from .state import Revision
 

@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING
 
 from ..errors import ApplyError
 from ..placement.inventory import process_rss
-from ..placement.planner import Plan
+from ..placement.plan import Plan
 
 if TYPE_CHECKING:
     from ..engine.loader import LoadedModel

@@ -44,7 +44,7 @@ from ..errors import CheckpointError, DeploykitError, ManifestError
 from ..model.checkpoint import Checkpoint, open_checkpoint
 from ..model.gguf import is_gguf
 from ..placement.inventory import Inventory
-from ..placement.planner import Plan
+from ..placement.plan import Plan
 from ..spec.manifest import LoadedManifest, check_on_host
 from .loading import StepTimer, load_checked, shards_problem
 from .state import Revision, StateStore

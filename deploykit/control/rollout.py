@@ -22,7 +22,7 @@ from ..artifacts.reshard import ProgressSink
 from ..errors import PlanInfeasible
 from ..names import Strategy
 from ..placement.inventory import Gpu, Inventory
-from ..placement.planner import Plan
+from ..placement.plan import Plan
 from ..spec.manifest import LoadedManifest
 from .pool import Generation, GenerationPool
 from .loading import load_revision, recorded_manifest, serving_of

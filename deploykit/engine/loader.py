@@ -28,7 +28,8 @@ from typing import Any
 
 from ..errors import ApplyError
 from ..model.hf import auto_class, quiet_transformers
-from ..placement.planner import Plan, placement_key
+from ..placement.keys import placement_key
+from ..placement.plan import Plan
 
 log = logging.getLogger(__name__)
 

@@ -12,7 +12,8 @@ from __future__ import annotations
 from ..errors import CheckpointError
 from .inventory import Inventory, resolve
 from ..spec.manifest import LoadedManifest
-from .planner import Plan, plan
+from .plan import Plan
+from .planner import plan
 from ..model.gguf import is_gguf
 from ..model.structure import Structure, load_structure
 

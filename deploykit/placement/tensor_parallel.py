@@ -19,7 +19,8 @@ from ..model.structure import Structure
 from ..spec.manifest import Spec
 from ..units import format_size
 from .inventory import Inventory
-from .planner import Device, DevicePlan, Plan, compress_names
+from .keys import compress_names
+from .plan import Device, DevicePlan, Plan
 
 FIELD = "spec.placement.tensor_parallel"
 
