@@ -22,8 +22,8 @@ The modules: ``capacity`` (block sizes, GPU and tier budgets), ``partition`` (th
 ``Plan`` it returns) and ``keys`` (block names in a device_map).
 
 accelerate's ``infer_auto_device_map`` fills devices greedily and ``get_balanced_memory`` only
-estimates per-GPU caps, so their split is not optimal; the exact partition (``partition``) is written here because no
-library computes one.
+estimates per-GPU caps, so their split is not optimal; the exact partition (``partition``) is written
+here because no library computes one.
 """
 
 from __future__ import annotations
