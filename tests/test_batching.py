@@ -22,6 +22,7 @@ import pytest
 import torch
 
 from deploykit.engine.batching import Engine, GenerationRequest, GenerationResult, QueueFull
+from deploykit.engine.padded import PaddedBackend
 from deploykit.errors import DeploykitError
 from penalties import Penalties
 
@@ -278,7 +279,7 @@ def test_a_forward_lock_forces_padded_and_guards_every_forward(llama: Any, refer
     expected = reference(p, 8)
     lock = threading.Lock()
     with engine(llama, backend="continuous", forward_lock=lock) as eng:
-        assert eng.backend == "padded" and eng._cb is None
+        assert eng.backend == "padded" and isinstance(eng._batcher, PaddedBackend)
         with lock:  # held by someone else (offload hooks, another engine): no forward may run
             h = eng.submit(GenerationRequest(p, max_new_tokens=8))
             assert wait_until(lambda: eng.stats() == {"running": 1, "waiting": 0})  # in the batch, at the forward

@@ -24,8 +24,9 @@ from pathlib import Path
 from typing import Any, Callable
 
 from ..engine.admission import Admission
-from ..engine.batching import GenerationRequest, GenerationResult, RequestHandle, request_generator
+from ..engine.requests import GenerationRequest, GenerationResult, RequestHandle
 from ..engine.runtime import MAX_DEFAULT_CONTEXT, TextRuntime
+from ..engine.sampling import request_generator
 from ..engine.serving import ServingSpec
 from ..names import Task
 from ..placement.planner import Plan

@@ -60,7 +60,7 @@ class ModelReplica:
                          seed: int | None, stop_strings: list[str]) -> AsyncIterator[list[int] | dict[str, Any]]:
         """One request through this replica's engine: lists of new token ids as they come, then a dict
         saying how it ended. Closing the stream early (the caller cancelled) cancels the request here."""
-        from ..engine.batching import GenerationRequest, GenerationResult
+        from ..engine.requests import GenerationRequest, GenerationResult
 
         request = GenerationRequest(prompt_ids=list(prompt_ids), max_new_tokens=max_new_tokens,
                                     temperature=temperature, top_p=top_p, seed=seed,

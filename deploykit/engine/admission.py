@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING, Any, Literal
 from ..errors import DeploykitError
 
 if TYPE_CHECKING:
-    from .batching import GenerationRequest, RequestHandle
+    from .requests import GenerationRequest, RequestHandle
 
 FinishReason = Literal["stop", "length", "cancelled", "error"]
 

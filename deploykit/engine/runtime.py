@@ -90,7 +90,7 @@ class TextRuntime:
 
     def complete(self, prompt_ids: list[int], options: Sampling, *, prompt_param: str = "prompt") -> Completion:
         """Generate to the end on this thread's behalf (the engine's thread does the work)."""
-        from .batching import GenerationRequest
+        from .requests import GenerationRequest
 
         max_tokens = options.max_tokens or min(self.limits.default_max_tokens, self.limits.max_tokens)
         check_length(len(prompt_ids), max_tokens, context_length=self.context_length,

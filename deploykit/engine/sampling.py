@@ -23,7 +23,7 @@ import torch
 
 
 class SamplingRequest(Protocol):
-    """The fields of ``batching.GenerationRequest`` that choosing a token reads."""
+    """The fields of ``requests.GenerationRequest`` that choosing a token reads."""
 
     @property
     def temperature(self) -> float: ...

@@ -17,7 +17,7 @@ from .loader import LoadOptions
 from .runtime import Limits
 
 if TYPE_CHECKING:
-    from .batching import GenerationRequest, GenerationResult, RequestHandle
+    from .requests import GenerationRequest, GenerationResult, RequestHandle
 
 
 @dataclass(frozen=True)

@@ -21,7 +21,7 @@ from typing import Any, Callable, Protocol
 
 from ..errors import ApplyError
 from .admission import Admission, stop_reason
-from .batching import GenerationRequest, GenerationResult, RequestHandle
+from .requests import GenerationRequest, GenerationResult, RequestHandle
 from .sampling import next_token, request_generator
 from .health import HealthResult, within
 from .runtime import Limits, TextRuntime

@@ -9,7 +9,7 @@ from typing import Any
 
 from fastapi import APIRouter, Request
 
-from ...engine.batching import GenerationRequest
+from ...engine.requests import GenerationRequest
 from ...engine.text import chat_prompt_ids, check_length
 from .choices import end, merged, start, usage
 from .common import engine_request, find, max_tokens_of, prepare, sse

@@ -19,7 +19,8 @@ from typing import TYPE_CHECKING, Any, Protocol, TypeVar
 from starlette.concurrency import run_in_threadpool
 
 from ...control.budget import BudgetError
-from ...engine.batching import GenerationRequest, GenerationResult, QueueFull
+from ...engine.admission import QueueFull
+from ...engine.requests import GenerationRequest, GenerationResult
 from ...engine.text import RequestError
 from ...errors import DeploykitError
 from ..errors import APIError

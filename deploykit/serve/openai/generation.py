@@ -12,7 +12,8 @@ from typing import TYPE_CHECKING, Any
 
 from starlette.requests import Request
 
-from ...engine.batching import GenerationRequest, GenerationResult, TokenLogprobs
+from ...engine.requests import GenerationRequest, GenerationResult
+from ...engine.sampling import TokenLogprobs
 from ...engine.text import TextStream
 from ..errors import APIError, ClientGone
 from .common import TokenEvents, submit

@@ -9,7 +9,7 @@ from collections.abc import Sequence
 from functools import lru_cache
 from typing import Any
 
-from ...engine.batching import TokenLogprobs
+from ...engine.sampling import TokenLogprobs
 
 LOGPROB_FLOOR = -9999.0  # JSON has no -Infinity: a token the model rules out gets this (as vLLM does)
 

@@ -1,0 +1,123 @@
+"""The ``"continuous"`` backend of the batching engine: transformers' ``ContinuousBatchingManager``
+(paged KV cache), sized explicitly from ``kv_cache_bytes``, at most ``CB_CACHE_BYTES`` (its default takes
+~60% of host RAM), and started with one token before it serves. Plain greedy only: transformers reads
+``do_sample`` and the seed once per manager (why deploykit's own loop is the default: ``padded.py``).
+
+The manager runs its own thread; the engine's worker thread here only routes the manager's shared output
+queue to the requests' handles.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from typing import Any
+
+from .admission import FinishReason, QueueFull, stop_reason
+from .requests import RequestHandle
+
+CB_CACHE_BYTES = 1 << 30  # the continuous backend's paged cache is allocated up front: at most this much
+
+
+class ContinuousBackend:
+    """A started manager over one model: ``run`` is the engine's worker thread, the rest is safe from any
+    thread. Starting it answers one token first, so a manager that cannot serve fails here."""
+
+    def __init__(self, model: Any, tokenizer: Any, closing: threading.Event, *, eos_ids: set[int],
+                 max_batch_size: int, max_queued: int, kv_cache_bytes: int, kv_bytes_per_token: int,
+                 page_size: int) -> None:
+        self.tokenizer, self.eos_ids, self._closing = tokenizer, eos_ids, closing
+        self.max_batch_size, self.max_queued = max_batch_size, max_queued
+        self.manager: Any = _start_manager(model, eos_ids=eos_ids, max_batch_size=max_batch_size,
+                                           max_queued=max_queued, kv_cache_bytes=kv_cache_bytes,
+                                           kv_bytes_per_token=kv_bytes_per_token, page_size=page_size)
+        self._handles: dict[str, RequestHandle] = {}  # request id -> handle
+
+    def submit(self, h: RequestHandle) -> RequestHandle:
+        r = h.request
+        if r.temperature > 0 or not r.is_plain() or r.max_new_tokens < 1:
+            raise ValueError("the continuous backend is greedy-only (no logprobs, penalties, logit_bias or "
+                             "max_tokens 0); use backend='padded' (spec.serving.batching) for these")
+        if len(self._handles) >= self.max_queued + self.max_batch_size:
+            raise QueueFull(f"{len(self._handles)} requests already running or waiting")
+        eos = sorted(self.eos_ids | set(r.stop_token_ids))
+        self._handles[h.id] = h  # before add_request: outputs may come back at once
+        if self.manager.add_request(list(r.prompt_ids), request_id=h.id, max_new_tokens=r.max_new_tokens,
+                                    streaming=True, eos_token_id=eos) is None:
+            self._handles.pop(h.id, None)  # refused: manager stopping, or its thread died
+            raise RuntimeError("continuous batching manager is not accepting requests")
+        return h
+
+    def cancel(self, handle: RequestHandle) -> None:
+        self.manager.cancel_request(handle.id)  # the manager never emits a final output for a cancelled request
+        self._handles.pop(handle.id, None)
+        handle.finish("cancelled")
+
+    def stats(self) -> dict[str, int]:
+        held = len(self._handles)  # transformers keeps its own queue: count what it holds beyond a batch
+        return {"running": min(held, self.max_batch_size), "waiting": max(0, held - self.max_batch_size)}
+
+    def stop(self, timeout: float | None = None) -> None:
+        self.manager.stop(block=True, timeout=timeout)  # also restores the attention implementation
+
+    def run(self) -> None:
+        """Route the manager's shared output queue to handles (a single reader: no requeue churn)."""
+        while True:
+            out = self.manager.get_result(timeout=0.1)
+            if out is None or (h := self._handles.get(out.request_id)) is None:  # none, or cancelled
+                if out is None and self._closing.is_set() and not self.manager.is_running():
+                    break
+                continue
+            for tok in out.generated_tokens[len(h.tokens):]:  # outputs are cumulative
+                h.push(tok)
+                if reason := self._stop_hit(h, tok):  # EOS/length, or a stop string CB doesn't know
+                    self.manager.cancel_request(h.id)  # frees the slot; a no-op if CB finished it already
+                    h.finish(reason)
+                    break
+            if out.error is not None or out.is_finished():
+                h.finish("error" if out.error else "length", out.error)
+            if h.done:
+                self._handles.pop(h.id, None)
+        for h in list(self._handles.values()):  # the manager stopped under them
+            h.finish("error", "engine closed")
+
+    def _stop_hit(self, h: RequestHandle, tok: int) -> FinishReason | None:
+        return stop_reason(h, tok, eos_ids=self.eos_ids, tokenizer=self.tokenizer)
+
+
+def _start_manager(model: Any, *, eos_ids: set[int], max_batch_size: int, max_queued: int, kv_cache_bytes: int,
+                   kv_bytes_per_token: int, page_size: int) -> Any:
+    """A started ContinuousBatchingManager, sized explicitly (its default takes 60% of host RAM on CPU). Its
+    paged cache is allocated up front, so it takes at most CB_CACHE_BYTES of ``kv_cache_bytes`` (what the
+    device tier has left, often most of the host), capped so sdpa's [M, N + M] paged mask stays under 1/4
+    of that. The manager answers one token before the engine is used: a manager whose thread died while it
+    started (its cache did not fit) fails the load here instead of every request later."""
+    from transformers import ContinuousBatchingConfig, GenerationConfig
+    m, budget = 512, min(kv_cache_bytes, CB_CACHE_BYTES)
+    tokens = min(budget // kv_bytes_per_token, budget // 4 // (m * model.dtype.itemsize) - m)
+    gen = GenerationConfig(  # type: ignore[no-untyped-call,unused-ignore]  # do_sample is CB-wide; unset=True!
+        do_sample=False, max_new_tokens=64, eos_token_id=sorted(eos_ids) or -1)
+    cfg = ContinuousBatchingConfig(
+        page_size=page_size, num_blocks=max(2, tokens // page_size), max_batch_tokens=m,
+        max_requests_per_batch=max_batch_size, max_queue_size=max_queued,
+        allow_block_sharing=False, auto_switch_to_flash=False)
+    manager = model.init_continuous_batching(generation_config=gen, continuous_batching_config=cfg)
+    manager.start()
+    try:
+        _answers_once(manager)
+    except BaseException:
+        manager.stop(block=True, timeout=30)
+        raise
+    return manager
+
+
+def _answers_once(manager: Any, timeout: float = 300.0) -> None:
+    """One token through a started manager, or RuntimeError with why it cannot serve."""
+    manager.add_request([0], request_id="deploykit-start-check", max_new_tokens=1, streaming=False)
+    deadline, out = time.monotonic() + timeout, None
+    while out is None and manager.background_thread_status.fatal_error is None and time.monotonic() < deadline:
+        out = manager.get_result(request_id="deploykit-start-check", timeout=0.5)
+    fatal = manager.background_thread_status.fatal_error
+    if fatal is not None or out is None or out.error is not None:
+        why = fatal or (out.error if out is not None else f"no answer in {timeout:.0f} s")
+        raise RuntimeError(f"transformers' continuous batching did not start: {why}")

@@ -1,0 +1,214 @@
+"""The ``"padded"`` backend of the batching engine (the default): deploykit's own decode loop on one
+worker thread.
+
+Waiting requests join the running batch at step boundaries (left-padded prefill, then their KV cache is
+appended to the batch's; it grows in place, ``kvcache.py``), finished or cancelled rows leave it at once
+and free their cache, and every request chooses its tokens on its own (``sampling.py``: greedy,
+temperature, top_p, a private seeded ``torch.Generator``, penalties, logit_bias, logprobs; one argmax for
+all the plain greedy rows). A request that fails its prefill or its sampling fails alone; a failing
+decode step fails the rows decoded together, never the engine.
+
+Why deploykit has its own loop at all: in transformers 5.23 continuous batching reads ``do_sample``
+and the seed once per manager, so greedy and sampled requests (or two seeds) cannot share one, which an
+OpenAI-compatible server must allow; and on this CPU it is slower (SmolLM2-135M fp32 through
+``deploykit serve``, 16 streaming clients, 64 new tokens each, 2 cores: 160.7 tok/s against 188.9-195.6 for
+the padded loop and 152-155 for ``transformers serve``; docs/benchmarks.md).
+Limits of the padded loop: it pads to the longest prompt, a long new prompt stalls the batch for one
+step (no chunked prefill), and it needs a full-attention cache (no sliding window).
+"""
+
+from __future__ import annotations
+
+import threading
+from contextlib import AbstractContextManager, nullcontext
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from .admission import Admission, FinishReason, stop_reason
+from .kvcache import growing_cache
+from .requests import GenerationRequest, RequestHandle
+from .sampling import TokenLogprobs, is_plain_greedy, next_token, prompt_logprobs
+
+
+class PaddedBackend:
+    """The padded loop over one model: ``run`` is the engine's worker thread, the rest is safe from any
+    thread. Batch row i is ``rows[i]``; ``mask`` is [rows, cached tokens], 0 for left padding."""
+
+    def __init__(self, model: Any, tokenizer: Any, queue: Admission, *, eos_ids: set[int], max_batch_size: int,
+                 kv_cache_bytes: int, kv_bytes_per_token: int, forward_lock: threading.Lock | None) -> None:
+        self.model, self.tokenizer, self.eos_ids = model, tokenizer, eos_ids
+        self._queue = queue  # the waiting requests
+        self._forward_lock: AbstractContextManager[Any] = forward_lock or nullcontext()
+        self.max_batch_size, self.kv_cache_bytes = max_batch_size, kv_cache_bytes
+        self.kv_bytes_per_token = kv_bytes_per_token
+
+    def submit(self, h: RequestHandle) -> RequestHandle:
+        # requests that a free batch slot takes at the next step are not queued: count only the rest
+        self._queue.put(h, free_slots=max(0, self.max_batch_size - self._queue.running))
+        return h
+
+    def cancel(self, handle: RequestHandle) -> None:
+        handle.finish("cancelled")  # the loop drops the row at its next step
+
+    def stats(self) -> dict[str, int]:
+        return self._queue.stats()
+
+    def stop(self, timeout: float | None = None) -> None:
+        """Nothing to stop: the loop returns once the closed queue is empty and its rows ended."""
+
+    @torch.inference_mode()
+    def run(self) -> None:
+        """The worker thread: admit, prefill new rows or decode the running ones, choose their tokens."""
+        rows: list[RequestHandle] = []
+        cache: Any = None
+        mask = torch.zeros(0, 0, dtype=torch.long)  # 0 = left padding
+        while True:
+            rows, cache, mask = _drop_done(rows, cache, mask)
+            new = self._admit(rows, mask.shape[1])
+            self._queue.running = len(rows) + len(new)
+            if not rows and not new:
+                if not self._queue.wait_for_work(0.5):  # idle: sleep until a submit or close
+                    return
+                continue
+            new = self._start(new)
+            try:
+                if new:  # join step: only the new rows get a token (old rows advance next step)
+                    logits, cache, mask, new = self._join(new, cache, mask)
+                    step_rows, rows = new, rows + new
+                elif rows:
+                    logits, cache, mask = self._decode(rows, cache, mask)
+                    step_rows = rows
+                else:
+                    continue
+            except Exception as exc:  # a failed decode step fails the rows decoded together, not the engine
+                for h in rows:
+                    h.finish("error", repr(exc))
+                rows, cache, mask = [], None, mask[:0, :0]
+                continue
+            self._choose(step_rows, logits)
+
+    def _decode(self, rows: list[RequestHandle], cache: Any, mask: torch.Tensor
+                ) -> tuple[torch.Tensor, Any, torch.Tensor]:
+        """One decode step of the running rows: each one's last token in, next-token logits out."""
+        mask = F.pad(mask, (0, 1), value=1)
+        with self._forward_lock:
+            out = self.model(input_ids=torch.tensor([[h.tokens[-1]] for h in rows]),
+                             attention_mask=mask, position_ids=mask.sum(1, keepdim=True) - 1,
+                             past_key_values=cache, use_cache=True, logits_to_keep=1)
+        return out.logits[:, -1].float(), out.past_key_values, mask
+
+    def _start(self, new: list[RequestHandle]) -> list[RequestHandle]:
+        """Answer what needs no decoding (prompt logprobs, ``max_new_tokens`` 0); the rest will decode."""
+        keep = []
+        for h in new:
+            try:
+                if h.request.prompt_logprobs is not None:
+                    h.prompt_logprobs = self._prompt_logprobs(h.request)
+                if h.request.max_new_tokens == 0:
+                    h.finish("length")
+                else:
+                    keep.append(h)
+            except Exception as exc:  # this request fails, the batch goes on
+                h.finish("error", repr(exc))
+        return keep
+
+    def _prompt_logprobs(self, r: GenerationRequest) -> list[TokenLogprobs]:
+        """A forward of the whole prompt alone, keeping every position's logits (the batch keeps one)."""
+        ids = torch.tensor([list(r.prompt_ids)])
+        with self._forward_lock:
+            logits = self.model(input_ids=ids, attention_mask=torch.ones_like(ids), use_cache=False).logits[0]
+        return prompt_logprobs(logits, r.prompt_ids, r.prompt_logprobs or 0)
+
+    def _join(self, new: list[RequestHandle], cache: Any, mask: torch.Tensor
+              ) -> tuple[torch.Tensor | None, Any, torch.Tensor, list[RequestHandle]]:
+        """Prefill ``new`` into the batch; when that fails, each one alone, so that a request the model
+        cannot run fails alone (the running rows' cache is only touched once a prefill succeeded)."""
+        try:
+            return (*self._prefill_and_merge(new, cache, mask), new)
+        except Exception as exc:
+            if len(new) == 1:
+                new[0].finish("error", repr(exc))
+                return None, cache, mask, []
+        parts, joined = [], []
+        for h in new:
+            try:
+                logits, cache, mask = self._prefill_and_merge([h], cache, mask)
+            except Exception as exc:
+                h.finish("error", repr(exc))
+                continue
+            parts.append(logits)
+            joined.append(h)
+        return (torch.cat(parts) if parts else None), cache, mask, joined
+
+    def _choose(self, rows: list[RequestHandle], logits: torch.Tensor | None) -> None:
+        """Each row's next token (one argmax for all plain greedy rows); a row that fails here fails alone."""
+        if logits is None:
+            return
+        greedy = logits.argmax(-1).tolist() if any(is_plain_greedy(h.request) for h in rows) else []
+        for i, h in enumerate(rows):
+            if h.done:
+                continue
+            try:
+                if greedy and is_plain_greedy(h.request):
+                    tok, lp = greedy[i], None
+                else:
+                    tok, lp = next_token(logits[i], h.request, h.tokens, h.rng)
+                h.push(tok, lp)
+                if reason := self._stop_hit(h, tok):
+                    h.finish(reason)
+            except Exception as exc:
+                h.finish("error", repr(exc))
+
+    def _stop_hit(self, h: RequestHandle, tok: int) -> FinishReason | None:
+        return stop_reason(h, tok, eos_ids=self.eos_ids, tokenizer=self.tokenizer)
+
+    def _admit(self, rows: list[RequestHandle], width: int) -> list[RequestHandle]:
+        """Pop waiting requests (FIFO) that fit the batch-size and KV-byte budgets."""
+        def size(h: RequestHandle) -> int:
+            return len(h.request.prompt_ids) + h.request.max_new_tokens
+
+        def fits(taken: list[RequestHandle], h: RequestHandle) -> bool:
+            need = [size(r) for r in rows + taken]
+            worst = (len(need) + 1) * (width + max(need + [size(h)]))  # padded cache if all rows run to the end
+            return not need or worst * self.kv_bytes_per_token <= self.kv_cache_bytes  # else wait for rows to end
+
+        return self._queue.take(self.max_batch_size - len(rows), fits)
+
+    def _prefill_and_merge(self, new: list[RequestHandle], cache: Any, mask: torch.Tensor
+                           ) -> tuple[torch.Tensor, Any, torch.Tensor]:
+        """Prefill ``new`` as a left-padded batch, then append its KV cache to the running one."""
+        t = max(len(h.request.prompt_ids) for h in new)
+        ids = torch.stack([_lpad(torch.tensor(list(h.request.prompt_ids)), t, 0) for h in new])
+        nmask = torch.stack([_lpad(torch.ones(len(h.request.prompt_ids), dtype=torch.long), t, 0) for h in new])
+        pos = (nmask.cumsum(1) - 1).clamp(min=0)
+        with self._forward_lock:
+            out = self.model(input_ids=ids, attention_mask=nmask, position_ids=pos, use_cache=True,
+                             past_key_values=growing_cache(self.model.config), logits_to_keep=1)
+        if cache is None:
+            return out.logits[:, -1].float(), out.past_key_values, nmask
+        width = max(mask.shape[1], t)  # RoPE is already applied to cached keys: padding is safe
+        for old, add in zip(cache.layers, out.past_key_values.layers):
+            old.keys = torch.cat([_lpad(old.keys, width, 2), _lpad(add.keys, width, 2)])
+            old.values = torch.cat([_lpad(old.values, width, 2), _lpad(add.values, width, 2)])
+        return out.logits[:, -1].float(), cache, torch.cat([_lpad(mask, width), _lpad(nmask, width)])
+
+
+def _drop_done(rows: list[RequestHandle], cache: Any, mask: torch.Tensor
+               ) -> tuple[list[RequestHandle], Any, torch.Tensor]:
+    """The batch without its finished or cancelled rows, their KV cache freed."""
+    keep = [i for i, h in enumerate(rows) if not h.done]
+    if len(keep) == len(rows):
+        return rows, cache, mask
+    idx, rows = torch.tensor(keep, dtype=torch.long), [rows[i] for i in keep]
+    lead = int((mask[idx].sum(0) == 0).long().cumprod(0).sum())  # now all-pad columns
+    mask, cache = mask[idx, lead:], cache if rows else None
+    for layer in cache.layers if rows else []:
+        layer.keys, layer.values = layer.keys[idx, :, lead:], layer.values[idx, :, lead:]
+    return rows, cache, mask
+
+
+def _lpad(x: torch.Tensor, width: int, dim: int = 1) -> torch.Tensor:
+    """Left-pad ``x`` with zeros along ``dim`` up to ``width``."""
+    return F.pad(x, (0, 0) * (x.dim() - 1 - dim) + (width - x.shape[dim], 0))
