@@ -18,7 +18,8 @@ from test_planner import gpus, spec, structure
 from deploykit.errors import InventoryError, ManifestError, PlanInfeasible
 from deploykit.placement.inventory import Inventory, Node, parse_devices
 from deploykit.placement.planner import Plan, min_max_stages, plan
-from deploykit.spec.manifest import Spec, check_on_host, parse_manifests
+from deploykit.spec.manifest import check_on_host, parse_manifests
+from deploykit.spec.schema import Spec
 
 def nspec(**placement) -> Spec:
     offload = placement.pop("offload", {})

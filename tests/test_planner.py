@@ -11,7 +11,7 @@ from hypothesis import strategies as st
 
 from deploykit.errors import PlanInfeasible
 from deploykit.placement.inventory import Inventory, parse_devices
-from deploykit.spec.manifest import Spec
+from deploykit.spec.schema import Spec
 from deploykit.placement.planner import compress_names, longest_prefix, min_max_partition, plan
 from deploykit.model.structure import Block, Structure
 

@@ -33,7 +33,7 @@ from typing import Any, Literal
 
 from ..errors import PlanInfeasible
 from .inventory import Inventory
-from ..spec.manifest import Spec
+from ..spec.schema import Spec
 from ..model.structure import Block, Structure
 from ..units import format_size
 
