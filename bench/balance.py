@@ -168,7 +168,7 @@ def main() -> None:
     from rich.table import Table
 
     from deploykit.placement.inventory import parse_devices
-    from deploykit.spec.manifest import Spec
+    from deploykit.spec.schema import Spec
     from deploykit.placement.planner import plan
     from deploykit.model.structure import build_meta_model, load_config, structure_from_model
 

@@ -70,7 +70,7 @@ def main() -> None:
     from deploykit.placement.inventory import parse_devices
     from deploykit.placement.planner import plan
     from deploykit.placement.planning import load_structure
-    from deploykit.spec.manifest import Spec
+    from deploykit.spec.schema import Spec
 
     torch.set_num_threads(1)
     print("load average before:", Path("/proc/loadavg").read_text().strip())

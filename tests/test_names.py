@@ -5,7 +5,7 @@ from typing import get_args
 
 from deploykit.artifacts.reshard import DTYPES
 from deploykit.names import DType, Load, Quantization, Strategy, Task
-from deploykit.spec.manifest import Lifecycle, ModelSpec, Rollout
+from deploykit.spec.schema import Lifecycle, ModelSpec, Rollout
 
 
 def test_manifest_literals_equal_the_enums():

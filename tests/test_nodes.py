@@ -20,7 +20,8 @@ from deploykit.placement.inventory import Inventory, Node, parse_devices
 from deploykit.placement.partition import min_max_stages
 from deploykit.placement.plan import Plan
 from deploykit.placement.planner import plan
-from deploykit.spec.manifest import Spec, check_on_host, parse_manifests
+from deploykit.spec.manifest import check_on_host, parse_manifests
+from deploykit.spec.schema import Spec
 
 def nspec(**placement) -> Spec:
     offload = placement.pop("offload", {})

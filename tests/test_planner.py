@@ -11,7 +11,7 @@ from hypothesis import strategies as st
 
 from deploykit.errors import PlanInfeasible
 from deploykit.placement.inventory import Inventory, parse_devices
-from deploykit.spec.manifest import Spec
+from deploykit.spec.schema import Spec
 from deploykit.placement.keys import compress_names
 from deploykit.placement.partition import longest_prefix, min_max_partition
 from deploykit.placement.planner import plan

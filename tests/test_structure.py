@@ -9,7 +9,7 @@ import torch
 
 from deploykit.errors import CheckpointError
 from deploykit.placement.inventory import Inventory, parse_devices
-from deploykit.spec.manifest import Spec
+from deploykit.spec.schema import Spec
 from deploykit.placement.planner import plan
 from deploykit.model.structure import build_meta_model, load_config, load_structure
 from tiny import TINY

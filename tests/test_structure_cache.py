@@ -17,7 +17,7 @@ from deploykit.model import structure, structure_cache
 from deploykit.model.structure import Structure, load_config, load_structure, structure_from_config
 from deploykit.placement.inventory import parse_devices
 from deploykit.placement.planner import plan
-from deploykit.spec.manifest import Spec
+from deploykit.spec.schema import Spec
 from tiny import TINY
 
 CONFIGS = REPO / "manifests" / "configs"

@@ -102,7 +102,7 @@ def test_a_model_without_a_tp_plan_is_refused(tmp_path, tiny_model):
 
 
 def test_the_default_keeps_manifest_digests():
-    from deploykit.spec.manifest import Placement
+    from deploykit.spec.schema import Placement
 
     assert "tensor_parallel" not in Placement().model_dump()
     assert Placement(tensor_parallel=2).model_dump()["tensor_parallel"] == 2

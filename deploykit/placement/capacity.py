@@ -8,7 +8,7 @@ from typing import NamedTuple
 
 from ..errors import PlanInfeasible
 from ..model.structure import Block, Structure
-from ..spec.manifest import Spec
+from ..spec.schema import Spec
 from .inventory import Inventory
 
 

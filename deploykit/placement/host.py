@@ -8,7 +8,7 @@ from collections.abc import Iterable, Sequence
 
 from ..errors import PlanInfeasible
 from ..model.structure import Block, Structure
-from ..spec.manifest import Spec
+from ..spec.schema import Spec
 from ..units import format_size
 from .capacity import BlockSizes, block_sizes, gpu_budgets, offload_tiers, resolve_gpus
 from .inventory import Inventory

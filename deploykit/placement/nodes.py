@@ -11,7 +11,7 @@ from dataclasses import replace
 
 from ..errors import PlanInfeasible
 from ..model.structure import Block, Structure
-from ..spec.manifest import Spec
+from ..spec.schema import Spec
 from ..units import format_size
 from .capacity import BlockSizes, block_sizes, host_capacity
 from .host import plan_host

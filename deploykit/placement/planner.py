@@ -29,7 +29,7 @@ here because no library computes one.
 from __future__ import annotations
 
 from ..model.structure import Structure
-from ..spec.manifest import Spec
+from ..spec.schema import Spec
 from .host import plan_host
 from .inventory import Inventory
 from .nodes import plan_nodes

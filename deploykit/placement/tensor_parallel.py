@@ -16,7 +16,7 @@ from typing import Literal
 
 from ..errors import PlanInfeasible
 from ..model.structure import Structure
-from ..spec.manifest import Spec
+from ..spec.schema import Spec
 from ..units import format_size
 from .inventory import Inventory
 from .keys import compress_names

@@ -1,0 +1,400 @@
+"""The manifest's schema: the pydantic models of a ``ModelDeployment`` and the value parsers they use.
+
+Each model says what a section of a manifest may hold, with the defaults, bounds and cross-field checks
+that make a validated manifest an immutable value. Sizes, durations and keep-alives are parsed here from
+what a person writes ('2GiB', '120s', 'forever'). Loading a file into these models, and locating what is
+wrong in it, is ``deploykit.spec.manifest``'s. No torch, no transformers: ``deploykit validate`` stays fast.
+"""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+from typing import Annotated, Any, Literal
+
+from pydantic import (
+    BaseModel,
+    BeforeValidator,
+    ConfigDict,
+    Field,
+    PlainSerializer,
+    StrictBool,
+    ValidationInfo,
+    SerializerFunctionWrapHandler,
+    WithJsonSchema,
+    field_validator,
+    model_serializer,
+    model_validator,
+)
+from pydantic_core import PydanticCustomError
+
+from ..units import SIZE_UNITS_TEXT, format_duration, parse_duration, parse_size
+
+API_VERSION = "deploykit/v1"
+KIND = "ModelDeployment"
+_NAME_RE = re.compile(r"^[a-z0-9]([a-z0-9-]{0,61}[a-z0-9])?$")
+
+
+def _size(value: object) -> int:
+    try:
+        return parse_size(value)
+    except ValueError as exc:
+        raise PydanticCustomError("size", str(exc)) from None
+
+
+def _duration(value: object) -> float:
+    try:
+        return parse_duration(value)
+    except ValueError as exc:
+        raise PydanticCustomError("duration", str(exc)) from None
+
+
+Size = Annotated[
+    int,
+    BeforeValidator(_size),
+    WithJsonSchema({
+        "anyOf": [
+            {"type": "integer", "minimum": 0},
+            {"type": "string", "pattern": r"^\s*\d+(\.\d+)?\s*([KMGT]i?B|[kK]i?B|B)?\s*$"},
+        ],
+        "description": f"A size: {SIZE_UNITS_TEXT}.",
+    }),
+]
+Duration = Annotated[
+    float,
+    BeforeValidator(_duration),
+    PlainSerializer(format_duration, return_type=str),
+    WithJsonSchema({
+        "anyOf": [{"type": "number", "exclusiveMinimum": 0},
+                  {"type": "string", "pattern": r"^\s*\d+(\.\d+)?\s*(ms|s|m|h)?\s*$"}],
+        "description": "A duration: '500ms', '120s', '2m', '1h', or a number of seconds.",
+    }),
+]
+
+
+def _keep_alive(value: object) -> float | None:
+    if value is None or value == "forever":
+        return None
+    try:
+        return parse_duration(value)
+    except ValueError as exc:
+        raise PydanticCustomError("keep_alive", f"{exc}, or 'forever'") from None
+
+
+KeepAlive = Annotated[
+    float | None,
+    BeforeValidator(_keep_alive),
+    PlainSerializer(lambda v: "forever" if v is None else format_duration(v), return_type=str),
+    WithJsonSchema({
+        "anyOf": [{"type": "number", "exclusiveMinimum": 0},
+                  {"type": "string", "pattern": r"^\s*(forever|\d+(\.\d+)?\s*(ms|s|m|h)?)\s*$"}],
+        "description": "A duration ('30s', '5m', '1h', or a number of seconds), or 'forever'.",
+    }),
+]
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True, populate_by_name=True)
+
+
+class ModelSpec(_Strict):
+    """The checkpoint to deploy."""
+
+    path: Path = Field(description="Checkpoint directory (config.json + *.safetensors). "
+                                   "A relative path resolves against the manifest's directory.")
+    task: Literal["causal-lm", "seq2seq-lm", "feature-extraction"] = Field(
+        "causal-lm", description="What the model is loaded for; picks the AutoModel class.")
+    dtype: Literal["float32", "float16", "bfloat16"] = Field(
+        "float16", description="Weights are loaded (and sized for planning) at this dtype.")
+    quantization: Literal["none", "int8", "int4"] = Field(
+        "none", description="Weight-only quantization of the linear layers of the transformer blocks: int8 "
+                            "(per output channel) or int4 (groups of 32, asymmetric). Embeddings, lm_head, "
+                            "norms and scales stay at dtype. Planned, laid out and loaded quantized.")
+    trust_remote_code: StrictBool = Field(
+        False, description="Run Python code shipped with the checkpoint. Strictly true or false.")
+    allow_pickle: StrictBool = Field(
+        False, description="Accept pickle weights (*.bin, *.pt), read with torch.load(weights_only=True). "
+                           "Off: unpickling can run code.")
+
+    @model_serializer(mode="wrap")
+    def _omit_no_quantization(self, handler: SerializerFunctionWrapHandler) -> dict[str, Any]:
+        data: dict[str, Any] = handler(self)
+        if self.quantization == "none":  # manifests that never name quantization keep their digest
+            data.pop("quantization", None)
+        return data
+
+
+class KVCache(_Strict):
+    """Room reserved for the KV cache of each decoder layer, on the device holding that layer."""
+
+    tokens: int = Field(ge=1, description="Cached tokens to plan for (batch x sequence length).")
+
+
+class Placement(_Strict):
+    """Which GPUs hold the model, and in what proportion."""
+
+    gpus: list[Annotated[int, Field(ge=0)]] | Literal["all"] = Field(
+        default=[], description='CUDA device indices, "all", or [] for no GPU.')
+    ratios: list[Annotated[float, Field(ge=0)]] | None = Field(
+        None, description="Relative share of the model per GPU, same length as gpus; default equal.")
+    reserve: Size = Field(2 * 2**30, description="Per-GPU headroom kept free: CUDA context, "
+                                                 "activations, KV cache not planned with kv_cache.")
+    embeddings: Literal["first"] = Field(
+        "first", description="Input embeddings go on the first listed GPU.")
+    balance: Literal["memory", "compute"] = Field(
+        "memory", description="Balance bytes per GPU (memory) or estimated FLOPs per token (compute).")
+    kv_cache: KVCache | None = Field(None, description="Plan KV-cache and logits memory per layer.")
+    nodes: int = Field(1, ge=1, description="Pipeline stages, one per node of spec.cluster: layers are split "
+                                            "node-major (contiguous runs per node, then per GPU within a node; "
+                                            "embeddings on the first node's first GPU). 1: one host. "
+                                            "Deploying more than 1 needs spec.cluster; `deploykit plan "
+                                            "--devices` does not.")
+    tensor_parallel: int = Field(1, ge=1, description="Ranks every attention and MLP layer is split across "
+                                                      "(transformers' tp_plan): one per listed GPU, or that many "
+                                                      "worker processes on a CPU-only host. Must divide the "
+                                                      "attention and key-value heads. 1: no split.")
+
+    @model_serializer(mode="wrap")
+    def _omit_default_nodes(self, handler: SerializerFunctionWrapHandler) -> dict[str, Any]:
+        data: dict[str, Any] = handler(self)
+        if self.nodes == 1:  # manifests that never name nodes keep their digest
+            data.pop("nodes", None)
+        if self.tensor_parallel == 1:
+            data.pop("tensor_parallel", None)
+        return data
+
+    @field_validator("tensor_parallel")
+    @classmethod
+    def _ranks_fit_placement(cls, ranks: int, info: ValidationInfo) -> int:
+        from .tensor_parallel import placement_problem
+
+        problem = placement_problem(ranks, gpus=info.data.get("gpus"), nodes=info.data.get("nodes"))
+        if problem:
+            raise PydanticCustomError("tensor_parallel", problem)
+        return ranks
+
+    @field_validator("gpus")
+    @classmethod
+    def _distinct(cls, gpus: list[int] | str) -> list[int] | str:
+        if isinstance(gpus, list) and len(set(gpus)) != len(gpus):
+            dupes = sorted({g for g in gpus if gpus.count(g) > 1})
+            raise PydanticCustomError("duplicate_gpu", "GPU {gpus} listed more than once",
+                                      {"gpus": ", ".join(map(str, dupes))})
+        return gpus
+
+    @field_validator("ratios")
+    @classmethod
+    def _ratios_match_gpus(cls, ratios: list[float] | None, info: ValidationInfo) -> list[float] | None:
+        if ratios is None:
+            return None
+        if not any(r > 0 for r in ratios):
+            raise PydanticCustomError("ratios_zero", "at least one ratio must be greater than 0")
+        gpus = info.data.get("gpus")
+        if gpus == "all":
+            raise PydanticCustomError(
+                "ratios_all", 'ratios need an explicit GPU list; gpus is "all", which depends on the host')
+        if isinstance(gpus, list) and len(ratios) != len(gpus):
+            raise PydanticCustomError(
+                "ratios_length", "{n} ratios for {m} GPUs; give one ratio per GPU in gpus",
+                {"n": len(ratios), "m": len(gpus)})
+        if isinstance(gpus, list) and gpus and ratios[0] == 0:
+            raise PydanticCustomError(
+                "ratios_first", "the first GPU's ratio is 0, but embeddings: first puts the input "
+                                "embeddings on it; give it a ratio above 0")
+        return ratios
+
+
+class Sharding(_Strict):
+    """How the checkpoint is cut into files for this deployment."""
+
+    max_shard_size: Size = Field(2 * 2**30, description="Largest shard file.")
+    path: Path | None = Field(None, description="Where resharded checkpoints live (relative to the "
+                              "manifest): each deployment writes <path>/<name>/<key>, one directory per "
+                              "content and layout. Default: <state dir>/shards.")
+
+    @field_validator("max_shard_size")
+    @classmethod
+    def _positive(cls, v: int) -> int:
+        if v <= 0:
+            raise PydanticCustomError("size_zero", "max_shard_size must be greater than 0")
+        return v
+
+
+class CpuOffload(_Strict):
+    """CPU RAM tier: blocks the GPUs cannot hold."""
+
+    max_memory: Size | None = Field(None, description="CPU RAM the model may use; default: what is "
+                                                      "available on the host.")
+
+
+class DiskOffload(_Strict):
+    """Disk tier: read in place from the safetensors files when the CPU tier is full."""
+
+    path: Path = Field(description="Directory for offloaded weights (relative to the manifest).")
+    max_size: Size | None = Field(None, description="Disk the model may use; default: free space.")
+
+
+class Offload(_Strict):
+    """Tiers after the GPUs, in order: CPU RAM, then disk."""
+
+    cpu: CpuOffload | None = Field(default_factory=CpuOffload,
+                                   description="CPU tier; null disables it.")
+    disk: DiskOffload | None = Field(None, description="Disk tier; off unless given.")
+
+
+class HealthCheck(_Strict):
+    """A forward pass on a known input; the model serves only if it passes."""
+
+    input: str = Field("Hello", description="Text run through the model before it serves.")
+    timeout: Duration = Field(120.0, description="Longest the check may take.")
+
+
+class Rollout(_Strict):
+    """How a new revision replaces the running one."""
+
+    strategy: Literal["auto", "blue-green", "recreate"] = Field(
+        "auto", description="blue-green loads beside the old model; recreate unloads first; auto picks.")
+    health_check: HealthCheck = Field(default_factory=HealthCheck,
+                                      description="Run before a new model serves.")
+
+
+class Serving(_Strict):
+    """Limits of the inference API for this model (``deploykit serve``, ``Deployment.generate``)."""
+
+    context_length: int | None = Field(
+        None, ge=8, description="Longest prompt plus generated tokens; default: the model's "
+                                "max_position_embeddings, at most 8192.")
+    max_tokens: int = Field(512, ge=1, description="Most tokens one request may generate; a request "
+                                                  "asking for more is refused (400).")
+    default_max_tokens: int = Field(256, ge=1, description="Tokens generated when a request names no "
+                                                          "max_tokens (capped by max_tokens).")
+    max_concurrent: int = Field(16, ge=1, le=1024, description="Requests decoded together in one batch.")
+    max_queued: int = Field(64, ge=0, description="Requests waiting for a batch slot beyond "
+                                                  "max_concurrent; more are refused (429 with Retry-After).")
+    max_input_items: int = Field(256, ge=1, description="Most prompts or embedding inputs in one request.")
+    batching: Literal["padded", "continuous"] = Field(
+        "padded", description="padded: deploykit's batch loop (per-request sampling); continuous: "
+                              "transformers' continuous batching (greedy requests only).")
+
+    @field_validator("max_tokens")
+    @classmethod
+    def _room_for_a_prompt(cls, max_tokens: int, info: ValidationInfo) -> int:
+        context = info.data.get("context_length")
+        if context is not None and max_tokens >= context:
+            raise PydanticCustomError(
+                "max_tokens_context", "max_tokens {m} leaves no room for a prompt in context_length {c}; "
+                                      "make it smaller than context_length", {"m": max_tokens, "c": context})
+        return max_tokens
+
+
+class Lifecycle(_Strict):
+    """When ``deploykit serve`` holds this model in memory, under its budget (docs/budget.md)."""
+
+    keep_alive: KeepAlive = Field(None, description="Unload after being idle this long (counted from the end "
+                                                    "of the last request); 'forever' never unloads when idle.")
+    load: Literal["eager", "on-demand"] = Field(
+        "eager", description="eager: loaded when served or applied; on-demand: loaded at its first request.")
+    priority: int = Field(0, description="Making room for a deployment unloads idle ones of this priority or "
+                                         "lower (lowest first, then least recently used).")
+
+
+_RAY_ADDRESS_RE = re.compile(r"^(auto|local|(ray://)?[A-Za-z0-9._-]+:\d{1,5})$")
+
+
+class Cluster(_Strict):
+    """A Ray cluster to run on (extra ``deploykit[ray]``). Absent: in-process on this host."""
+
+    address: str = Field(
+        description="'auto' (the cluster this machine is part of, as `ray start` left it), 'local' (start a "
+                    "private Ray on this host), or a head address: HOST:PORT or ray://HOST:PORT.")
+
+    @field_validator("address")
+    @classmethod
+    def _ray_address(cls, address: str) -> str:
+        if not _RAY_ADDRESS_RE.match(address.strip()):
+            raise PydanticCustomError(
+                "ray_address", "not a Ray address: use 'auto', 'local', HOST:PORT or ray://HOST:PORT")
+        return address.strip()
+
+
+class Spec(_Strict):
+    """The desired state of one deployment."""
+
+    model: ModelSpec = Field(description="The checkpoint.")
+    cluster: Cluster | None = Field(None, description="Ray cluster for replicas and pipeline stages; "
+                                                      "absent: in-process on this host.")
+    replicas: int = Field(1, ge=1, description="Copies of the model serving behind one endpoint: Ray Serve "
+                                               "replicas, each with its own pipeline stages when "
+                                               "placement.nodes > 1. More than 1 needs spec.cluster.")
+    placement: Placement = Field(default_factory=Placement, description="GPUs and their shares.")
+    sharding: Sharding = Field(default_factory=Sharding, description="Checkpoint file layout.")
+    offload: Offload = Field(default_factory=Offload, description="CPU and disk tiers after the GPUs.")
+    rollout: Rollout = Field(default_factory=Rollout, description="How a change goes live.")
+    serving: Serving = Field(default_factory=Serving, description="Limits of the inference API.")
+    lifecycle: Lifecycle = Field(default_factory=Lifecycle, description="Loading, unloading and priority "
+                                                                        "under deploykit serve's budget.")
+
+    @model_validator(mode="after")
+    def _tensor_parallel_alone(self) -> Spec:
+        from .tensor_parallel import spec_problem
+
+        problem = spec_problem(self.placement.tensor_parallel, cluster=self.cluster is not None,
+                               offload=self.offload.disk is not None,
+                               task=self.model.task, batching=self.serving.batching)
+        if problem:
+            raise PydanticCustomError("tensor_parallel", problem, {"at": "placement.tensor_parallel"})
+        return self
+
+    @model_validator(mode="after")
+    def _quantization_in_process(self) -> Spec:
+        if self.cluster is not None and self.model.quantization != "none":
+            raise PydanticCustomError(
+                "quantization_cluster", "quantization {q} is not available on a Ray cluster yet (its replicas "
+                "and pipeline stages load full-precision weights); remove spec.cluster or set quantization "
+                "to none", {"q": self.model.quantization, "at": "model.quantization"})
+        if self.placement.tensor_parallel > 1 and self.model.quantization != "none":
+            raise PydanticCustomError(
+                "quantization_tensor_parallel", "quantization {q} is not available with tensor_parallel yet (its "
+                "ranks load full-precision slices); set tensor_parallel to 1 or quantization to none",
+                {"q": self.model.quantization, "at": "model.quantization"})
+        return self
+
+    @model_serializer(mode="wrap")
+    def _omit_defaults(self, handler: SerializerFunctionWrapHandler) -> dict[str, Any]:
+        data: dict[str, Any] = handler(self)
+        if self.cluster is None:  # manifests that never name a cluster keep their digest
+            data.pop("cluster", None)
+        if self.replicas == 1:
+            data.pop("replicas", None)
+        if self.lifecycle == Lifecycle():  # manifests that never name a lifecycle keep their digest
+            data.pop("lifecycle", None)
+        return data
+
+
+class Metadata(_Strict):
+    """Identity of the deployment."""
+
+    name: str = Field(description="DNS-1123 label: a-z, 0-9 and '-', 1 to 63 characters, "
+                                  "starting and ending with a letter or digit.")
+    labels: dict[str, str] = Field(default_factory=dict, description="Free-form labels.")
+
+    @field_validator("name")
+    @classmethod
+    def _dns_label(cls, name: str) -> str:
+        if not _NAME_RE.match(name):
+            raise PydanticCustomError(
+                "name", "not a valid name: use 1 to 63 of a-z, 0-9 and '-', starting and "
+                        "ending with a letter or digit")
+        return name
+
+
+class ModelDeployment(_Strict):
+    """A deploykit manifest: one model, where it runs, and how it is rolled out."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True, populate_by_name=True,
+                              title="deploykit ModelDeployment")
+
+    api_version: Literal["deploykit/v1"] = Field(alias="apiVersion", description="Always deploykit/v1.")
+    kind: Literal["ModelDeployment"] = Field(description="Always ModelDeployment.")
+    metadata: Metadata = Field(description="Name and labels.")
+    spec: Spec = Field(description="What to deploy and how.")
