@@ -17,7 +17,8 @@ from safetensors.torch import load_file, save_file
 
 from deploykit.model.checkpoint import LOCK, open_checkpoint
 from deploykit.errors import CheckpointError
-from deploykit.artifacts.reshard import plan_layout, reshard
+from deploykit.artifacts.layout import plan_layout
+from deploykit.artifacts.reshard import reshard
 from deploykit.artifacts.verify import verify
 
 KiB = 1024

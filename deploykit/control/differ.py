@@ -15,7 +15,8 @@ from ..model.gguf import is_gguf
 from ..errors import DeploykitError
 from ..spec.manifest import LoadedManifest
 from ..placement.planner import compress_names
-from ..artifacts.reshard import fits_layout, plan_layout, read_lock
+from ..artifacts.layout import fits_layout, plan_layout
+from ..artifacts.verify import read_lock
 from .state import StateStore
 
 

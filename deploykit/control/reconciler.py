@@ -37,7 +37,8 @@ from typing import TYPE_CHECKING
 from ..artifacts.fsutil import discard_dir
 from ..names import Phase
 from ..artifacts.gguf import import_dir, import_gguf, import_problem, source_fingerprint
-from ..artifacts.reshard import ProgressSink, ReshardResult, fits_layout, plan_layout, reshard
+from ..artifacts.layout import fits_layout, plan_layout
+from ..artifacts.reshard import ProgressSink, ReshardResult, reshard
 from ..artifacts.quantize import quantize_for
 from ..artifacts.verify import checksums, read_lock, shard_problem
 from ..errors import CheckpointError, DeploykitError, ManifestError
