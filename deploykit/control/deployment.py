@@ -8,7 +8,9 @@
 
 A thin facade over a ``GenerationPool`` (pin, swap, drain, free, leak guard), a ``Rollout`` (blue-green,
 recreate, auto) and a ``ManifestWatcher``. Each successful (re)load makes a new generation; a caller
-that acquired generation N keeps it until its ``with`` block ends.
+that acquired generation N keeps it until its ``with`` block ends. The in-process calls (``acquire``,
+``generate``, ``chat``, ``embed``) live in ``embedded``; the reload records, counts and worker thread
+in ``reloads``.
 
 A reload that fails at any step (bad manifest, missing file, plan infeasible, load error, failed
 health check) leaves the serving generation untouched; the error appears in ``status()`` (with the
@@ -22,9 +24,7 @@ import logging
 import threading
 import time
 from collections import deque
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
-from dataclasses import dataclass
+from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -32,39 +32,26 @@ from ..errors import ApplyError, DeploykitError, ManifestError, PlanInfeasible
 from ..names import Phase
 from ..placement.inventory import process_rss
 from ..spec.manifest import LoadedManifest, load_manifests
+from .embedded import EmbeddedApi
 from .loading import serving_of
 from .pool import GenerationPool
 from .report import phase_of
 from .reconciler import ApplyOptions, ApplyOutcome, apply
+from .reloads import ReloadLog, ReloadRecord, ReloadWorker, describe
 from .rollout import Rollout, RolloutResult
 from .state import StateStore, open_store
 
 if TYPE_CHECKING:
     from ..artifacts.reshard import ProgressSink
-    from ..engine.loader import LoadedModel
-    from ..engine.runtime import Completion, TextRuntime
     from .host import Host
     from .pool import Generation
     from .watcher import ManifestWatcher
 
 log = logging.getLogger(__name__)
 DEFAULT_ACQUIRE_TIMEOUT = 300.0  # seconds acquire() waits while a recreate rollout reloads
-RELOAD_HISTORY = 100  # reload records kept in memory
 
 
-@dataclass(frozen=True)
-class ReloadRecord:
-    generation: int
-    revision: int | None
-    ok: bool
-    seconds: float
-    strategy: str
-    error: str | None = None
-    rss_before: int | None = None
-    rss_after: int | None = None
-
-
-class Deployment:
+class Deployment(EmbeddedApi):
     """A deployed model held by this process. Thread-safe. See the module docstring."""
 
     def __init__(self, manifest_path: Path, *, name: str | None = None, devices: str | None = None,
@@ -82,11 +69,9 @@ class Deployment:
         self._last_error: str | None = None
         self._conflict: str | None = None  # a watched file declares this API-owned name (supervisor)
         self._callbacks: list[Callable[[Deployment], None]] = []
-        self.reloads: deque[ReloadRecord] = deque(maxlen=RELOAD_HISTORY)
-        self.reload_count = 0
-        self.reload_failures = 0
+        self.reload_log = ReloadLog()
         self._watcher: ManifestWatcher | None = None
-        self._worker: _ReloadWorker | None = None
+        self._worker: ReloadWorker | None = None
         self._closed = False
         self._given: LoadedManifest | None = None  # a manifest handed over (control API), not a file
         self.last_outcome: ApplyOutcome | None = None
@@ -229,70 +214,18 @@ class Deployment:
     def memory(self) -> list[tuple[int, int]]:
         return list(self.pool.memory)
 
-    @contextmanager
-    def acquire(self, timeout: float | None = None) -> Iterator[Any]:
-        """Pin the current generation and yield its model (``torch.nn.Module``)."""
-        with self.acquire_loaded(timeout) as loaded:
-            yield loaded.model
+    @property
+    def reloads(self) -> deque[ReloadRecord]:
+        """The latest reloads, oldest first (``ReloadLog.records``)."""
+        return self.reload_log.records
 
-    @contextmanager
-    def acquire_loaded(self, timeout: float | None = None) -> Iterator[LoadedModel]:
-        """Like ``acquire`` but yields the LoadedModel (model, tokenizer, input device, plan)."""
-        gen = self.pin(timeout)
-        try:
-            assert gen.loaded is not None  # pinned generations are never freed
-            if gen.loaded.model is None:
-                raise ApplyError(f"{self.name!r} runs outside this process (pipeline stages on a Ray cluster, or "
-                                 "tensor-parallel ranks): there is no model here; use generate/chat or the API")
-            if gen.forward_lock is not None:  # accelerate offload hooks: one forward at a time
-                with gen.forward_lock:
-                    yield gen.loaded
-            else:
-                yield gen.loaded
-        finally:
-            self.pool.unpin(gen)
+    @property
+    def reload_count(self) -> int:
+        return self.reload_log.count
 
-    # ---- inference --------------------------------------------------------------------------------
-
-    def generate(self, prompt: str, **sampling: Any) -> Completion:
-        """Complete ``prompt`` on the current generation (batched with concurrent calls).
-        ``sampling``: max_tokens, temperature (0 = greedy, the default), top_p, seed, stop."""
-        from ..engine.text import completion_prompt_ids
-
-        with self._text_runtime() as runtime:
-            return runtime.complete(completion_prompt_ids(runtime.tokenizer, prompt), _sampling(sampling))
-
-    def chat(self, messages: list[dict[str, Any]], **sampling: Any) -> Completion:
-        """Answer a chat (``[{"role": "user", "content": "..."}]``) through the model's chat template."""
-        from ..engine.text import chat_prompt_ids
-
-        with self._text_runtime() as runtime:
-            return runtime.complete(chat_prompt_ids(runtime.tokenizer, messages), _sampling(sampling),
-                                    prompt_param="messages")
-
-    def embed(self, texts: list[str]) -> list[list[float]]:
-        """Sentence embeddings of a feature-extraction deployment, pooled as its checkpoint says."""
-        from ..engine.runtime import EmbeddingRuntime
-
-        gen = self.pin()
-        try:
-            if not isinstance(gen.runtime, EmbeddingRuntime):
-                raise ApplyError(f"{self.name!r} ({gen.task}) does not serve embeddings")
-            return gen.runtime.submit(list(texts)).result()[0]
-        finally:
-            self.pool.unpin(gen)
-
-    @contextmanager
-    def _text_runtime(self) -> Iterator[TextRuntime]:
-        from ..engine.runtime import TextRuntime
-
-        gen = self.pin()
-        try:
-            if not isinstance(gen.runtime, TextRuntime):
-                raise ApplyError(f"{self.name!r} ({gen.task}) does not generate text")
-            yield gen.runtime
-        finally:
-            self.pool.unpin(gen)
+    @property
+    def reload_failures(self) -> int:
+        return self.reload_log.failures
 
     # ---- reloading ------------------------------------------------------------------------------
 
@@ -390,9 +323,9 @@ class Deployment:
         if not result.swapped:  # nothing changed that needs a new generation
             return False
         current = self.pool.current
-        self._record(ReloadRecord(self.generation, current.revision if current else None, True,
-                                  time.perf_counter() - started, result.strategy, None, rss_before,
-                                  process_rss()))
+        self.reload_log.record(ReloadRecord(self.generation, current.revision if current else None, True,
+                                            time.perf_counter() - started, result.strategy, None, rss_before,
+                                            process_rss()))
         return True
 
     def _record_failure(self, exc: Exception, loaded: LoadedManifest | None, strategy: str,
@@ -406,19 +339,14 @@ class Deployment:
                 self.store.record_event(self.name, "ReloadFailed", error)
         self._last_error = error
         self._phase = Phase.FAILED
-        self.reload_failures += 1
-        self._record(ReloadRecord(self.generation, None, False, time.perf_counter() - started, strategy,
-                                  self._last_error, rss_before, process_rss()))
-
-    def _record(self, record: ReloadRecord) -> None:
-        self.reload_count += 1
-        self.reloads.append(record)
+        self.reload_log.record(ReloadRecord(self.generation, None, False, time.perf_counter() - started, strategy,
+                                            self._last_error, rss_before, process_rss()))
 
     def request_reload(self) -> None:
         """Reload on this deployment's own worker thread (returns at once; bursts coalesce), so one
         deployment's slow reload never delays another's."""
         if self._worker is None:
-            self._worker = _ReloadWorker(self)
+            self._worker = ReloadWorker(self.name, self.reload)
         self._worker.request()
 
     def watch(self, *, debounce: float = 0.3) -> None:
@@ -451,7 +379,7 @@ class Deployment:
             "last_error": last_error,
             "manifest": str(self.manifest_path),
             "serialize_forward": bool(gen and gen.forward_lock),
-            "reloads": {"total": self.reload_count, "failed": self.reload_failures},
+            "reloads": {"total": self.reload_log.count, "failed": self.reload_log.failures},
             "memory": {"rss": process_rss(), "baseline_rss": self.pool.baseline_rss},
             "plan": [{"device": d.device, "blocks": list(d.blocks), "bytes": d.bytes}
                      for d in gen.plan.devices if d.blocks] if gen and gen.plan else None,
@@ -474,52 +402,3 @@ class Deployment:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
-
-
-class _ReloadWorker:
-    """One thread per deployment that runs requested reloads; requests during a reload coalesce
-    into one more reload after it."""
-
-    def __init__(self, deployment: Deployment) -> None:
-        self.deployment = deployment
-        self._wanted = threading.Event()
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._loop, name=f"deploykit-reload-{deployment.name}",
-                                        daemon=True)
-        self._thread.start()
-
-    def request(self) -> None:
-        self._wanted.set()
-
-    def _loop(self) -> None:
-        while True:
-            self._wanted.wait()
-            if self._stop.is_set():
-                return
-            self._wanted.clear()
-            try:
-                self.deployment.reload()
-            except Exception:  # reload() records every failure; this only keeps the worker alive
-                log.exception("reload of %s failed", self.deployment.name)
-
-    def stop(self) -> None:
-        self._stop.set()
-        self._wanted.set()
-
-
-def _sampling(options: dict[str, Any]) -> Any:
-    from ..engine.runtime import Sampling
-
-    stop = options.pop("stop", ())
-    return Sampling(stop=(stop,) if isinstance(stop, str) else tuple(stop), **options)
-
-
-def describe(exc: Exception, loaded: LoadedManifest | None) -> str:
-    """An error as the user should read it: with file:line:column where the manifest is to blame."""
-    if isinstance(exc, ManifestError):
-        return "\n".join(str(i) for i in exc.issues)
-    if isinstance(exc, PlanInfeasible) and exc.field and loaded is not None:
-        return loaded.located(exc.field, str(exc))
-    if not isinstance(exc, DeploykitError):
-        return f"internal error: {type(exc).__name__}: {exc}"
-    return str(exc)

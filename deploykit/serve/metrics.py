@@ -80,7 +80,7 @@ class DeploymentCollector:
                 waiting.add_metric([name, str(gen.number)], stats["waiting"])
             reloads.add_metric([name], status["reloads"]["total"])
             failed.add_metric([name], status["reloads"]["failed"])
-            records = list(dep.reloads)
+            records = list(dep.reload_log.records)
             buckets = [(str(b) if b != float("inf") else "+Inf", sum(r.seconds <= b for r in records))
                        for b in _RELOAD_BUCKETS]
             duration.add_metric([name], buckets, sum(r.seconds for r in records))

@@ -1,0 +1,98 @@
+"""Using a ``Deployment`` from Python in this process: ``acquire`` its model (or ``acquire_loaded``
+the whole ``LoadedModel``) for the length of a ``with`` block, or call its runtime directly with
+``generate``, ``chat`` and ``embed``. Every call pins the current generation and unpins it when done,
+so a reload never pulls a model from under a caller.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import TYPE_CHECKING, Any
+
+from ..errors import ApplyError
+
+if TYPE_CHECKING:
+    from ..engine.loader import LoadedModel
+    from ..engine.runtime import Completion, Sampling, TextRuntime
+    from .pool import Generation, GenerationPool
+
+
+class EmbeddedApi:
+    """The in-process calls of ``Deployment``, over its ``name``, ``pool`` and ``pin``."""
+
+    if TYPE_CHECKING:
+        name: str
+        pool: GenerationPool
+
+        def pin(self, timeout: float | None = None) -> Generation: ...
+
+    @contextmanager
+    def acquire(self, timeout: float | None = None) -> Iterator[Any]:
+        """Pin the current generation and yield its model (``torch.nn.Module``)."""
+        with self.acquire_loaded(timeout) as loaded:
+            yield loaded.model
+
+    @contextmanager
+    def acquire_loaded(self, timeout: float | None = None) -> Iterator[LoadedModel]:
+        """Like ``acquire`` but yields the LoadedModel (model, tokenizer, input device, plan)."""
+        gen = self.pin(timeout)
+        try:
+            assert gen.loaded is not None  # pinned generations are never freed
+            if gen.loaded.model is None:
+                raise ApplyError(f"{self.name!r} runs outside this process (pipeline stages on a Ray cluster, or "
+                                 "tensor-parallel ranks): there is no model here; use generate/chat or the API")
+            if gen.forward_lock is not None:  # accelerate offload hooks: one forward at a time
+                with gen.forward_lock:
+                    yield gen.loaded
+            else:
+                yield gen.loaded
+        finally:
+            self.pool.unpin(gen)
+
+    def generate(self, prompt: str, **sampling: Any) -> Completion:
+        """Complete ``prompt`` on the current generation (batched with concurrent calls).
+        ``sampling``: max_tokens, temperature (0 = greedy, the default), top_p, seed, stop."""
+        from ..engine.text import completion_prompt_ids
+
+        with self._text_runtime() as runtime:
+            return runtime.complete(completion_prompt_ids(runtime.tokenizer, prompt), _sampling(sampling))
+
+    def chat(self, messages: list[dict[str, Any]], **sampling: Any) -> Completion:
+        """Answer a chat (``[{"role": "user", "content": "..."}]``) through the model's chat template."""
+        from ..engine.text import chat_prompt_ids
+
+        with self._text_runtime() as runtime:
+            return runtime.complete(chat_prompt_ids(runtime.tokenizer, messages), _sampling(sampling),
+                                    prompt_param="messages")
+
+    def embed(self, texts: list[str]) -> list[list[float]]:
+        """Sentence embeddings of a feature-extraction deployment, pooled as its checkpoint says."""
+        from ..engine.runtime import EmbeddingRuntime
+
+        gen = self.pin()
+        try:
+            if not isinstance(gen.runtime, EmbeddingRuntime):
+                raise ApplyError(f"{self.name!r} ({gen.task}) does not serve embeddings")
+            return gen.runtime.submit(list(texts)).result()[0]
+        finally:
+            self.pool.unpin(gen)
+
+    @contextmanager
+    def _text_runtime(self) -> Iterator[TextRuntime]:
+        from ..engine.runtime import TextRuntime
+
+        gen = self.pin()
+        try:
+            if not isinstance(gen.runtime, TextRuntime):
+                raise ApplyError(f"{self.name!r} ({gen.task}) does not generate text")
+            yield gen.runtime
+        finally:
+            self.pool.unpin(gen)
+
+
+def _sampling(options: dict[str, Any]) -> Sampling:
+    from ..engine.runtime import Sampling
+
+    stop = options.pop("stop", ())
+    return Sampling(stop=(stop,) if isinstance(stop, str) else tuple(stop), **options)

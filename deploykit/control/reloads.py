@@ -1,0 +1,91 @@
+"""The reloads of one ``Deployment``: what each did (``ReloadRecord``), the recent ones and the counts
+(``ReloadLog``, read by ``status()`` and the Prometheus metrics), the thread that runs requested
+reloads (``ReloadWorker``), and how a failure reads for the user (``describe``).
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from ..errors import DeploykitError, ManifestError, PlanInfeasible
+
+if TYPE_CHECKING:
+    from ..spec.manifest import LoadedManifest
+
+log = logging.getLogger(__name__)
+RELOAD_HISTORY = 100  # reload records kept in memory
+
+
+@dataclass(frozen=True)
+class ReloadRecord:
+    generation: int
+    revision: int | None
+    ok: bool
+    seconds: float
+    strategy: str
+    error: str | None = None
+    rss_before: int | None = None
+    rss_after: int | None = None
+
+
+class ReloadLog:
+    """The latest ``RELOAD_HISTORY`` reloads (``records``, oldest first) and the counts since start:
+    every reload that swapped or failed (``count``), and those that failed (``failures``)."""
+
+    def __init__(self, keep: int = RELOAD_HISTORY) -> None:
+        self.records: deque[ReloadRecord] = deque(maxlen=keep)
+        self.count = 0
+        self.failures = 0
+
+    def record(self, record: ReloadRecord) -> None:
+        if not record.ok:
+            self.failures += 1
+        self.count += 1
+        self.records.append(record)
+
+
+class ReloadWorker:
+    """One thread per deployment that runs requested reloads; requests during a reload coalesce
+    into one more reload after it."""
+
+    def __init__(self, name: str, reload: Callable[[], object]) -> None:
+        self.name = name
+        self._reload = reload
+        self._wanted = threading.Event()
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._loop, name=f"deploykit-reload-{name}", daemon=True)
+        self._thread.start()
+
+    def request(self) -> None:
+        self._wanted.set()
+
+    def _loop(self) -> None:
+        while True:
+            self._wanted.wait()
+            if self._stop.is_set():
+                return
+            self._wanted.clear()
+            try:
+                self._reload()
+            except Exception:  # reload() records every failure; this only keeps the worker alive
+                log.exception("reload of %s failed", self.name)
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._wanted.set()
+
+
+def describe(exc: Exception, loaded: LoadedManifest | None) -> str:
+    """An error as the user should read it: with file:line:column where the manifest is to blame."""
+    if isinstance(exc, ManifestError):
+        return "\n".join(str(i) for i in exc.issues)
+    if isinstance(exc, PlanInfeasible) and exc.field and loaded is not None:
+        return loaded.located(exc.field, str(exc))
+    if not isinstance(exc, DeploykitError):
+        return f"internal error: {type(exc).__name__}: {exc}"
+    return str(exc)
