@@ -68,3 +68,12 @@ def warm(path: Path) -> None:
             with open(f, "rb") as fh:
                 while fh.read(64 * 2**20):
                     pass
+
+
+def print_measures(rows: list[tuple[str, str]]) -> None:
+    """A two-column table: measure, value."""
+    width = max(len(k) for k, _ in rows)
+    print(f"{'measure':<{width}}  value")
+    print(f"{'-' * width}  {'-' * 5}")
+    for key, value in rows:
+        print(f"{key:<{width}}  {value}")

@@ -15,6 +15,8 @@ import tempfile
 import time
 from pathlib import Path
 
+from common import print_measures
+
 
 def build(directory: Path, layers: int, hidden: int) -> Path:
     import torch
@@ -114,11 +116,7 @@ def main() -> None:
              ("prefill: single / Ray pipeline, ms", f"{1000 * prefill1:.1f} / {1000 * prefill_r:.1f}"),
              ("Ray start: head + 2 worker nodes, s", f"{t_cluster:.1f}"),
              ("Ray start: 2 stage actors built, s", f"{t_stages:.1f}")]
-    width = max(len(k) for k, _ in rows)
-    print(f"{'measure':<{width}}  value")
-    print(f"{'-' * width}  {'-' * 5}")
-    for key, value in rows:
-        print(f"{key:<{width}}  {value}")
+    print_measures(rows)
 
 
 if __name__ == "__main__":

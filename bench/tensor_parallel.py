@@ -19,6 +19,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from pipeline import build, timed_greedy  # noqa: E402
+from common import print_measures  # noqa: E402
 
 
 class OneProcess:
@@ -132,11 +133,7 @@ def main() -> None:
             ("2 ranks started (spawn, join, load), s", f"{t_start:.1f}"),
             ("runs per contender (alternated)", str(args.runs)),
             ("load average before / after", f"{before} / {after}")]
-    width = max(len(k) for k, _ in rows)
-    print(f"{'measure':<{width}}  value")
-    print(f"{'-' * width}  {'-' * 5}")
-    for key, value in rows:
-        print(f"{key:<{width}}  {value}")
+    print_measures(rows)
 
 
 if __name__ == "__main__":
