@@ -186,17 +186,26 @@ def median(values: list[float]) -> float:
     return statistics.median(values)
 
 
-def smollm2_section(work: Path, runs: int, ppl_tokens: int, clients: int, max_tokens: int) -> list[str]:
-    gguf = smollm2_gguf()
-    manifests = {s: write_manifest(work, "smollm2", gguf, s, name="smollm2") for s in SCHEMES}
-    states = {s: work / f"smollm2-{s}-state" for s in SCHEMES}
+def planned_and_applied(work: Path, key: str, src: Path, runs: int, *, label: str, fresh: bool = False
+                        ) -> tuple[dict[str, Path], dict[str, Path], dict[str, int], dict[str, list[tuple[float, int]]]]:
+    """Manifests and state directories per scheme, their plan bytes, and ``runs`` applies of each (seconds,
+    peak RSS), the schemes alternated; ``fresh``: every apply starts from an empty state directory."""
+    manifests = {s: write_manifest(work, key, src, s, name=key) for s in SCHEMES}
+    states = {s: work / f"{key}-{s}-state" for s in SCHEMES}
     planned = {s: plan_bytes(manifests[s], states[s]) for s in SCHEMES}
     applies: dict[str, list[tuple[float, int]]] = {s: [] for s in SCHEMES}
     for run in range(runs):
         for s in SCHEMES:
             applies[s].append(apply_peak(manifests[s], states[s]))
-            print(f"  smollm2 {NAMES[s]} apply run {run + 1}: {applies[s][-1][0]:.1f} s, peak "
+            print(f"  {label} {NAMES[s]} apply run {run + 1}: {applies[s][-1][0]:.1f} s, peak "
                   f"{mib(applies[s][-1][1])} MiB, load {loadavg()}", flush=True)
+        for s in SCHEMES if fresh else ():
+            shutil.rmtree(states[s], ignore_errors=True)
+    return manifests, states, planned, applies
+
+
+def smollm2_section(work: Path, runs: int, ppl_tokens: int, clients: int, max_tokens: int) -> list[str]:
+    manifests, states, planned, applies = planned_and_applied(work, "smollm2", smollm2_gguf(), runs, label="smollm2")
     ppl = {}
     for s in SCHEMES:
         ppl[s] = child(_PERPLEXITY, str(manifests[s]), str(states[s]), str(TEXT), str(ppl_tokens))
@@ -223,18 +232,8 @@ def smollm2_section(work: Path, runs: int, ppl_tokens: int, clients: int, max_to
 
 
 def big_section(work: Path, runs: int) -> list[str]:
-    src = checkpoint("llama-fp32-1.3g")
-    manifests = {s: write_manifest(work, "big", src, s, name="big") for s in SCHEMES}
-    states = {s: work / f"big-{s}-state" for s in SCHEMES}
-    planned = {s: plan_bytes(manifests[s], states[s]) for s in SCHEMES}
-    applies: dict[str, list[tuple[float, int]]] = {s: [] for s in SCHEMES}
-    for run in range(runs):
-        for s in SCHEMES:
-            applies[s].append(apply_peak(manifests[s], states[s]))
-            print(f"  1.3 GB {NAMES[s]} apply run {run + 1}: {applies[s][-1][0]:.1f} s, peak "
-                  f"{mib(applies[s][-1][1])} MiB, load {loadavg()}", flush=True)
-        for s in SCHEMES:
-            shutil.rmtree(states[s], ignore_errors=True)
+    _, _, planned, applies = planned_and_applied(work, "big", checkpoint("llama-fp32-1.3g"), runs, label="1.3 GB",
+                                                 fresh=True)
     lines = ["| 1.3 GB float32 Llama | plan bytes | apply s | apply peak RSS MiB | peak - plan bytes MiB |",
              "|---|---:|---:|---:|---:|"]
     for s in SCHEMES:
