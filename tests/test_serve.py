@@ -93,6 +93,48 @@ def test_models_lists_the_ready_deployments(client):
     assert client.models.retrieve("tiny-chat").owned_by == "deploykit"
 
 
+def _post_status(url: str, body: dict) -> int:
+    request = urllib.request.Request(url, data=json.dumps(body).encode(), headers={"Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(request, timeout=60) as response:
+            return response.status
+    except urllib.error.HTTPError as exc:
+        return exc.code
+
+
+def test_models_lists_a_deployment_still_loading(chat_model, tmp_path):
+    """From the first answer of a starting server, /v1/models lists the served file's deployment: loading
+    (and a request to it is a 503 meanwhile), then loaded."""
+    (tmp_path / "manifests").mkdir()
+    (tmp_path / "manifests" / "chat.yaml").write_text(chat_manifest(chat_model))
+    server = Server(tmp_path / "manifests", tmp_path / "state")
+    server.process = subprocess.Popen(server.command, env=server.env, stdout=subprocess.PIPE,
+                                      stderr=subprocess.PIPE, text=True)
+    states: list[str] = []
+    try:
+        deadline = time.monotonic() + 180
+        while "loaded" not in states[-1:] and time.monotonic() < deadline:
+            try:
+                status, body = get(f"{server.url}/v1/models")
+            except OSError:
+                time.sleep(0.02)
+                continue
+            assert status == 200, body
+            cards = {m["id"]: m for m in body["data"]}
+            if "tiny-chat" in cards:  # listed from the moment the server reads the directory
+                states.append(cards["tiny-chat"]["state"])
+                if states[-1] == "loading":
+                    assert get(f"{server.url}/v1/models/tiny-chat")[1]["state"] in ("loading", "loaded")
+                    asked = _post_status(f"{server.url}/v1/chat/completions", {
+                        "model": "tiny-chat", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 1})
+                    assert asked in (503, 200)  # 200: it finished loading meanwhile
+            time.sleep(0.02)
+    finally:
+        assert server.stop() == 0, server.stderr
+    assert states and states[0] == "loading" and states[-1] == "loaded", states
+    assert set(states) == {"loading", "loaded"}
+
+
 def test_greedy_chat_equals_transformers_generate_streamed_or_not(client, chat_model):
     messages = [{"role": "user", "content": "What is the capital of France?"}]
     expected, generated = reference_text(chat_model, chat_ids(chat_model, messages[0]["content"]), 24)

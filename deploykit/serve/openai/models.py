@@ -1,5 +1,6 @@
 """``GET /v1/models``: every deployment (id = ``metadata.name``), loaded in memory or not (``loaded``,
-``state``): a request for an unloaded one loads it."""
+``state``): a request for an unloaded one loads it. Deployments a served file declares that are still
+loading for the first time are listed too (``state: loading``; requests to them get 503 meanwhile)."""
 
 from __future__ import annotations
 
@@ -19,15 +20,25 @@ def _card(name: str, dep: Any) -> ModelCard:
     return ModelCard(id=name, created=int(gen.created) if gen else 0, loaded=state == "loaded", state=state)
 
 
+def _loading(registry: Any, served: set[str]) -> list[ModelCard]:
+    names: list[str] = getattr(registry, "loading_names", lambda: [])()
+    return [ModelCard(id=n, created=0, loaded=False, state="loading") for n in names if n not in served]
+
+
 @router.get("/v1/models")
 async def list_models(request: Request) -> ModelList:
-    items = request.app.state.registry.items()
-    return ModelList(data=[_card(name, dep) for name, dep in items])
+    registry = request.app.state.registry
+    items = registry.items()
+    cards = [_card(name, dep) for name, dep in items]
+    return ModelList(data=cards + _loading(registry, {name for name, _ in items}))
 
 
 @router.get("/v1/models/{name}")
 async def get_model(name: str, request: Request) -> ModelCard:
-    dep = request.app.state.registry.get(name)
+    registry = request.app.state.registry
+    dep = registry.get(name)
+    if dep is None and (loading := _loading(registry, set())) and name in {c.id for c in loading}:
+        return next(c for c in loading if c.id == name)
     if dep is None:
         raise APIError(404, f"the model {name!r} does not exist", param="model", code="model_not_found")
     return _card(name, dep)
