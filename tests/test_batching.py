@@ -211,6 +211,35 @@ def test_a_failing_batch_fails_its_requests_not_the_engine(llama: Any, reference
         assert eng.submit(GenerationRequest(p, max_new_tokens=6)).result(timeout=60).token_ids == expected
 
 
+def test_a_row_that_fails_a_decode_step_fails_alone(tiny_model: Callable[[str], Path]) -> None:
+    """A model whose output vocabulary is larger than its embedding (as padded heads are): a request that
+    makes it choose an id beyond the embedding fails at its next decode step, a step it shares with
+    another request, which goes on and still equals ``generate``."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_model("llama"), dtype=torch.float32).eval()
+    rows = model.config.vocab_size
+    head = torch.nn.Linear(model.config.hidden_size, rows + 44, bias=True)
+    with torch.no_grad():
+        head.weight[:rows] = model.get_output_embeddings().weight
+        head.weight[rows:] = 0.0
+        head.bias.zero_()
+        head.bias[rows:] = -50.0  # never chosen unless a logit_bias of +100 lifts one
+    model.lm_head = head
+    p = prompts(1, seed=11)[0]
+    expected = generate(model, p, 40)
+    assert max(expected) < rows
+    with engine(model, max_batch_size=4) as eng:
+        good = eng.submit(GenerationRequest(p, max_new_tokens=40))
+        next(iter(good))  # decoding: the bad request joins a running batch
+        bad = eng.submit(GenerationRequest(p, max_new_tokens=12, logit_bias=((rows + 7, 100.0),)))
+        failed = bad.result(timeout=60)
+        assert failed.finish_reason == "error" and "index out of range" in (failed.error or "")
+        assert failed.token_ids == [rows + 7]  # chosen at the join, fatal at the first shared decode step
+        assert good.result(timeout=60).token_ids == expected
+        assert eng.submit(GenerationRequest(p, max_new_tokens=40)).result(timeout=60).token_ids == expected
+
+
 # ---- listeners, stats, the forward lock, threads -----------------------------------------------------------
 
 @pytest.mark.parametrize("backend", BACKENDS)

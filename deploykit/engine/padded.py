@@ -5,8 +5,8 @@ Waiting requests join the running batch at step boundaries (left-padded prefill,
 appended to the batch's; it grows in place, ``kvcache.py``), finished or cancelled rows leave it at once
 and free their cache, and every request chooses its tokens on its own (``sampling.py``: greedy,
 temperature, top_p, a private seeded ``torch.Generator``, penalties, logit_bias, logprobs; one argmax for
-all the plain greedy rows). A request that fails its prefill or its sampling fails alone; a failing
-decode step fails the rows decoded together, never the engine.
+all the plain greedy rows). A request that fails its prefill, a decode step or its sampling fails alone:
+a failed step is run again for each row alone (only a failure pays for that); never the engine.
 
 Why deploykit has its own loop at all: in transformers 5.23 continuous batching reads ``do_sample``
 and the seed once per manager, so greedy and sampled requests (or two seeds) cannot share one, which an
@@ -19,6 +19,7 @@ step (no chunked prefill), and it needs a full-attention cache (no sliding windo
 
 from __future__ import annotations
 
+import copy
 import threading
 from contextlib import AbstractContextManager, nullcontext
 from typing import Any
@@ -82,11 +83,14 @@ class PaddedBackend:
                     step_rows = rows
                 else:
                     continue
-            except Exception as exc:  # a failed decode step fails the rows decoded together, not the engine
-                for h in rows:
-                    h.finish("error", repr(exc))
-                rows, cache, mask = [], None, mask[:0, :0]
-                continue
+            except Exception as exc:
+                if new or len(rows) < 2:  # a join retries its rows alone itself; a lone row's failure is its own
+                    for h in rows:
+                        h.finish("error", repr(exc))
+                    rows, cache, mask = [], None, mask[:0, :0]
+                    continue
+                rows, logits, cache, mask = self._decode_apart(rows, cache, mask)
+                step_rows = rows
             self._choose(step_rows, logits)
 
     def _decode(self, rows: list[RequestHandle], cache: Any, mask: torch.Tensor
@@ -98,6 +102,32 @@ class PaddedBackend:
                              attention_mask=mask, position_ids=mask.sum(1, keepdim=True) - 1,
                              past_key_values=cache, use_cache=True, logits_to_keep=1)
         return out.logits[:, -1].float(), out.past_key_values, mask
+
+    def _decode_apart(self, rows: list[RequestHandle], cache: Any, mask: torch.Tensor
+                      ) -> tuple[list[RequestHandle], torch.Tensor | None, Any, torch.Tensor]:
+        """After a failed decode step: the step again for each row alone, from the cache as it was before
+        it, so that a row the model cannot run fails alone and the others go on (their caches are joined
+        again). Only a failure pays for this."""
+        width = mask.shape[1]
+        for layer in cache.layers:  # the failed step may have appended to some layers: cut that off
+            layer.keys, layer.values = layer.keys[:, :, :width], layer.values[:, :, :width]
+        ran: list[tuple[RequestHandle, torch.Tensor, Any, torch.Tensor]] = []
+        for i, h in enumerate(rows):
+            alone = copy.copy(cache)
+            alone.layers = [copy.copy(layer) for layer in cache.layers]
+            for layer in alone.layers:
+                layer.keys, layer.values = layer.keys[i:i + 1].clone(), layer.values[i:i + 1].clone()
+            try:
+                ran.append((h, *self._decode([h], alone, mask[i:i + 1])))
+            except Exception as exc:
+                h.finish("error", repr(exc))
+        if not ran:
+            return [], None, None, mask[:0, :0]
+        for j, layer in enumerate(cache.layers):
+            layer.keys = torch.cat([c.layers[j].keys for _, _, c, _ in ran])
+            layer.values = torch.cat([c.layers[j].values for _, _, c, _ in ran])
+        return ([h for h, _, _, _ in ran], torch.cat([lg for _, lg, _, _ in ran]), cache,
+                torch.cat([m for _, _, _, m in ran]))
 
     def _start(self, new: list[RequestHandle]) -> list[RequestHandle]:
         """Answer what needs no decoding (prompt logprobs, ``max_new_tokens`` 0); the rest will decode."""
