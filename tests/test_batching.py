@@ -193,6 +193,16 @@ def test_the_continuous_backend_sizes_its_cache_when_the_budget_is_the_whole_hos
         assert eng.submit(GenerationRequest(p, max_new_tokens=8)).result(timeout=120).token_ids == expected
 
 
+def test_the_continuous_backend_refuses_a_request_longer_than_its_cache(llama: Any, reference: Reference) -> None:
+    """transformers' manager ends its thread on a request its paged cache cannot hold: refused at submit."""
+    p = prompts(1, seed=10)[0]
+    expected = reference(p, 8)
+    with engine(llama, backend="continuous", kv_cache_bytes=1) as eng:  # the smallest cache: 2 pages of 64
+        with pytest.raises(ValueError, match="exceeds the 128 tokens"):
+            eng.submit(GenerationRequest(list(range(4, 104)), max_new_tokens=64))
+        assert eng.submit(GenerationRequest(p, max_new_tokens=8)).result(timeout=120).token_ids == expected
+
+
 def test_bad_requests_are_refused_at_submit(llama: Any) -> None:
     with engine(llama) as eng:
         for bad in (GenerationRequest([]), GenerationRequest([5], max_new_tokens=-1)):
@@ -238,6 +248,35 @@ def test_a_row_that_fails_a_decode_step_fails_alone(tiny_model: Callable[[str], 
         assert failed.token_ids == [rows + 7]  # chosen at the join, fatal at the first shared decode step
         assert good.result(timeout=60).token_ids == expected
         assert eng.submit(GenerationRequest(p, max_new_tokens=40)).result(timeout=60).token_ids == expected
+
+
+def test_when_the_retry_alone_fails_too_the_rows_fail_and_the_engine_goes_on(llama: Any, reference: Reference,
+                                                                            monkeypatch: pytest.MonkeyPatch) -> None:
+    """A batch-wide failure (out of memory) can fail the rows' retry as well: they fail, the engine lives."""
+    from deploykit.engine.padded import PaddedBackend
+
+    ps = prompts(3, seed=12)
+    expected = reference(ps[2], 8)
+    calls = {"decode": 0}
+    decode = PaddedBackend._decode
+
+    def failing(self: Any, rows: Any, cache: Any, mask: Any) -> Any:
+        calls["decode"] += 1
+        if calls["decode"] == 3 and len(rows) == 2:
+            raise MemoryError("the batch step")
+        return decode(self, rows, cache, mask)
+
+    def no_room(self: Any, *args: Any) -> Any:
+        raise MemoryError("the retry")
+
+    monkeypatch.setattr(PaddedBackend, "_decode", failing)
+    monkeypatch.setattr(PaddedBackend, "_decode_apart", no_room)
+    with engine(llama, max_batch_size=4) as eng:
+        first = [eng.submit(GenerationRequest(p, max_new_tokens=30)) for p in ps[:2]]
+        results = [h.result(timeout=60) for h in first]
+        assert [r.finish_reason for r in results] == ["error", "error"]
+        assert all("the retry" in (r.error or "") for r in results)
+        assert eng.submit(GenerationRequest(ps[2], max_new_tokens=8)).result(timeout=60).token_ids == expected
 
 
 # ---- listeners, stats, the forward lock, threads -----------------------------------------------------------

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import os
+from collections.abc import Callable
 from pathlib import Path
 
 import click
@@ -95,13 +96,23 @@ def serve(path: str | None, host: str, port: int, api_key: str | None, control_t
         if written:
             remove_server_file(states.directory, token)
         err.print("deploykit serve: stopping: draining in-flight work")
-        supervisor.close()
-        disconnect()
+        try:
+            supervisor.close()
+        finally:
+            _leave_ray(disconnect)
         err.print("deploykit serve: stopped")
         # daemon threads (Ray's, engines') may still log while the interpreter shuts down; a write to
         # stderr then aborts the process ("could not acquire lock ... at interpreter shutdown")
         logging.getLogger("deploykit").handlers.clear()
     os.environ.pop("DEPLOYKIT_API_KEY", None)
+
+
+def _leave_ray(disconnect: Callable[[], None]) -> None:
+    """Leave the Ray cluster (if joined) without hiding why the server stopped."""
+    try:
+        disconnect()
+    except Exception as exc:  # noqa: BLE001 - stopping anyway; say it, keep the original error
+        err.print(f"deploykit serve: leaving the Ray cluster failed: {exc}", markup=False)
 
 
 def _log_to_stderr(level: str) -> None:

@@ -330,20 +330,20 @@ class StateStore:
         """Serialise applies of ``name`` across threads and processes."""
         locks = self.directory / "locks"
         locks.mkdir(exist_ok=True)
-        try:
-            with _file_lock(locks / f"{name}.lock", wait=wait):
-                yield
-        except BlockingIOError:
-            raise ApplyError(f"another apply of {name!r} is running") from None
+        with _file_lock(locks / f"{name}.lock", busy=None if wait else f"another apply of {name!r} is running"):
+            yield
 
 
 @contextlib.contextmanager
-def _file_lock(path: Path, *, wait: bool = True) -> Iterator[None]:
-    """An ``flock`` on ``path`` (BlockingIOError when ``wait`` is false and it is held); it dies with its
-    process, so ``kill -9`` never leaves it held."""
+def _file_lock(path: Path, *, busy: str | None = None) -> Iterator[None]:
+    """An ``flock`` on ``path``, waited for; with ``busy``, not waited for: ApplyError(busy) when it is
+    held. It dies with its process, so ``kill -9`` never leaves it held."""
     fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
     try:
-        fcntl.flock(fd, fcntl.LOCK_EX | (0 if wait else fcntl.LOCK_NB))
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | (0 if busy is None else fcntl.LOCK_NB))
+        except BlockingIOError:
+            raise ApplyError(busy or "locked") from None
         yield
     finally:
         os.close(fd)  # closing releases the flock

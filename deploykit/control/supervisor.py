@@ -141,11 +141,11 @@ class Supervisor:
             if not claim.ok or self.get(name) is not None:
                 return None
             dep = Deployment.from_manifest(file, name=name, devices=self.devices, store=self.store, host=self.host)
+            with self._lock:  # served before it stops loading: a reader always finds it in one of the two
+                self.deployments[name] = dep
         finally:
             with self._lock:
                 self.loading.discard(name)
-        with self._lock:
-            self.deployments[name] = dep
         log.info("%s: serving %s (generation %d)", file, name, dep.generation)
         return dep
 
@@ -287,13 +287,13 @@ class Supervisor:
             try:
                 dep = Deployment.from_loaded(loaded, devices=self.devices, store=self.store, force=force,
                                              progress=progress, on_step=on_step, host=self.host)
+                self.owners.claim_for_api(name)
+                with self._lock:  # served before it stops loading (see _add_one)
+                    self.deployments[name] = dep
+                    self._errors.pop(f"revision of {name}", None)
             finally:
                 with self._lock:
                     self.loading.discard(name)
-            self.owners.claim_for_api(name)
-            with self._lock:
-                self.deployments[name] = dep
-                self._errors.pop(f"revision of {name}", None)
             assert dep.last_outcome is not None
             return dep.last_outcome
 
@@ -372,8 +372,9 @@ class Supervisor:
             return self.deployments.get(name)
 
     def loading_names(self) -> list[str]:
+        """Names declared by a file or applied, still loading for the first time (never one that serves)."""
         with self._lock:
-            return sorted(self.loading)
+            return sorted(self.loading - self.deployments.keys())
 
     def items(self) -> list[tuple[str, Deployment]]:
         with self._lock:
@@ -390,10 +391,8 @@ class Supervisor:
             if live["last_error"]:
                 report["last_error"] = live["last_error"]
             out.append(report)
-        with self._lock:
-            loading = sorted(self.loading)
         out += [{"name": n, "phase": "Progressing", "serving_revision": None, "last_error": None}
-                for n in loading]
+                for n in self.loading_names()]
         out += [{"name": None, "manifest": f, "phase": "Failed", "last_error": e}
                 for f, e in self._unserved_errors(self.items())]
         return out
@@ -407,8 +406,7 @@ class Supervisor:
         """(every deployment can serve, what cannot)."""
         items = self.items()
         not_ready = [n for n, d in items if not d.status()["serving"]]
-        with self._lock:
-            not_ready += [f"{n}: loading" for n in sorted(self.loading)]
+        not_ready += [f"{n}: loading" for n in self.loading_names()]
         not_ready += [f"{f}: {e}" for f, e in self._unserved_errors(items)]
         return (not not_ready and bool(items)), not_ready
 

@@ -1,6 +1,7 @@
 """The ``"continuous"`` backend of the batching engine: transformers' ``ContinuousBatchingManager``
-(paged KV cache), sized explicitly from ``kv_cache_bytes``, at most ``CB_CACHE_BYTES`` (its default takes
-~60% of host RAM), and started with one token before it serves. Plain greedy only: transformers reads
+(paged KV cache), sized explicitly from ``kv_cache_bytes``, on the CPU at most ``CB_CACHE_BYTES`` (its default
+takes ~60% of host RAM), and started with one token before it serves; a request longer than its cache is
+refused at submit (it would end the manager's thread). Plain greedy only: transformers reads
 ``do_sample`` and the seed once per manager (why deploykit's own loop is the default: ``padded.py``).
 
 The manager runs its own thread; the engine's worker thread here only routes the manager's shared output
@@ -28,9 +29,9 @@ class ContinuousBackend:
                  page_size: int) -> None:
         self.tokenizer, self.eos_ids, self._closing = tokenizer, eos_ids, closing
         self.max_batch_size, self.max_queued = max_batch_size, max_queued
-        self.manager: Any = _start_manager(model, eos_ids=eos_ids, max_batch_size=max_batch_size,
-                                           max_queued=max_queued, kv_cache_bytes=kv_cache_bytes,
-                                           kv_bytes_per_token=kv_bytes_per_token, page_size=page_size)
+        self.manager, self.cache_tokens = _start_manager(
+            model, eos_ids=eos_ids, max_batch_size=max_batch_size, max_queued=max_queued,
+            kv_cache_bytes=kv_cache_bytes, kv_bytes_per_token=kv_bytes_per_token, page_size=page_size)
         self._handles: dict[str, RequestHandle] = {}  # request id -> handle
 
     def submit(self, h: RequestHandle) -> RequestHandle:
@@ -38,6 +39,10 @@ class ContinuousBackend:
         if r.temperature > 0 or not r.is_plain() or r.max_new_tokens < 1:
             raise ValueError("the continuous backend is greedy-only (no logprobs, penalties, logit_bias or "
                              "max_tokens 0); use backend='padded' (spec.serving.batching) for these")
+        if len(r.prompt_ids) + r.max_new_tokens > self.cache_tokens:  # transformers' thread would die of it
+            raise ValueError(f"prompt ({len(r.prompt_ids)} tokens) + max_tokens ({r.max_new_tokens}) exceeds the "
+                             f"{self.cache_tokens} tokens the continuous backend's cache holds; ask for fewer "
+                             f"tokens or use batching: padded")
         if len(self._handles) >= self.max_queued + self.max_batch_size:
             raise QueueFull(f"{len(self._handles)} requests already running or waiting")
         eos = sorted(self.eos_ids | set(r.stop_token_ids))
@@ -86,19 +91,22 @@ class ContinuousBackend:
 
 
 def _start_manager(model: Any, *, eos_ids: set[int], max_batch_size: int, max_queued: int, kv_cache_bytes: int,
-                   kv_bytes_per_token: int, page_size: int) -> Any:
-    """A started ContinuousBatchingManager, sized explicitly (its default takes 60% of host RAM on CPU). Its
-    paged cache is allocated up front, so it takes at most CB_CACHE_BYTES of ``kv_cache_bytes`` (what the
-    device tier has left, often most of the host), capped so sdpa's [M, N + M] paged mask stays under 1/4
-    of that. The manager answers one token before the engine is used: a manager whose thread died while it
-    started (its cache did not fit) fails the load here instead of every request later."""
+                   kv_bytes_per_token: int, page_size: int) -> tuple[Any, int]:
+    """A started ContinuousBatchingManager and the tokens its cache holds, sized explicitly (its default
+    takes 60% of host RAM on CPU). Its paged cache is allocated up front: on the CPU it takes at most
+    CB_CACHE_BYTES of ``kv_cache_bytes`` (what the tier has left, often most of the host); on a GPU what the
+    GPU has left (unverified here); capped so sdpa's [M, N + M] paged mask stays under 1/4 of that. The
+    manager answers one token before the engine is used: a manager whose thread died while it started
+    (its cache did not fit) fails the load here instead of every request later."""
     from transformers import ContinuousBatchingConfig, GenerationConfig
-    m, budget = 512, min(kv_cache_bytes, CB_CACHE_BYTES)
+    m = 512
+    budget = kv_cache_bytes if model.device.type == "cuda" else min(kv_cache_bytes, CB_CACHE_BYTES)
     tokens = min(budget // kv_bytes_per_token, budget // 4 // (m * model.dtype.itemsize) - m)
+    blocks = max(2, tokens // page_size)
     gen = GenerationConfig(  # type: ignore[no-untyped-call,unused-ignore]  # do_sample is CB-wide; unset=True!
         do_sample=False, max_new_tokens=64, eos_token_id=sorted(eos_ids) or -1)
     cfg = ContinuousBatchingConfig(
-        page_size=page_size, num_blocks=max(2, tokens // page_size), max_batch_tokens=m,
+        page_size=page_size, num_blocks=blocks, max_batch_tokens=m,
         max_requests_per_batch=max_batch_size, max_queue_size=max_queued,
         allow_block_sharing=False, auto_switch_to_flash=False)
     manager = model.init_continuous_batching(generation_config=gen, continuous_batching_config=cfg)
@@ -108,7 +116,7 @@ def _start_manager(model: Any, *, eos_ids: set[int], max_batch_size: int, max_qu
     except BaseException:
         manager.stop(block=True, timeout=30)
         raise
-    return manager
+    return manager, blocks * page_size
 
 
 def _answers_once(manager: Any, timeout: float = 300.0) -> None:
@@ -117,6 +125,8 @@ def _answers_once(manager: Any, timeout: float = 300.0) -> None:
     deadline, out = time.monotonic() + timeout, None
     while out is None and manager.background_thread_status.fatal_error is None and time.monotonic() < deadline:
         out = manager.get_result(request_id="deploykit-start-check", timeout=0.5)
+        if out is None and not manager.is_running():
+            break
     fatal = manager.background_thread_status.fatal_error
     if fatal is not None or out is None or out.error is not None:
         why = fatal or (out.error if out is not None else f"no answer in {timeout:.0f} s")

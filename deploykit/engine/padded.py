@@ -83,13 +83,16 @@ class PaddedBackend:
                     step_rows = rows
                 else:
                     continue
-            except Exception as exc:
-                if new or len(rows) < 2:  # a join retries its rows alone itself; a lone row's failure is its own
-                    for h in rows:
-                        h.finish("error", repr(exc))
+            except Exception:
+                try:  # a join retries its rows alone itself; a lone row's failure is its own
+                    if new or len(rows) < 2:
+                        raise
+                    rows, logits, cache, mask = self._decode_apart(rows, cache, mask)
+                except Exception as again:  # the rows decoded together fail, never the engine
+                    for h in rows + new:
+                        h.finish("error", repr(again))
                     rows, cache, mask = [], None, mask[:0, :0]
                     continue
-                rows, logits, cache, mask = self._decode_apart(rows, cache, mask)
                 step_rows = rows
             self._choose(step_rows, logits)
 
@@ -123,11 +126,12 @@ class PaddedBackend:
                 h.finish("error", repr(exc))
         if not ran:
             return [], None, None, mask[:0, :0]
+        mask = torch.cat([m for _, _, _, m in ran])
+        lead = _all_pad_columns(mask)  # the failed rows may have been the only ones that long
         for j, layer in enumerate(cache.layers):
-            layer.keys = torch.cat([c.layers[j].keys for _, _, c, _ in ran])
-            layer.values = torch.cat([c.layers[j].values for _, _, c, _ in ran])
-        return ([h for h, _, _, _ in ran], torch.cat([lg for _, lg, _, _ in ran]), cache,
-                torch.cat([m for _, _, _, m in ran]))
+            layer.keys = torch.cat([c.layers[j].keys for _, _, c, _ in ran])[:, :, lead:]
+            layer.values = torch.cat([c.layers[j].values for _, _, c, _ in ran])[:, :, lead:]
+        return [h for h, _, _, _ in ran], torch.cat([lg for _, lg, _, _ in ran]), cache, mask[:, lead:]
 
     def _start(self, new: list[RequestHandle]) -> list[RequestHandle]:
         """Answer what needs no decoding (prompt logprobs, ``max_new_tokens`` 0); the rest will decode."""
@@ -232,11 +236,16 @@ def _drop_done(rows: list[RequestHandle], cache: Any, mask: torch.Tensor
     if len(keep) == len(rows):
         return rows, cache, mask
     idx, rows = torch.tensor(keep, dtype=torch.long), [rows[i] for i in keep]
-    lead = int((mask[idx].sum(0) == 0).long().cumprod(0).sum())  # now all-pad columns
+    lead = _all_pad_columns(mask[idx])
     mask, cache = mask[idx, lead:], cache if rows else None
     for layer in cache.layers if rows else []:
         layer.keys, layer.values = layer.keys[idx, :, lead:], layer.values[idx, :, lead:]
     return rows, cache, mask
+
+
+def _all_pad_columns(mask: torch.Tensor) -> int:
+    """How many leading columns of ``mask`` are padding in every row."""
+    return int((mask.sum(0) == 0).long().cumprod(0).sum())
 
 
 def _lpad(x: torch.Tensor, width: int, dim: int = 1) -> torch.Tensor:
