@@ -13,7 +13,8 @@ import pytest
 import torch
 
 from deploykit.artifacts.gguf import import_problem, read_record, source_fingerprint
-from deploykit.control.reconciler import ApplyOptions, apply, imports_root
+from deploykit.control.layouts import imports_root
+from deploykit.control.reconciler import ApplyOptions, apply
 from deploykit.control.state import StateStore
 from deploykit.errors import CheckpointError, ManifestError
 from deploykit.model.gguf import gguf_fingerprint, gguf_metadata

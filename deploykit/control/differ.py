@@ -36,7 +36,7 @@ def field_changes(old_text: str, new_text: str) -> list[tuple[str, Any, Any]]:
 
 def diff_manifest(loaded: LoadedManifest, *, store: StateStore, devices: str | None = None) -> list[str]:
     from ..placement.planning import plan_manifest
-    from .reconciler import shards_dir
+    from .layouts import shards_dir
 
     current = store.current(loaded.name)
     lines = [f"{loaded.name} ({loaded.source}):"]
@@ -65,7 +65,7 @@ def diff_manifest(loaded: LoadedManifest, *, store: StateStore, devices: str | N
             lines.append(f"  move {', '.join(compress_names(modules))}: {before} -> {after}")
     spec = loaded.manifest.spec
     if is_gguf(loaded.model_path):
-        from .reconciler import existing_import
+        from .layouts import existing_import
 
         directory, imported = existing_import(loaded, store)
         if imported is None:

@@ -1,7 +1,8 @@
-"""Desired (a manifest) against actual (the state store and the files) -> a Decision, then acting on it.
+"""Applying a manifest: observe actual (the state store and the files), decide, then act on the Decision.
 
-``decide(desired, actual)`` is a plain function over small values and returns only the steps that will
-run, so a table of cases tests it. ``apply`` observes, decides, and then acts in this order:
+The decision itself is ``control.decision`` (pure: ``decide(desired, actual)``); where a deployment's
+files live and how they are made (the GGUF import, the shards, their collection) is ``control.layouts``.
+``apply`` observes, decides, and then acts in this order:
 
     validate -> observe -> decide -> [import a GGUF source] -> plan (fits or PlanInfeasible: nothing
              recorded yet) -> record the revision as Progressing -> reshard (only if the layout on disk
@@ -23,96 +24,27 @@ shards are verified against their checksums, loaded and health-checked: nothing 
 
 from __future__ import annotations
 
-import hashlib
 import json
-import logging
-import shutil
 import subprocess
 from collections.abc import Callable
 from contextlib import nullcontext
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from ..artifacts.fsutil import discard_dir
-from ..names import Phase
-from ..artifacts.gguf import import_dir, import_gguf, import_problem, source_fingerprint
-from ..artifacts.layout import fits_layout, plan_layout
-from ..artifacts.reshard import ProgressSink, ReshardResult, reshard
-from ..artifacts.quantize import quantize_for
-from ..artifacts.verify import checksums, read_lock, shard_problem
+from ..artifacts.reshard import ProgressSink, ReshardResult
 from ..errors import CheckpointError, DeploykitError, ManifestError
-from ..model.checkpoint import Checkpoint, open_checkpoint
-from ..model.gguf import is_gguf
+from ..model.checkpoint import Checkpoint
 from ..placement.inventory import Inventory
 from ..placement.plan import Plan
 from ..spec.manifest import LoadedManifest, check_on_host
+from .decision import Action, Actual, Decision, Desired, decide
+from .layouts import collect_old_shards, import_source, in_place_checksums, lay_out, open_source
 from .loading import StepTimer, load_checked, shards_problem
 from .state import Revision, StateStore
 
 if TYPE_CHECKING:
     from ..engine.loader import LoadedModel
-
-log = logging.getLogger(__name__)
-FULL = ("plan", "reshard", "load", "health-check", "record")
-RELOAD = ("load", "health-check")
-
-
-@dataclass(frozen=True)
-class Desired:
-    name: str
-    manifest_digest: str
-    checkpoint_fingerprint: str
-    load: bool = False  # the caller needs the model in memory (a process starting)
-
-
-@dataclass(frozen=True)
-class Actual:
-    revision: int | None  # the current (last Ready) revision
-    manifest_digest: str | None = None
-    checkpoint_fingerprint: str | None = None
-    shards_problem: str | None = "no shards recorded"  # None: the recorded shards are intact
-
-
-@dataclass(frozen=True)
-class Action:
-    step: str
-    reason: str
-
-
-@dataclass(frozen=True)
-class Decision:
-    name: str
-    actions: tuple[Action, ...]  # only the steps that will run; empty: nothing to do
-
-    @property
-    def steps(self) -> tuple[str, ...]:
-        return tuple(a.step for a in self.actions)
-
-    @property
-    def new_revision(self) -> bool:
-        return "record" in self.steps
-
-
-def decide(desired: Desired, actual: Actual, *, force: bool = False) -> Decision:
-    """The steps that bring ``actual`` to ``desired``. Pure: no I/O, no clock."""
-    if actual.revision is None:
-        reason = "no revision is deployed yet"
-    elif force:
-        reason = "forced"
-    elif actual.manifest_digest != desired.manifest_digest:
-        reason = "the manifest changed"
-    elif actual.checkpoint_fingerprint != desired.checkpoint_fingerprint:
-        reason = "the checkpoint changed"
-    elif actual.shards_problem is not None:
-        reason = (f"the shards of revision {actual.revision} are not intact ({actual.shards_problem}); "
-                  "laying them out again from the source")
-    elif desired.load:
-        reason = f"revision {actual.revision} is current; loading it (health-checked)"
-        return Decision(desired.name, tuple(Action(s, reason) for s in RELOAD))
-    else:
-        return Decision(desired.name, ())
-    return Decision(desired.name, tuple(Action(s, reason) for s in FULL))
 
 
 @dataclass(frozen=True)
@@ -152,20 +84,6 @@ def git_commit(path: Path) -> str | None:
     return out.stdout.strip() or None if out.returncode == 0 else None
 
 
-def shards_root(loaded: LoadedManifest, store: StateStore) -> Path:
-    """``<sharding.path or <state>/shards>/<name>``: each deployment owns its own directory, so
-    collecting or deleting one deployment's shards never touches another's."""
-    configured = loaded.manifest.spec.sharding.path
-    return ((loaded.resolve(configured) if configured else store.directory / "shards") / loaded.name).resolve()
-
-
-def shards_dir(loaded: LoadedManifest, store: StateStore, fingerprint: str, layout_digest: str) -> Path:
-    """One directory per (source content, layout): a new revision never writes over the shards of
-    another, so a failed apply leaves the current revision's files intact."""
-    key = hashlib.sha256(f"{fingerprint}\0{layout_digest}".encode()).hexdigest()[:16]
-    return shards_root(loaded, store) / key
-
-
 def apply(loaded: LoadedManifest, *, store: StateStore, options: ApplyOptions = ApplyOptions(),
           progress: ProgressSink | None = None, on_step: Callable[[str], None] | None = None) -> ApplyOutcome:
     """Make ``loaded`` the deployed revision of its name. See the module docstring."""
@@ -175,7 +93,7 @@ def apply(loaded: LoadedManifest, *, store: StateStore, options: ApplyOptions = 
         if issues:
             _refuse_without_source(loaded, store, options)
             raise ManifestError(issues)
-        checkpoint, fingerprint = _open_source(loaded)
+        checkpoint, fingerprint = open_source(loaded)
     lock = nullcontext() if options.dry_run else store.deployment_lock(loaded.name)
     with lock:
         current = store.current(loaded.name)
@@ -197,56 +115,8 @@ def apply(loaded: LoadedManifest, *, store: StateStore, options: ApplyOptions = 
             return ApplyOutcome(loaded.name, "dry-run", None, _plan(loaded, options, timer), decision.actions,
                                 timer.timings)
         if checkpoint is None:
-            checkpoint = _import(loaded, store, fingerprint, timer)
+            checkpoint = import_source(loaded, store, fingerprint, timer)
         return _act(loaded, store, checkpoint, decision, options, timer, progress)
-
-
-def imports_root(store: StateStore) -> Path:
-    """``<state>/imports``: GGUF files converted to checkpoint directories, one per (GGUF content, dtype,
-    shard size), shared by every deployment of this state directory (docs/gguf.md)."""
-    return store.directory / "imports"
-
-
-def _open_source(loaded: LoadedManifest) -> tuple[Checkpoint | None, str]:
-    """The manifest's checkpoint and its fingerprint; for a GGUF file, no checkpoint yet (it is imported
-    only when a new revision needs it) and the fingerprint of what its import holds."""
-    spec = loaded.manifest.spec
-    if is_gguf(loaded.model_path):
-        return None, source_fingerprint(loaded.model_path, dtype=spec.model.dtype,
-                                        max_shard_size=spec.sharding.max_shard_size,
-                                        quantization=spec.model.quantization)
-    checkpoint = open_checkpoint(loaded.model_path, allow_pickle=spec.model.allow_pickle)
-    return checkpoint, checkpoint.fingerprint
-
-
-def existing_import(loaded: LoadedManifest, store: StateStore) -> tuple[Path, Checkpoint | None]:
-    """For a GGUF manifest: where its import lives, and the import as the checkpoint an apply would use
-    if it is already there and intact by size (None: an apply converts it first). Converts nothing."""
-    spec = loaded.manifest.spec
-    fingerprint = source_fingerprint(loaded.model_path, dtype=spec.model.dtype,
-                                     max_shard_size=spec.sharding.max_shard_size,
-                                     quantization=spec.model.quantization)
-    directory = import_dir(imports_root(store), fingerprint)
-    if import_problem(directory, fingerprint, hashes=False) is not None:
-        return directory, None
-    return directory, replace(open_checkpoint(directory), fingerprint=fingerprint)
-
-
-def _import(loaded: LoadedManifest, store: StateStore, fingerprint: str, timer: StepTimer) -> Checkpoint:
-    """The GGUF source as a checkpoint directory (converted now unless an intact import exists; its
-    contents are verified, as every load of existing files is). The checkpoint carries the GGUF's
-    fingerprint, so re-converting a damaged import is not a change of checkpoint."""
-    spec = loaded.manifest.spec
-    with timer.step("import"):
-        directory = import_gguf(loaded.model_path, imports_root(store), dtype=spec.model.dtype,
-                                max_shard_size=spec.sharding.max_shard_size,
-                                quantization=spec.model.quantization)  # it logs each stage
-        checkpoint = open_checkpoint(directory)
-    if source_fingerprint(loaded.model_path, dtype=spec.model.dtype,
-                          max_shard_size=spec.sharding.max_shard_size,
-                          quantization=spec.model.quantization) != fingerprint:
-        raise CheckpointError(f"{loaded.model_path}: changed during this apply; apply again")
-    return replace(checkpoint, fingerprint=fingerprint)
 
 
 def _refuse_without_source(loaded: LoadedManifest, store: StateStore, options: ApplyOptions) -> None:
@@ -328,10 +198,10 @@ def _act(loaded: LoadedManifest, store: StateStore, checkpoint: Checkpoint, deci
         store.record_event(loaded.name, "Decided", f"revision {revision}: {decision.actions[0].reason}")
     try:
         with timer.step("reshard"):
-            shards, result = _lay_out(loaded, store, checkpoint, plan, progress)
+            shards, result = lay_out(loaded, store, checkpoint, plan, progress)
         in_place = result is None and shards == checkpoint.path
         store.set_plan(loaded.name, revision, plan_json=json.dumps(plan.to_dict()), plan_digest=plan.digest,
-                       shards_path=str(shards), checksums=_in_place_checksums(checkpoint) if in_place else None)
+                       shards_path=str(shards), checksums=in_place_checksums(checkpoint) if in_place else None)
         if options.before_load is not None:
             with timer.step("drain"):
                 options.before_load()
@@ -347,62 +217,3 @@ def _act(loaded: LoadedManifest, store: StateStore, checkpoint: Checkpoint, deci
     collect_old_shards(loaded, store)
     return ApplyOutcome(loaded.name, "applied", revision, plan, decision.actions, timer.timings, shards=shards,
                         reshard=result, loaded=model if options.keep_model else None, health=health)
-
-
-def _lay_out(loaded: LoadedManifest, store: StateStore, checkpoint: Checkpoint, plan: Plan,
-             progress: ProgressSink | None) -> tuple[Path, ReshardResult | None]:
-    """The directory the plan loads from: the checkpoint itself when its layout fits, else shards
-    written for this (content, layout), laid out again if a previous copy is damaged."""
-    spec = loaded.manifest.spec
-    if spec.placement.tensor_parallel > 1:
-        return _lay_out_ranks(loaded, store, checkpoint), None
-    layout_args = {"max_shard_size": spec.sharding.max_shard_size, "dtype": spec.model.dtype,
-                   "device_map": plan.device_map,
-                   "quantize": quantize_for(checkpoint.path, scheme=spec.model.quantization, dtype=spec.model.dtype,
-                                            task=spec.model.task, trust_remote_code=spec.model.trust_remote_code)}
-    if fits_layout(checkpoint, **layout_args):  # type: ignore[arg-type]
-        return checkpoint.path, None
-    layout = plan_layout(checkpoint, **layout_args)  # type: ignore[arg-type]
-    shards = _layout_dir(loaded, store, checkpoint, layout.digest, what="shards")
-    return shards, reshard(checkpoint, shards, progress=progress, **layout_args)  # type: ignore[arg-type]
-
-
-def _layout_dir(loaded: LoadedManifest, store: StateStore, checkpoint: Checkpoint, digest: str, *, what: str) -> Path:
-    """The directory of this layout of the checkpoint, emptied first when a shard there is damaged (its
-    writer then lays it out again), its parent created."""
-    shards = shards_dir(loaded, store, checkpoint.fingerprint, digest)
-    lock = read_lock(shards)
-    if lock is not None and (problem := shard_problem(shards, lock, hashes=True)) is not None:
-        log.warning("%s: %s; laying the %s out again from %s", loaded.name, problem, what, checkpoint.path)
-        discard_dir(shards)
-    shards.parent.mkdir(parents=True, exist_ok=True)
-    return shards
-
-
-def _lay_out_ranks(loaded: LoadedManifest, store: StateStore, checkpoint: Checkpoint) -> Path:
-    """Tensor parallel: one file per rank (its slices and what it replicates), with checksums."""
-    from ..artifacts.rank_shards import rank_layout, write_rank_shards
-
-    model = loaded.manifest.spec.model
-    layout = rank_layout(checkpoint, ranks=loaded.manifest.spec.placement.tensor_parallel, dtype=model.dtype,
-                         task=model.task, trust_remote_code=model.trust_remote_code)
-    return write_rank_shards(checkpoint, _layout_dir(loaded, store, checkpoint, layout.digest, what="rank shards"),
-                             layout)
-
-
-def _in_place_checksums(checkpoint: Checkpoint) -> dict[str, dict]:
-    return checksums(checkpoint.path, sorted({str(t.file.relative_to(checkpoint.path)) for t in checkpoint.tensors}))
-
-
-def collect_old_shards(loaded: LoadedManifest, store: StateStore) -> None:
-    """Keep the shards of the current and the previous Ready revision (for rollback); remove the rest."""
-    root = shards_root(loaded, store)
-    keep = [Path(r.shards_path) for r in store.history(loaded.name)
-            if r.phase == Phase.READY and r.shards_path][-2:]
-    if not root.is_dir():
-        return
-    for child in root.iterdir():
-        if child.is_dir() and child not in keep and read_lock(child) is not None:
-            shutil.rmtree(child, ignore_errors=True)
-            log.info("removed old shards %s", child)
-
