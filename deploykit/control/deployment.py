@@ -33,9 +33,9 @@ from ..names import Phase
 from ..placement.inventory import process_rss
 from ..spec.manifest import LoadedManifest, load_manifests
 from .embedded import EmbeddedApi
-from .loading import serving_of
+from .loading import checked_current, load_laid_out, serving_of
 from .pool import GenerationPool
-from .report import phase_of
+from .report import live_status
 from .reconciler import ApplyOptions, ApplyOutcome, apply
 from .reloads import ReloadLog, ReloadRecord, ReloadWorker, describe
 from .rollout import Rollout, RolloutResult
@@ -185,24 +185,14 @@ class Deployment(EmbeddedApi):
         """Load the current revision from its laid-out shards (no reshard) and serve it: shards checked
         (by hash the first time this process loads that revision, by presence and size after), then
         loaded and health-checked."""
-        from .loading import StepTimer, load_checked, recorded_manifest, shards_problem
-        from ..errors import CheckpointError
-        from ..placement.plan import Plan
-
         if self.pending is not None:  # a new revision of an on-demand deployment: the whole apply, now
             self.load_initial(self.pending)
             self.pending = None
             return
-        current = self.store.current(self.name)
-        if current is None or current.plan is None:
-            raise ApplyError(f"{self.name!r} has no Ready revision to load")
-        problem = shards_problem(current, hashes=self._verified != current.revision)
-        if problem is not None:
-            raise CheckpointError(f"revision {current.revision} of {self.name!r} cannot be loaded: {problem}")
+        current = checked_current(self.store, self.name, verified=self._verified)
         self._verified = current.revision
-        manifest, plan = recorded_manifest(current), Plan.from_dict(current.plan)
-        model, _ = load_checked(manifest, plan, Path(current.shards_path or ""), StepTimer(None))
-        self.pool.install(model, plan, current.revision, "on-demand", serving_of(manifest))
+        model, plan, serving = load_laid_out(current)
+        self.pool.install(model, plan, current.revision, "on-demand", serving)
 
     # ---- serving --------------------------------------------------------------------------------
 
@@ -361,29 +351,11 @@ class Deployment(EmbeddedApi):
     # ---- status and shutdown --------------------------------------------------------------------
 
     def status(self) -> dict[str, Any]:
-        gen = self.pool.current
-        last_error = self._last_error or self._conflict or self._load_error
-        phase = self._phase
-        if phase not in (Phase.PENDING, Phase.CLOSED):
-            phase = phase_of(progressing=phase == Phase.PROGRESSING, last_error=last_error,
-                             current=gen is not None or self.pool.unloaded)  # unloaded: loads on demand
-        return {
-            "name": self.name,
-            "phase": phase.value,
-            "generation": self.generation,
-            "revision": gen.revision if gen else None,
-            "serving": gen is not None or self.pool.unloaded,  # unloaded: loads at its next request
-            "loaded": (self.host.state(self.name) if self.host is not None else None) or ("loaded" if gen else "unloaded"),
-            "budget": self.host.describe(self.name) if self.host is not None else None,
-            "in_flight": gen.refs if gen else 0,
-            "last_error": last_error,
-            "manifest": str(self.manifest_path),
-            "serialize_forward": bool(gen and gen.forward_lock),
-            "reloads": {"total": self.reload_log.count, "failed": self.reload_log.failures},
-            "memory": {"rss": process_rss(), "baseline_rss": self.pool.baseline_rss},
-            "plan": [{"device": d.device, "blocks": list(d.blocks), "bytes": d.bytes}
-                     for d in gen.plan.devices if d.blocks] if gen and gen.plan else None,
-        }
+        """Phase, generation, revision, load state, budget, last error, reloads, memory and plan
+        (``report.live_status``)."""
+        return live_status(self.pool.current, self._last_error or self._conflict or self._load_error, self._phase,
+                           name=self.name, pool=self.pool, host=self.host, manifest=self.manifest_path,
+                           reloads=self.reload_log)
 
     def close(self, timeout: float = 30.0) -> None:
         """Stop watching, let in-flight calls finish (up to ``timeout``), free the model."""
