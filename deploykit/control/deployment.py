@@ -33,7 +33,8 @@ from ..names import Phase
 from ..placement.inventory import process_rss
 from ..spec.manifest import LoadedManifest, load_manifests
 from .embedded import EmbeddedApi
-from .loading import checked_current, load_laid_out, serving_of
+from .loading import serving_of
+from .on_demand import OnDemandLoading
 from .pool import GenerationPool
 from .report import live_status
 from .reconciler import ApplyOptions, ApplyOutcome, apply
@@ -44,14 +45,13 @@ from .state import StateStore, open_store
 if TYPE_CHECKING:
     from ..artifacts.reshard import ProgressSink
     from .host import Host
-    from .pool import Generation
     from .watcher import ManifestWatcher
 
 log = logging.getLogger(__name__)
 DEFAULT_ACQUIRE_TIMEOUT = 300.0  # seconds acquire() waits while a recreate rollout reloads
 
 
-class Deployment(EmbeddedApi):
+class Deployment(OnDemandLoading, EmbeddedApi):
     """A deployed model held by this process. Thread-safe. See the module docstring."""
 
     def __init__(self, manifest_path: Path, *, name: str | None = None, devices: str | None = None,
@@ -149,50 +149,6 @@ class Deployment(EmbeddedApi):
         self.last_outcome = outcome
         if outcome.revision is not None:
             self._verified = outcome.revision
-
-    def pin(self, timeout: float | None = None) -> Generation:
-        """The current generation, pinned (``pool.unpin`` it). An unloaded deployment is loaded first,
-        once the host has made room (a ``BudgetError`` naming the budget if it cannot in time)."""
-        timeout = self.acquire_timeout if timeout is None else timeout
-        if self.host is None:
-            return self.pool.pin(timeout)
-        from .pool import NotLoaded
-
-        deadline = time.monotonic() + timeout
-        with self.host.wanted(self.name):  # busy from now: what loads for this request stays loaded
-            while True:
-                try:
-                    return self.pool.pin(max(0.0, deadline - time.monotonic()))
-                except NotLoaded:
-                    self._load_for_request()
-
-    def _load_for_request(self) -> None:
-        """Load on demand; a failed load (not a lack of room) shows in ``status()`` like a failed reload."""
-        from .budget import BudgetError
-
-        assert self.host is not None
-        try:
-            self.host.load(self.name, self.load_current, reason="request")
-        except BudgetError:
-            raise
-        except DeploykitError as exc:
-            self._load_error = describe(exc, self.pending)
-            log.warning("loading %s on demand failed: %s", self.name, self._load_error)
-            raise
-        self._load_error = None
-
-    def load_current(self) -> None:
-        """Load the current revision from its laid-out shards (no reshard) and serve it: shards checked
-        (by hash the first time this process loads that revision, by presence and size after), then
-        loaded and health-checked."""
-        if self.pending is not None:  # a new revision of an on-demand deployment: the whole apply, now
-            self.load_initial(self.pending)
-            self.pending = None
-            return
-        current = checked_current(self.store, self.name, verified=self._verified)
-        self._verified = current.revision
-        model, plan, serving = load_laid_out(current)
-        self.pool.install(model, plan, current.revision, "on-demand", serving)
 
     # ---- serving --------------------------------------------------------------------------------
 
