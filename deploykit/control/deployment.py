@@ -22,15 +22,13 @@ from __future__ import annotations
 
 import logging
 import threading
-import time
 from collections import deque
 from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from ..errors import ApplyError, DeploykitError, ManifestError, PlanInfeasible
+from ..errors import ApplyError, DeploykitError
 from ..names import Phase
-from ..placement.inventory import process_rss
 from ..spec.manifest import LoadedManifest, load_manifests
 from .embedded import EmbeddedApi
 from .loading import serving_of
@@ -38,7 +36,7 @@ from .on_demand import OnDemandLoading
 from .pool import GenerationPool
 from .report import live_status
 from .reconciler import ApplyOptions, ApplyOutcome, apply
-from .reloads import ReloadLog, ReloadRecord, ReloadWorker, describe
+from .reloads import ReloadClock, ReloadLog, ReloadRecord, ReloadWorker, describe, store_failure
 from .rollout import Rollout, RolloutResult
 from .state import StateStore, open_store
 
@@ -197,23 +195,21 @@ class Deployment(OnDemandLoading, EmbeddedApi):
         """Roll out ``loaded`` (a manifest handed over, e.g. by the control API) instead of re-reading
         the file; it becomes this deployment's manifest. Unlike ``reload`` it raises on failure (after
         recording it as a reload failure: the serving generation stays)."""
-        with self._reload_lock:
-            if self._closed:
-                raise ApplyError(f"{self.name!r} is being deleted")
-            result = self._reload_once(loaded, force=force, progress=progress, on_step=on_step, raise_errors=True)
-        assert isinstance(result, RolloutResult)
-        if result.swapped:
-            self._notify()
-        return result
+        return self._roll(loaded, force=force, progress=progress, on_step=on_step)
 
     def reconcile(self, *, force: bool = False, progress: ProgressSink | None = None,
                   on_step: Callable[[str], None] | None = None) -> RolloutResult:
         """Roll out the manifest file as it is now (what a save of it does) and raise the real reason
         when that fails; the serving generation stays. ``deploykit apply`` of a watched file."""
+        return self._roll(None, force=force, progress=progress, on_step=on_step)
+
+    def _roll(self, given: LoadedManifest | None, *, force: bool, progress: ProgressSink | None,
+              on_step: Callable[[str], None] | None) -> RolloutResult:
+        """``roll_to`` (``given``) or ``reconcile`` (None: the file as it is now), raising on failure."""
         with self._reload_lock:
             if self._closed:
                 raise ApplyError(f"{self.name!r} is being deleted")
-            result = self._reload_once(force=force, progress=progress, on_step=on_step, raise_errors=True)
+            result = self._reload_once(given, force=force, progress=progress, on_step=on_step, raise_errors=True)
         assert isinstance(result, RolloutResult)
         if result.swapped:
             self._notify()
@@ -233,7 +229,7 @@ class Deployment(OnDemandLoading, EmbeddedApi):
     def _reload_once(self, given: LoadedManifest | None = None, *, force: bool = False,
                      progress: ProgressSink | None = None, on_step: Callable[[str], None] | None = None,
                      raise_errors: bool = False) -> bool | RolloutResult:
-        started, rss_before = time.perf_counter(), process_rss()
+        clock = ReloadClock()
         loaded: LoadedManifest | None = given
         strategy = "none"
         self._phase = Phase.PROGRESSING
@@ -254,39 +250,32 @@ class Deployment(OnDemandLoading, EmbeddedApi):
         except Exception as exc:  # any failure, expected or not: recorded, the last good generation serves
             if not isinstance(exc, DeploykitError):
                 log.error("reload of %s failed unexpectedly", self.name, exc_info=exc)
-            self._record_failure(exc, loaded, strategy, started, rss_before)
+            self._record_failure(exc, loaded, strategy, clock)
             if raise_errors:
                 raise
             return False
         if given is not None:
             self._given = given
         self._last_error = None
-        swapped = self._finish_reload(result, started, rss_before)
+        swapped = self._finish_reload(result, clock)
         return result if raise_errors else swapped
 
-    def _finish_reload(self, result: RolloutResult, started: float, rss_before: int) -> bool:
+    def _finish_reload(self, result: RolloutResult, clock: ReloadClock) -> bool:
         self._phase = Phase.READY if self.pool.current is not None else Phase.FAILED
         if not result.swapped:  # nothing changed that needs a new generation
             return False
         current = self.pool.current
-        self.reload_log.record(ReloadRecord(self.generation, current.revision if current else None, True,
-                                            time.perf_counter() - started, result.strategy, None, rss_before,
-                                            process_rss()))
+        clock.record(self.reload_log, self.generation, current.revision if current else None, True, result.strategy)
         return True
 
     def _record_failure(self, exc: Exception, loaded: LoadedManifest | None, strategy: str,
-                        started: float, rss_before: int) -> None:
+                        clock: ReloadClock) -> None:
         error = describe(exc, loaded)
         log.warning("reload of %s failed; generation %d keeps serving: %s", self.name, self.generation, error)
-        if self.name and self.store.deployment(self.name) is not None:  # the store first: a reader that
-            if isinstance(exc, (ManifestError, PlanInfeasible)) or loaded is None:  # sees the error here
-                self.store.set_pending_error(self.name, error)  # finds it in `deploykit status` too
-            else:
-                self.store.record_event(self.name, "ReloadFailed", error)
+        store_failure(self.store, self.name, exc, loaded, error)  # first: who sees it here sees it in the store
         self._last_error = error
         self._phase = Phase.FAILED
-        self.reload_log.record(ReloadRecord(self.generation, None, False, time.perf_counter() - started, strategy,
-                                            self._last_error, rss_before, process_rss()))
+        clock.record(self.reload_log, self.generation, None, False, strategy, self._last_error)
 
     def request_reload(self) -> None:
         """Reload on this deployment's own worker thread (returns at once; bursts coalesce), so one
