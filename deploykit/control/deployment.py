@@ -9,8 +9,9 @@
 A thin facade over a ``GenerationPool`` (pin, swap, drain, free, leak guard), a ``Rollout`` (blue-green,
 recreate, auto) and a ``ManifestWatcher``. Each successful (re)load makes a new generation; a caller
 that acquired generation N keeps it until its ``with`` block ends. The in-process calls (``acquire``,
-``generate``, ``chat``, ``embed``) live in ``embedded``; the reload records, counts and worker thread
-in ``reloads``.
+``generate``, ``chat``, ``embed``) live in ``embedded``; ``pin`` and the loads on demand under a host in
+``on_demand``; the reload records, counts, timing and worker thread in ``reloads``; the shape of
+``status()`` in ``report``.
 
 A reload that fails at any step (bad manifest, missing file, plan infeasible, load error, failed
 health check) leaves the serving generation untouched; the error appears in ``status()`` (with the
