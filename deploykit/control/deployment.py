@@ -9,8 +9,8 @@
 A thin facade over a ``GenerationPool`` (pin, swap, drain, free, leak guard), a ``Rollout`` (blue-green,
 recreate, auto) and a ``ManifestWatcher``. Each successful (re)load makes a new generation; a caller
 that acquired generation N keeps it until its ``with`` block ends. The in-process calls (``acquire``,
-``generate``, ``chat``, ``embed``) live in ``embedded``; ``pin`` and the loads on demand under a host in
-``on_demand``; the reload records, counts, timing and worker thread in ``reloads``; the shape of
+``generate``, ``chat``, ``embed``) live in ``embedded``; its loads (the first, and those on demand
+under a host, by ``pin``) in ``on_demand``; the reload records, counts, timing and worker thread in ``reloads``; the shape of
 ``status()`` in ``report``.
 
 A reload that fails at any step (bad manifest, missing file, plan infeasible, load error, failed
@@ -30,13 +30,12 @@ from typing import TYPE_CHECKING, Any
 
 from ..errors import ApplyError, DeploykitError
 from ..names import Phase
-from ..spec.manifest import LoadedManifest, load_manifests
+from ..spec.manifest import LoadedManifest, manifest_named
 from .embedded import EmbeddedApi
-from .loading import serving_of
 from .on_demand import OnDemandLoading
 from .pool import GenerationPool
 from .report import live_status
-from .reconciler import ApplyOptions, ApplyOutcome, apply
+from .reconciler import ApplyOutcome
 from .reloads import ReloadClock, ReloadLog, ReloadRecord, ReloadWorker, describe, store_failure
 from .rollout import Rollout, RolloutResult
 from .state import StateStore, open_store
@@ -106,17 +105,7 @@ class Deployment(OnDemandLoading, EmbeddedApi):
         return dep
 
     def _manifest(self) -> LoadedManifest:
-        if self._given is not None:
-            return self._given
-        manifests = load_manifests(self.manifest_path)
-        if self._wanted_name is not None:
-            chosen = [m for m in manifests if m.name == self._wanted_name]
-            if not chosen:
-                raise ApplyError(f"{self.manifest_path}: no manifest named {self._wanted_name!r}")
-            return chosen[0]
-        if len(manifests) != 1:
-            raise ApplyError(f"{self.manifest_path} holds {len(manifests)} manifests; pass name=")
-        return manifests[0]
+        return self._given if self._given is not None else manifest_named(self.manifest_path, self._wanted_name)
 
     def start(self, *, force: bool = False, progress: ProgressSink | None = None,
               on_step: Callable[[str], None] | None = None) -> None:
@@ -135,19 +124,6 @@ class Deployment(OnDemandLoading, EmbeddedApi):
             self._phase, self._last_error = Phase.FAILED, describe(exc, loaded)
             raise
         self._phase = Phase.READY
-
-    def load_initial(self, loaded: LoadedManifest, *, force: bool = False, progress: ProgressSink | None = None,
-                      on_step: Callable[[str], None] | None = None) -> None:
-        """Apply ``loaded`` (or load its current revision, verified and health-checked) and serve it."""
-        outcome = apply(loaded, store=self.store, options=ApplyOptions(
-            devices=self.devices, keep_model=True, load_if_unchanged=True, force=force),
-            progress=progress, on_step=on_step)
-        assert outcome.loaded is not None
-        self.pool.install(outcome.loaded, outcome.plan, outcome.revision or 0, "initial", serving_of(loaded))
-        outcome.loaded = None  # the pool owns the model now: a kept outcome must not pin it
-        self.last_outcome = outcome
-        if outcome.revision is not None:
-            self._verified = outcome.revision
 
     # ---- serving --------------------------------------------------------------------------------
 

@@ -1,7 +1,8 @@
-"""Pinning a ``Deployment``'s current generation, loading it first where it serves nothing: under a
-host (``deploykit serve``) a request finds an unloaded deployment loaded for it once the host has made
-room — a new revision of an on-demand deployment by the whole apply, else the current revision from its
-laid-out shards (``load_current``). A failed load shows in ``status()`` like a failed reload.
+"""How a ``Deployment``'s model comes to serve: its first load (``load_initial``: the whole apply, then
+serve), and the loads on demand when ``pin`` finds it serving nothing: under a host (``deploykit
+serve``) a request finds an unloaded deployment loaded for it once the host has made room — a new
+revision of an on-demand deployment by the whole apply, else the current revision from its laid-out
+shards (``load_current``). A failed load on demand shows in ``status()`` like a failed reload.
 """
 
 from __future__ import annotations
@@ -11,10 +12,14 @@ import time
 from typing import TYPE_CHECKING
 
 from ..errors import DeploykitError
-from .loading import checked_current, load_laid_out
+from .loading import checked_current, load_laid_out, serving_of
+from .reconciler import ApplyOptions, ApplyOutcome, apply
 from .reloads import describe
 
 if TYPE_CHECKING:
+    from collections.abc import Callable
+
+    from ..artifacts.reshard import ProgressSink
     from ..spec.manifest import LoadedManifest
     from .host import Host
     from .pool import Generation, GenerationPool
@@ -24,7 +29,7 @@ log = logging.getLogger(__name__)
 
 
 class OnDemandLoading:
-    """``pin`` and the loads on demand of ``Deployment``, over its pool, store, host and pending manifest."""
+    """The loads of ``Deployment`` and its ``pin``, over its pool, store, host and pending manifest."""
 
     if TYPE_CHECKING:
         name: str
@@ -36,7 +41,21 @@ class OnDemandLoading:
         _verified: int | None
         _load_error: str | None
 
-        def load_initial(self, loaded: LoadedManifest) -> None: ...
+        devices: str | None
+        last_outcome: ApplyOutcome | None
+
+    def load_initial(self, loaded: LoadedManifest, *, force: bool = False, progress: ProgressSink | None = None,
+                      on_step: Callable[[str], None] | None = None) -> None:
+        """Apply ``loaded`` (or load its current revision, verified and health-checked) and serve it."""
+        outcome = apply(loaded, store=self.store, options=ApplyOptions(
+            devices=self.devices, keep_model=True, load_if_unchanged=True, force=force),
+            progress=progress, on_step=on_step)
+        assert outcome.loaded is not None
+        self.pool.install(outcome.loaded, outcome.plan, outcome.revision or 0, "initial", serving_of(loaded))
+        outcome.loaded = None  # the pool owns the model now: a kept outcome must not pin it
+        self.last_outcome = outcome
+        if outcome.revision is not None:
+            self._verified = outcome.revision
 
     def pin(self, timeout: float | None = None) -> Generation:
         """The current generation, pinned (``pool.unpin`` it). An unloaded deployment is loaded first,
