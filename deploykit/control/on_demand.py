@@ -40,7 +40,6 @@ class OnDemandLoading:
         pending: LoadedManifest | None
         _verified: int | None
         _load_error: str | None
-
         devices: str | None
         last_outcome: ApplyOutcome | None
 
