@@ -9,8 +9,9 @@
 A thin facade over a ``GenerationPool`` (pin, swap, drain, free, leak guard), a ``Rollout`` (blue-green,
 recreate, auto) and a ``ManifestWatcher``. Each successful (re)load makes a new generation; a caller
 that acquired generation N keeps it until its ``with`` block ends. The in-process calls (``acquire``,
-``generate``, ``chat``, ``embed``) live in ``embedded``; the reload records, counts and worker thread
-in ``reloads``.
+``generate``, ``chat``, ``embed``) live in ``embedded``; its loads (the first, and those on demand
+under a host, by ``pin``) in ``on_demand``; the reload records, counts, timing and worker thread in ``reloads``; the shape of
+``status()`` in ``report``.
 
 A reload that fails at any step (bad manifest, missing file, plan infeasible, load error, failed
 health check) leaves the serving generation untouched; the error appears in ``status()`` (with the
@@ -22,36 +23,33 @@ from __future__ import annotations
 
 import logging
 import threading
-import time
 from collections import deque
 from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from ..errors import ApplyError, DeploykitError, ManifestError, PlanInfeasible
+from ..errors import ApplyError, DeploykitError
 from ..names import Phase
-from ..placement.inventory import process_rss
-from ..spec.manifest import LoadedManifest, load_manifests
+from ..spec.manifest import LoadedManifest, manifest_named
 from .embedded import EmbeddedApi
-from .loading import serving_of
+from .on_demand import OnDemandLoading
 from .pool import GenerationPool
-from .report import phase_of
-from .reconciler import ApplyOptions, ApplyOutcome, apply
-from .reloads import ReloadLog, ReloadRecord, ReloadWorker, describe
+from .report import live_status
+from .reconciler import ApplyOutcome
+from .reloads import ReloadClock, ReloadLog, ReloadRecord, ReloadWorker, describe, store_failure
 from .rollout import Rollout, RolloutResult
 from .state import StateStore, open_store
 
 if TYPE_CHECKING:
     from ..artifacts.reshard import ProgressSink
     from .host import Host
-    from .pool import Generation
     from .watcher import ManifestWatcher
 
 log = logging.getLogger(__name__)
 DEFAULT_ACQUIRE_TIMEOUT = 300.0  # seconds acquire() waits while a recreate rollout reloads
 
 
-class Deployment(EmbeddedApi):
+class Deployment(OnDemandLoading, EmbeddedApi):
     """A deployed model held by this process. Thread-safe. See the module docstring."""
 
     def __init__(self, manifest_path: Path, *, name: str | None = None, devices: str | None = None,
@@ -107,17 +105,7 @@ class Deployment(EmbeddedApi):
         return dep
 
     def _manifest(self) -> LoadedManifest:
-        if self._given is not None:
-            return self._given
-        manifests = load_manifests(self.manifest_path)
-        if self._wanted_name is not None:
-            chosen = [m for m in manifests if m.name == self._wanted_name]
-            if not chosen:
-                raise ApplyError(f"{self.manifest_path}: no manifest named {self._wanted_name!r}")
-            return chosen[0]
-        if len(manifests) != 1:
-            raise ApplyError(f"{self.manifest_path} holds {len(manifests)} manifests; pass name=")
-        return manifests[0]
+        return self._given if self._given is not None else manifest_named(self.manifest_path, self._wanted_name)
 
     def start(self, *, force: bool = False, progress: ProgressSink | None = None,
               on_step: Callable[[str], None] | None = None) -> None:
@@ -136,73 +124,6 @@ class Deployment(EmbeddedApi):
             self._phase, self._last_error = Phase.FAILED, describe(exc, loaded)
             raise
         self._phase = Phase.READY
-
-    def load_initial(self, loaded: LoadedManifest, *, force: bool = False, progress: ProgressSink | None = None,
-                      on_step: Callable[[str], None] | None = None) -> None:
-        """Apply ``loaded`` (or load its current revision, verified and health-checked) and serve it."""
-        outcome = apply(loaded, store=self.store, options=ApplyOptions(
-            devices=self.devices, keep_model=True, load_if_unchanged=True, force=force),
-            progress=progress, on_step=on_step)
-        assert outcome.loaded is not None
-        self.pool.install(outcome.loaded, outcome.plan, outcome.revision or 0, "initial", serving_of(loaded))
-        outcome.loaded = None  # the pool owns the model now: a kept outcome must not pin it
-        self.last_outcome = outcome
-        if outcome.revision is not None:
-            self._verified = outcome.revision
-
-    def pin(self, timeout: float | None = None) -> Generation:
-        """The current generation, pinned (``pool.unpin`` it). An unloaded deployment is loaded first,
-        once the host has made room (a ``BudgetError`` naming the budget if it cannot in time)."""
-        timeout = self.acquire_timeout if timeout is None else timeout
-        if self.host is None:
-            return self.pool.pin(timeout)
-        from .pool import NotLoaded
-
-        deadline = time.monotonic() + timeout
-        with self.host.wanted(self.name):  # busy from now: what loads for this request stays loaded
-            while True:
-                try:
-                    return self.pool.pin(max(0.0, deadline - time.monotonic()))
-                except NotLoaded:
-                    self._load_for_request()
-
-    def _load_for_request(self) -> None:
-        """Load on demand; a failed load (not a lack of room) shows in ``status()`` like a failed reload."""
-        from .budget import BudgetError
-
-        assert self.host is not None
-        try:
-            self.host.load(self.name, self.load_current, reason="request")
-        except BudgetError:
-            raise
-        except DeploykitError as exc:
-            self._load_error = describe(exc, self.pending)
-            log.warning("loading %s on demand failed: %s", self.name, self._load_error)
-            raise
-        self._load_error = None
-
-    def load_current(self) -> None:
-        """Load the current revision from its laid-out shards (no reshard) and serve it: shards checked
-        (by hash the first time this process loads that revision, by presence and size after), then
-        loaded and health-checked."""
-        from .loading import StepTimer, load_checked, recorded_manifest, shards_problem
-        from ..errors import CheckpointError
-        from ..placement.plan import Plan
-
-        if self.pending is not None:  # a new revision of an on-demand deployment: the whole apply, now
-            self.load_initial(self.pending)
-            self.pending = None
-            return
-        current = self.store.current(self.name)
-        if current is None or current.plan is None:
-            raise ApplyError(f"{self.name!r} has no Ready revision to load")
-        problem = shards_problem(current, hashes=self._verified != current.revision)
-        if problem is not None:
-            raise CheckpointError(f"revision {current.revision} of {self.name!r} cannot be loaded: {problem}")
-        self._verified = current.revision
-        manifest, plan = recorded_manifest(current), Plan.from_dict(current.plan)
-        model, _ = load_checked(manifest, plan, Path(current.shards_path or ""), StepTimer(None))
-        self.pool.install(model, plan, current.revision, "on-demand", serving_of(manifest))
 
     # ---- serving --------------------------------------------------------------------------------
 
@@ -251,23 +172,21 @@ class Deployment(EmbeddedApi):
         """Roll out ``loaded`` (a manifest handed over, e.g. by the control API) instead of re-reading
         the file; it becomes this deployment's manifest. Unlike ``reload`` it raises on failure (after
         recording it as a reload failure: the serving generation stays)."""
-        with self._reload_lock:
-            if self._closed:
-                raise ApplyError(f"{self.name!r} is being deleted")
-            result = self._reload_once(loaded, force=force, progress=progress, on_step=on_step, raise_errors=True)
-        assert isinstance(result, RolloutResult)
-        if result.swapped:
-            self._notify()
-        return result
+        return self._roll(loaded, force=force, progress=progress, on_step=on_step)
 
     def reconcile(self, *, force: bool = False, progress: ProgressSink | None = None,
                   on_step: Callable[[str], None] | None = None) -> RolloutResult:
         """Roll out the manifest file as it is now (what a save of it does) and raise the real reason
         when that fails; the serving generation stays. ``deploykit apply`` of a watched file."""
+        return self._roll(None, force=force, progress=progress, on_step=on_step)
+
+    def _roll(self, given: LoadedManifest | None, *, force: bool, progress: ProgressSink | None,
+              on_step: Callable[[str], None] | None) -> RolloutResult:
+        """``roll_to`` (``given``) or ``reconcile`` (None: the file as it is now), raising on failure."""
         with self._reload_lock:
             if self._closed:
                 raise ApplyError(f"{self.name!r} is being deleted")
-            result = self._reload_once(force=force, progress=progress, on_step=on_step, raise_errors=True)
+            result = self._reload_once(given, force=force, progress=progress, on_step=on_step, raise_errors=True)
         assert isinstance(result, RolloutResult)
         if result.swapped:
             self._notify()
@@ -287,7 +206,7 @@ class Deployment(EmbeddedApi):
     def _reload_once(self, given: LoadedManifest | None = None, *, force: bool = False,
                      progress: ProgressSink | None = None, on_step: Callable[[str], None] | None = None,
                      raise_errors: bool = False) -> bool | RolloutResult:
-        started, rss_before = time.perf_counter(), process_rss()
+        clock = ReloadClock()
         loaded: LoadedManifest | None = given
         strategy = "none"
         self._phase = Phase.PROGRESSING
@@ -308,39 +227,32 @@ class Deployment(EmbeddedApi):
         except Exception as exc:  # any failure, expected or not: recorded, the last good generation serves
             if not isinstance(exc, DeploykitError):
                 log.error("reload of %s failed unexpectedly", self.name, exc_info=exc)
-            self._record_failure(exc, loaded, strategy, started, rss_before)
+            self._record_failure(exc, loaded, strategy, clock)
             if raise_errors:
                 raise
             return False
         if given is not None:
             self._given = given
         self._last_error = None
-        swapped = self._finish_reload(result, started, rss_before)
+        swapped = self._finish_reload(result, clock)
         return result if raise_errors else swapped
 
-    def _finish_reload(self, result: RolloutResult, started: float, rss_before: int) -> bool:
+    def _finish_reload(self, result: RolloutResult, clock: ReloadClock) -> bool:
         self._phase = Phase.READY if self.pool.current is not None else Phase.FAILED
         if not result.swapped:  # nothing changed that needs a new generation
             return False
         current = self.pool.current
-        self.reload_log.record(ReloadRecord(self.generation, current.revision if current else None, True,
-                                            time.perf_counter() - started, result.strategy, None, rss_before,
-                                            process_rss()))
+        clock.record(self.reload_log, self.generation, current.revision if current else None, True, result.strategy)
         return True
 
     def _record_failure(self, exc: Exception, loaded: LoadedManifest | None, strategy: str,
-                        started: float, rss_before: int) -> None:
+                        clock: ReloadClock) -> None:
         error = describe(exc, loaded)
         log.warning("reload of %s failed; generation %d keeps serving: %s", self.name, self.generation, error)
-        if self.name and self.store.deployment(self.name) is not None:  # the store first: a reader that
-            if isinstance(exc, (ManifestError, PlanInfeasible)) or loaded is None:  # sees the error here
-                self.store.set_pending_error(self.name, error)  # finds it in `deploykit status` too
-            else:
-                self.store.record_event(self.name, "ReloadFailed", error)
+        store_failure(self.store, self.name, exc, loaded, error)  # first: who sees it here sees it in the store
         self._last_error = error
         self._phase = Phase.FAILED
-        self.reload_log.record(ReloadRecord(self.generation, None, False, time.perf_counter() - started, strategy,
-                                            self._last_error, rss_before, process_rss()))
+        clock.record(self.reload_log, self.generation, None, False, strategy, self._last_error)
 
     def request_reload(self) -> None:
         """Reload on this deployment's own worker thread (returns at once; bursts coalesce), so one
@@ -361,29 +273,11 @@ class Deployment(EmbeddedApi):
     # ---- status and shutdown --------------------------------------------------------------------
 
     def status(self) -> dict[str, Any]:
-        gen = self.pool.current
-        last_error = self._last_error or self._conflict or self._load_error
-        phase = self._phase
-        if phase not in (Phase.PENDING, Phase.CLOSED):
-            phase = phase_of(progressing=phase == Phase.PROGRESSING, last_error=last_error,
-                             current=gen is not None or self.pool.unloaded)  # unloaded: loads on demand
-        return {
-            "name": self.name,
-            "phase": phase.value,
-            "generation": self.generation,
-            "revision": gen.revision if gen else None,
-            "serving": gen is not None or self.pool.unloaded,  # unloaded: loads at its next request
-            "loaded": (self.host.state(self.name) if self.host is not None else None) or ("loaded" if gen else "unloaded"),
-            "budget": self.host.describe(self.name) if self.host is not None else None,
-            "in_flight": gen.refs if gen else 0,
-            "last_error": last_error,
-            "manifest": str(self.manifest_path),
-            "serialize_forward": bool(gen and gen.forward_lock),
-            "reloads": {"total": self.reload_log.count, "failed": self.reload_log.failures},
-            "memory": {"rss": process_rss(), "baseline_rss": self.pool.baseline_rss},
-            "plan": [{"device": d.device, "blocks": list(d.blocks), "bytes": d.bytes}
-                     for d in gen.plan.devices if d.blocks] if gen and gen.plan else None,
-        }
+        """Phase, generation, revision, load state, budget, last error, reloads, memory and plan
+        (``report.live_status``)."""
+        return live_status(self.pool.current, self._last_error or self._conflict or self._load_error, self._phase,
+                           name=self.name, pool=self.pool, host=self.host, manifest=self.manifest_path,
+                           reloads=self.reload_log)
 
     def close(self, timeout: float = 30.0) -> None:
         """Stop watching, let in-flight calls finish (up to ``timeout``), free the model."""

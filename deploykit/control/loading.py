@@ -16,7 +16,7 @@ from ..artifacts.verify import read_lock, recorded_problem, shard_problem
 from ..errors import ApplyError, CheckpointError
 from ..placement.plan import Plan
 from ..spec.manifest import LoadedManifest
-from .state import Revision
+from .state import Revision, StateStore
 
 if TYPE_CHECKING:
     from ..engine.loader import LoadedModel
@@ -190,6 +190,27 @@ def load_revision(revision: Revision) -> LoadedModel:
     model, _ = load_checked(recorded_manifest(revision), Plan.from_dict(revision.plan),
                              Path(revision.shards_path or ""), StepTimer(None))
     return model
+
+
+def checked_current(store: StateStore, name: str, *, verified: int | None) -> Revision:
+    """``name``'s current revision, its laid-out shards checked: by hash unless ``verified`` is that
+    revision (this process checked it by hash before), else by presence and size."""
+    current = store.current(name)
+    if current is None or current.plan is None:
+        raise ApplyError(f"{name!r} has no Ready revision to load")
+    problem = shards_problem(current, hashes=verified != current.revision)
+    if problem is not None:
+        raise CheckpointError(f"revision {current.revision} of {name!r} cannot be loaded: {problem}")
+    return current
+
+
+def load_laid_out(revision: Revision) -> tuple[LoadedModel, Plan, ServingSpec]:
+    """Load ``revision`` (shards already checked: ``checked_current``) from its shards, no reshard, and
+    health-check it: the model, its plan and what serving it needs."""
+    assert revision.plan is not None
+    manifest, plan = recorded_manifest(revision), Plan.from_dict(revision.plan)
+    model, _ = load_checked(manifest, plan, Path(revision.shards_path or ""), StepTimer(None))
+    return model, plan, serving_of(manifest)
 
 
 def recorded_manifest(revision: Revision) -> LoadedManifest:

@@ -1,21 +1,25 @@
-"""The reloads of one ``Deployment``: what each did (``ReloadRecord``), the recent ones and the counts
-(``ReloadLog``, read by ``status()`` and the Prometheus metrics), the thread that runs requested
-reloads (``ReloadWorker``), and how a failure reads for the user (``describe``).
+"""The reloads of one ``Deployment``: what each did (``ReloadRecord``, timed by ``ReloadClock``), the
+recent ones and the counts (``ReloadLog``, read by ``status()`` and the Prometheus metrics), the thread
+that runs requested reloads (``ReloadWorker``), how a failure reads for the user (``describe``) and
+where the state store keeps it (``store_failure``).
 """
 
 from __future__ import annotations
 
 import logging
 import threading
+import time
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from ..errors import DeploykitError, ManifestError, PlanInfeasible
+from ..placement.inventory import process_rss
 
 if TYPE_CHECKING:
     from ..spec.manifest import LoadedManifest
+    from .state import StateStore
 
 log = logging.getLogger(__name__)
 RELOAD_HISTORY = 100  # reload records kept in memory
@@ -47,6 +51,18 @@ class ReloadLog:
             self.failures += 1
         self.count += 1
         self.records.append(record)
+
+
+class ReloadClock:
+    """When a reload started and the process's RSS then; ``record`` what the reload did once it ends."""
+
+    def __init__(self) -> None:
+        self.started, self.rss_before = time.perf_counter(), process_rss()
+
+    def record(self, log: ReloadLog, generation: int, revision: int | None, ok: bool, strategy: str,
+               error: str | None = None) -> None:
+        log.record(ReloadRecord(generation, revision, ok, time.perf_counter() - self.started, strategy, error,
+                                self.rss_before, process_rss()))
 
 
 class ReloadWorker:
@@ -89,3 +105,13 @@ def describe(exc: Exception, loaded: LoadedManifest | None) -> str:
     if not isinstance(exc, DeploykitError):
         return f"internal error: {type(exc).__name__}: {exc}"
     return str(exc)
+
+
+def store_failure(store: StateStore, name: str, exc: Exception, loaded: LoadedManifest | None, error: str) -> None:
+    """Keep a failed reload's ``error`` where ``deploykit status`` reads it (a recorded deployment only):
+    a change that cannot become a revision as its pending error, any other as a ``ReloadFailed`` event."""
+    if name and store.deployment(name) is not None:
+        if isinstance(exc, (ManifestError, PlanInfeasible)) or loaded is None:
+            store.set_pending_error(name, error)
+        else:
+            store.record_event(name, "ReloadFailed", error)

@@ -1,4 +1,5 @@
-"""What ``deploykit status`` and ``history`` show, shaped from the state store's records.
+"""What ``deploykit status`` and ``history`` show, shaped from the state store's records, and what a
+live ``Deployment.status()`` shows, shaped from the deployment's parts.
 
 Kept apart from the store: the store records facts; this module decides what they mean for a reader
 (phase, conditions, the error that still matters).
@@ -7,11 +8,18 @@ Kept apart from the store: the store records facts; this module decides what the
 from __future__ import annotations
 
 import time
-from typing import Any
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
 from ..errors import DeploykitError
 from ..names import Phase
+from ..placement.inventory import process_rss
 from .state import Revision, StateStore
+
+if TYPE_CHECKING:
+    from .host import Host
+    from .pool import Generation, GenerationPool
+    from .reloads import ReloadLog
 
 
 def phase_of(*, progressing: bool, last_error: str | None, current: bool) -> Phase:
@@ -95,3 +103,30 @@ def history_rows(store: StateStore, name: str) -> list[dict[str, Any]]:
              "created": time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(r.created_at)),
              "created_at": r.created_at, "manifest_digest": r.manifest_digest, "plan_digest": r.plan_digest,
              "git_commit": r.git_commit, "reason": r.reason} for r in revisions]
+
+
+def live_status(gen: Generation | None, last_error: str | None, phase: Phase, *, name: str, pool: GenerationPool,
+                host: Host | None, manifest: Path, reloads: ReloadLog) -> dict[str, Any]:
+    """What ``Deployment.status()`` shows: ``gen`` (its pool's current generation, read first), ``phase``
+    as the deployment holds it (settled by ``phase_of`` unless Pending or Closed), its budget under
+    ``host`` (if any) and its reloads."""
+    if phase not in (Phase.PENDING, Phase.CLOSED):
+        phase = phase_of(progressing=phase == Phase.PROGRESSING, last_error=last_error,
+                         current=gen is not None or pool.unloaded)  # unloaded: loads on demand
+    return {
+        "name": name,
+        "phase": phase.value,
+        "generation": pool.number,
+        "revision": gen.revision if gen else None,
+        "serving": gen is not None or pool.unloaded,  # unloaded: loads at its next request
+        "loaded": (host.state(name) if host is not None else None) or ("loaded" if gen else "unloaded"),
+        "budget": host.describe(name) if host is not None else None,
+        "in_flight": gen.refs if gen else 0,
+        "last_error": last_error,
+        "manifest": str(manifest),
+        "serialize_forward": bool(gen and gen.forward_lock),
+        "reloads": {"total": reloads.count, "failed": reloads.failures},
+        "memory": {"rss": process_rss(), "baseline_rss": pool.baseline_rss},
+        "plan": [{"device": d.device, "blocks": list(d.blocks), "bytes": d.bytes}
+                 for d in gen.plan.devices if d.blocks] if gen and gen.plan else None,
+    }

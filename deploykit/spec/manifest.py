@@ -16,7 +16,7 @@ from typing import Any
 
 from pydantic import ValidationError
 
-from ..errors import Issue, ManifestError
+from ..errors import ApplyError, Issue, ManifestError
 from ..names import Task
 from .schema import ModelDeployment
 from .tensor_parallel import heads_issues
@@ -136,6 +136,20 @@ def load_manifests(path: str | Path) -> list[LoadedManifest]:
     except OSError as exc:
         raise ManifestError.single(f"cannot read the file: {exc.strerror}", path=source) from None
     return parse_manifests(data, source=source, base_dir=file.resolve().parent)
+
+
+def manifest_named(path: Path, name: str | None) -> LoadedManifest:
+    """The manifest named ``name`` in the file at ``path``; without a name, the file's only one (an
+    ``ApplyError`` when it holds none of that name, or several)."""
+    manifests = load_manifests(path)
+    if name is not None:
+        chosen = [m for m in manifests if m.name == name]
+        if not chosen:
+            raise ApplyError(f"{path}: no manifest named {name!r}")
+        return chosen[0]
+    if len(manifests) != 1:
+        raise ApplyError(f"{path} holds {len(manifests)} manifests; pass name=")
+    return manifests[0]
 
 
 def check_on_host(loaded: LoadedManifest) -> list[Issue]:
