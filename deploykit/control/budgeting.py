@@ -71,6 +71,7 @@ def roll_budgeted(dep: Deployment, host: Host, loaded: LoadedManifest, *, force:
     probe = apply(loaded, store=dep.store, options=ApplyOptions(devices=dep.devices, dry_run=True, force=force))
     if probe.status == "unchanged":
         dep.pending = None  # back to what is recorded: nothing left to apply
+        dep.store.settle(dep.name)  # a no-op confirms what serves: earlier errors are over (as apply does)
         return RolloutResult(False, "none", probe)
     if dep.pool.unloaded:
         dep.pending = loaded  # nothing serves: its next request applies it (no room taken now)

@@ -64,6 +64,8 @@ class Supervisor:
         self._errors: dict[str, str] = {}  # manifest file -> why it (or a deployment in it) is not serving
         self.loading: set[str] = set()  # names declared by a file, not yet serving
         self._lock = threading.Lock()  # guards deployments, _errors and loading
+        self._changed = threading.Condition(self._lock)  # a deployment began serving or stopped loading
+        self._closing = False
         self._watcher: ManifestWatcher | None = None
         self._name_locks: dict[str, threading.Lock] = {}
         self._busy: dict[str, str] = {}  # name -> the change running for it now
@@ -143,9 +145,11 @@ class Supervisor:
             dep = Deployment.from_manifest(file, name=name, devices=self.devices, store=self.store, host=self.host)
             with self._lock:  # served before it stops loading: a reader always finds it in one of the two
                 self.deployments[name] = dep
+                self._changed.notify_all()
         finally:
             with self._lock:
                 self.loading.discard(name)
+                self._changed.notify_all()
         log.info("%s: serving %s (generation %d)", file, name, dep.generation)
         return dep
 
@@ -222,6 +226,7 @@ class Supervisor:
                 self.owners.claim_for_api(name)
                 with self._lock:
                     self.deployments[name] = dep
+                    self._changed.notify_all()
                 log.info("restored %s (revision %s)", name, current.revision)
         except Exception as exc:
             with self._lock:
@@ -230,6 +235,7 @@ class Supervisor:
         finally:
             with self._lock:
                 self.loading.discard(name)
+                self._changed.notify_all()
 
     def owner(self, name: str) -> Path | None:
         """The watched file that owns ``name``, if any (it alone may change the deployment)."""
@@ -290,10 +296,12 @@ class Supervisor:
                 self.owners.claim_for_api(name)
                 with self._lock:  # served before it stops loading (see _add_one)
                     self.deployments[name] = dep
+                    self._changed.notify_all()
                     self._errors.pop(f"revision of {name}", None)
             finally:
                 with self._lock:
                     self.loading.discard(name)
+                    self._changed.notify_all()
             assert dep.last_outcome is not None
             return dep.last_outcome
 
@@ -380,6 +388,25 @@ class Supervisor:
         with self._lock:
             return list(self.deployments.items())
 
+    def wait_served(self, name: str, timeout: float) -> Deployment | None:
+        """The deployment ``name`` once it serves: at once if it does, after its first load (or restore)
+        if it is loading, None if that load failed, the server is closing, or ``timeout`` passed."""
+        deadline = time.monotonic() + timeout
+        with self._changed:
+            while name not in self.deployments and name in self.loading and not self._closing:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    break
+                self._changed.wait(left)
+            return self.deployments.get(name)
+
+    def why_not_served(self, name: str) -> str | None:
+        """Why a declared ``name`` does not serve (its load failed), if the supervisor knows."""
+        with self._lock:
+            if self._closing:
+                return "the server is stopping"
+            return next((e for e in self._errors.values() if e.startswith(f"{name}: ")), None)
+
     def statuses(self) -> list[dict[str, Any]]:
         out = []
         for name, dep in self.items():
@@ -411,6 +438,9 @@ class Supervisor:
         return (not not_ready and bool(items)), not_ready
 
     def close(self) -> None:
+        with self._changed:
+            self._closing = True
+            self._changed.notify_all()  # requests waiting for a load are answered: the server is stopping
         if self.host is not None:
             self.host.stop()
         if self._watcher is not None:

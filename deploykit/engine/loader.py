@@ -27,7 +27,7 @@ from pathlib import Path
 from typing import Any
 
 from ..errors import ApplyError
-from ..model.hf import auto_class, quiet_transformers
+from ..model.hf import BUILD_LOCK, auto_class, quiet_transformers
 from ..placement.keys import placement_key
 from ..placement.plan import Plan
 
@@ -177,7 +177,7 @@ def load(plan: Plan, checkpoint_dir: Path, options: LoadOptions) -> LoadedModel:
 
         kwargs["quantization_config"] = quantization_config(plan.quantization, quantized)
     try:
-        with quiet_transformers(progress=show_progress):
+        with BUILD_LOCK, quiet_transformers(progress=show_progress):  # see model.hf.BUILD_LOCK
             model, info = auto_class(task).from_pretrained(str(checkpoint_dir), **kwargs)
     except (OSError, ValueError, RuntimeError, KeyError) as exc:
         raise ApplyError(f"loading {checkpoint_dir} failed: {str(exc).strip().splitlines()[0]}") from None

@@ -5,10 +5,16 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import threading
 from collections.abc import Iterator
 from typing import Any
 
 log = logging.getLogger("deploykit")
+
+# transformers builds models through process-wide state (init patches, the tying of weights): two
+# threads building models of one tied-embedding checkpoint at once made one of them report
+# 'lm_head.weight' missing. Every model construction in this process (meta or real) holds this lock.
+BUILD_LOCK = threading.RLock()
 
 
 def auto_class(task: str) -> Any:

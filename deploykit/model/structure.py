@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import json
 import logging
+import threading
 
 from collections.abc import Mapping
 from dataclasses import asdict, dataclass, field, fields
@@ -32,7 +33,7 @@ from typing import TYPE_CHECKING, Any, Literal, get_args
 from ..errors import CheckpointError
 from . import gguf, structure_cache
 from . import quantization as quant
-from .hf import auto_class, quiet_transformers
+from .hf import BUILD_LOCK, auto_class, quiet_transformers
 from ..names import DTYPE_SIZES, FROM_TORCH
 from ..names import Task as TaskName
 
@@ -161,11 +162,12 @@ def build_meta_model(config: Any, *, task: Task, trust_remote_code: bool = False
     pre-load shape check of one apply build it once.
     """
     key = (config.to_json_string(), task, trust_remote_code)
-    if key not in _META_CACHE:
-        if len(_META_CACHE) > 8:
-            _META_CACHE.clear()
-        _META_CACHE[key] = _build_meta_model(config, task=task, trust_remote_code=trust_remote_code)
-    return _META_CACHE[key]
+    with BUILD_LOCK:  # the cache and the build: one thread at a time (``hf.BUILD_LOCK``)
+        if key not in _META_CACHE:
+            if len(_META_CACHE) > 8:
+                _META_CACHE.clear()
+            _META_CACHE[key] = _build_meta_model(config, task=task, trust_remote_code=trust_remote_code)
+        return _META_CACHE[key]
 
 
 def _build_meta_model(config: Any, *, task: Task, trust_remote_code: bool = False) -> torch.nn.Module:
@@ -368,6 +370,7 @@ def structure_from_config(config: Any, *, task: Task, dtype: str, trust_remote_c
 
 
 _STRUCTURES: dict[str, Structure] = {}  # in-process, by the same key as the on-disk cache
+_STRUCTURES_LOCK = threading.Lock()  # deployments plan in parallel at start
 
 
 def load_structure(model_dir: Path, *, task: Task, dtype: str, trust_remote_code: bool = False,
@@ -385,7 +388,7 @@ def load_structure(model_dir: Path, *, task: Task, dtype: str, trust_remote_code
     key = structure_cache.structure_key(config_json, model_dir=Path(model_dir), task=task, dtype=dtype,
                                         trust_remote_code=trust_remote_code, format_version=FORMAT_VERSION,
                                         quantization=quantization)
-    structure = _STRUCTURES.get(key) or _from_disk(key)
+    structure = _cached(key)
     if structure is None:
         config = load_config(model_dir, trust_remote_code=trust_remote_code)
         structure = structure_from_config(config, task=task, dtype=dtype, trust_remote_code=trust_remote_code,
@@ -403,7 +406,7 @@ def _load_gguf_structure(gguf_file: Path, *, task: Task, dtype: str, quantizatio
     key = structure_cache.structure_key(b"", model_dir=gguf_file.parent, task=task, dtype=dtype,
                                         trust_remote_code=False, format_version=FORMAT_VERSION,
                                         gguf_fingerprint=fingerprint, quantization=quantization)
-    structure = _STRUCTURES.get(key) or _from_disk(key)
+    structure = _cached(key)
     if structure is None:
         structure = structure_from_config(gguf.load_gguf_config(gguf_file), task=task, dtype=dtype,
                                           quantization=quantization)
@@ -413,10 +416,17 @@ def _load_gguf_structure(gguf_file: Path, *, task: Task, dtype: str, quantizatio
 
 
 def _remember(key: str, structure: Structure) -> Structure:
-    if len(_STRUCTURES) > 64:
-        _STRUCTURES.clear()
-    _STRUCTURES[key] = structure
+    with _STRUCTURES_LOCK:
+        if len(_STRUCTURES) > 64:
+            _STRUCTURES.clear()
+        _STRUCTURES[key] = structure
     return structure
+
+
+def _cached(key: str) -> Structure | None:
+    with _STRUCTURES_LOCK:
+        found = _STRUCTURES.get(key)
+    return found or _from_disk(key)
 
 
 def _from_disk(key: str) -> Structure | None:

@@ -43,6 +43,12 @@ class Deployments:
     def items(self) -> list[tuple[str, Deployment]]:
         return list(self._by_name.items())
 
+    def wait_served(self, name: str, timeout: float) -> Deployment | None:
+        return self._by_name.get(name)  # a fixed set: nothing loads later
+
+    def why_not_served(self, name: str) -> str | None:
+        return None
+
     def ready(self) -> tuple[bool, list[str]]:
         missing = [n for n, d in self._by_name.items() if d.pool.current is None]
         return not missing and bool(self._by_name), missing

@@ -24,7 +24,7 @@ router = APIRouter()
 @router.post("/v1/chat/completions", response_model=None)
 async def chat_completions(body: ChatCompletionRequest, request: Request) -> Any:
     state = request.app.state
-    dep = find(state.registry, body.model)
+    dep = await find(state.registry, body.model)
 
     def work(runtime: Any) -> list[GenerationRequest]:
         ids = chat_prompt_ids(runtime.tokenizer, [m.as_template_message() for m in body.messages])

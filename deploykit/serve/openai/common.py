@@ -45,17 +45,31 @@ class Registry(Protocol):
 
     def items(self) -> list[tuple[str, Deployment]]: ...
 
+    def wait_served(self, name: str, timeout: float) -> Deployment | None: ...
 
-def find(registry: Registry, name: str) -> Deployment:
+    def why_not_served(self, name: str) -> str | None: ...
+
+
+LOAD_WAIT_SECONDS = 300.0  # how long a request for a listed model waits for its load (as ``acquire_timeout``)
+
+
+async def find(registry: Registry, name: str, *, wait: float = LOAD_WAIT_SECONDS) -> Deployment:
+    """The deployment serving ``name``. A listed model still loading (first load, restore) is waited for,
+    up to ``wait`` seconds, then answered; a 503 with ``Retry-After`` only when it cannot be served."""
     dep = registry.get(name)
-    if dep is None:
-        if name in registry.loading_names():
-            raise APIError(503, f"model {name!r} is still loading; retry shortly", param="model",
-                           code="model_not_ready", headers={"Retry-After": "5"})
+    if dep is not None:
+        return dep
+    if name not in registry.loading_names():
         known = ", ".join(sorted(n for n, _ in registry.items())) or "none"
         raise APIError(404, f"the model {name!r} does not exist (served: {known})", param="model",
                        code="model_not_found")
-    return dep
+    dep = await run_in_threadpool(registry.wait_served, name, wait)
+    if dep is not None:
+        return dep
+    why = registry.why_not_served(name)
+    message = (f"model {name!r} cannot be served: {why}" if why
+               else f"model {name!r} is still loading after {wait:.0f}s; retry shortly")
+    raise APIError(503, message, param="model", code="model_not_ready", headers={"Retry-After": "5"})
 
 
 class Lease:

@@ -53,7 +53,7 @@ def _choices(body: CompletionRequest, runtime: Any) -> list[Choice]:
 @router.post("/v1/completions", response_model=None)
 async def completions(body: CompletionRequest, request: Request) -> Any:
     state = request.app.state
-    dep = find(state.registry, body.model)
+    dep = await find(state.registry, body.model)
     held, choices = await prepare(dep, "text", lambda runtime: _choices(body, runtime))
     runs = [Run(held.gen, dep.name, c.job, request, state.metrics) for c in choices]
     start(runs, held)  # before the response: a full queue is a 429, not a broken stream

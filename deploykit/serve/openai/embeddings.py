@@ -25,7 +25,7 @@ def _encode(vector: list[float], fmt: str) -> list[float] | str:
 @router.post("/v1/embeddings", response_model=None)
 async def embeddings(body: EmbeddingRequest, request: Request) -> Any:
     state = request.app.state
-    dep = find(state.registry, body.model)
+    dep = await find(state.registry, body.model)
     held = await lease(dep, "embedding")
     try:
         gen = held.gen

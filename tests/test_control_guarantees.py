@@ -1,0 +1,166 @@
+"""Guarantees of the control layer against a real `deploykit serve`, each once broken by a feature that
+came later: an error clears when the file is fixed back to what serves; a request for a listed model
+waits for the load it needs and is answered; deployments of one checkpoint start together, every time.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+from pathlib import Path
+
+import openai
+import pytest
+
+from chatmodel import build_chat_model
+from helpers import wait_until
+from manifests import replace_like_an_editor
+from servers import Server, free_port, get
+
+CHAT = """\
+apiVersion: deploykit/v1
+kind: ModelDeployment
+metadata: {{name: {name}}}
+spec:
+  model: {{path: {path}, task: causal-lm, dtype: float32}}
+  placement: {{gpus: []}}
+  sharding: {{max_shard_size: {shard}, path: shards-{name}}}
+  serving: {{max_tokens: 16}}
+"""
+
+
+def chat_manifest(model: Path, name: str = "chat", shard: str = "10MiB") -> str:
+    return CHAT.format(name=name, path=model, shard=shard)
+
+
+def status_of(server: Server, name: str) -> dict:
+    _, body = get(f"{server.url}/status")
+    return next((s for s in body if s.get("name") == name), {})
+
+
+def cli_status(state: Path, name: str) -> dict:
+    out = subprocess.run([sys.executable, "-m", "deploykit.cli", "status", name, "-o", "json"],
+                         env={**os.environ, "DEPLOYKIT_STATE": str(state)}, capture_output=True, text=True,
+                         timeout=60)
+    assert out.returncode == 0, out.stderr
+    return json.loads(out.stdout)
+
+
+def test_an_error_clears_when_the_file_is_written_back_to_what_serves(tmp_path):
+    model = build_chat_model(tmp_path / "model")
+    served = tmp_path / "served"
+    served.mkdir()
+    path = served / "chat.yaml"
+    original = chat_manifest(model)
+    path.write_text(original)
+    with Server(served, tmp_path / "state") as server:
+        replace_like_an_editor(path, original.replace("max_shard_size", "max_shard_sise"))
+        wait_until(lambda: status_of(server, "chat").get("last_error"), 30, "the schema error shows")
+        assert "max_shard_sise" in status_of(server, "chat")["last_error"]
+        replace_like_an_editor(path, original)  # byte for byte what serves
+        wait_until(lambda: status_of(server, "chat").get("last_error") is None, 30, "the error clears")
+        now = status_of(server, "chat")
+        assert now["phase"] == "Ready", now
+        assert now["generation"] == 1, now  # the same generation serves: nothing was reloaded
+        failed = next(c for c in now["conditions"] if c["type"] == "Failed")
+        assert failed["status"] is False, failed
+        recorded = cli_status(tmp_path / "state", "chat")
+        assert recorded["last_error"] is None and recorded["phase"] == "Ready", recorded
+
+
+def _ask_as_soon_as_listed(url: str, name: str, results: list, failures: list) -> None:
+    client = openai.OpenAI(base_url=f"{url}/v1", api_key="none", max_retries=0, timeout=300)
+    wait_until(lambda: name in _listed(url), 120, f"{name} is listed")
+    try:
+        results.append(client.completions.create(model=name, prompt="hello", max_tokens=4, temperature=0))
+    except Exception as exc:  # every failure counts
+        failures.append(repr(exc))
+
+
+def _listed(url: str) -> list[str]:
+    try:
+        _, body = get(f"{url}/v1/models")
+    except OSError:
+        return []
+    return [m["id"] for m in body.get("data", [])] if isinstance(body, dict) else []
+
+
+def _ready(url: str) -> bool:
+    try:
+        return get(f"{url}/readyz")[0] == 200
+    except OSError:
+        return False
+
+
+def test_a_listed_model_is_answered_once_loaded_after_a_restart(tmp_path):
+    """After kill -9, `deploykit serve` with no PATH restores the recorded deployment; a client that
+    asks as soon as /v1/models lists it waits for the restore and is answered."""
+    model = build_chat_model(tmp_path / "model", layers=4, hidden=128)
+    served = tmp_path / "served"
+    served.mkdir()
+    path = served / "chat.yaml"
+    path.write_text(chat_manifest(model))
+    state = tmp_path / "state"
+    env = {**os.environ, "DEPLOYKIT_STATE": str(state)}
+    applied = subprocess.run([sys.executable, "-m", "deploykit.cli", "apply", str(path)],
+                             env=env, capture_output=True, text=True, timeout=300)
+    assert applied.returncode == 0, applied.stderr
+    port = free_port()
+    url = f"http://127.0.0.1:{port}"
+    command = [sys.executable, "-m", "deploykit.cli", "serve", "--port", str(port)]
+    first = subprocess.Popen(command, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        wait_until(lambda: _ready(url), 180, "the first server is ready")
+    finally:
+        first.send_signal(signal.SIGKILL)
+        first.wait(30)
+    (state / "server.json").unlink(missing_ok=True)  # kill -9 leaves it behind
+    second = subprocess.Popen(command, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    results: list = []
+    failures: list = []
+    try:
+        asker = threading.Thread(target=_ask_as_soon_as_listed, args=(url, "chat", results, failures))
+        asker.start()
+        asker.join(300)
+    finally:
+        second.send_signal(signal.SIGTERM)
+        _, stderr = second.communicate(timeout=60)
+    assert not failures, (failures, stderr)
+    assert results and results[0].choices[0].text is not None
+
+
+def test_requests_for_a_model_still_loading_wait_and_are_answered(tmp_path):
+    """Several clients ask while the first load of a served file runs: every one is answered."""
+    model = build_chat_model(tmp_path / "model", layers=4, hidden=128)
+    served = tmp_path / "served"
+    served.mkdir()
+    (served / "chat.yaml").write_text(chat_manifest(model, shard="200KiB"))  # a reshard: a slower first load
+    server = Server(served, tmp_path / "state")
+    results: list = []
+    failures: list = []
+    askers = [threading.Thread(target=_ask_as_soon_as_listed, args=(server.url, "chat", results, failures))
+              for _ in range(3)]
+    for asker in askers:
+        asker.start()
+    with server:
+        for asker in askers:
+            asker.join(300)
+        assert not failures, failures
+        assert len(results) == 3
+
+
+@pytest.mark.parametrize("attempt", range(10))
+def test_deployments_of_one_tied_checkpoint_start_together(tiny_model, tmp_path, attempt):
+    """Two deployments of one tied-embedding checkpoint, both eager, under a budget: both serve."""
+    model = tiny_model("llama-tied")
+    served = tmp_path / "served"
+    served.mkdir()
+    for name in ("tied-a", "tied-b"):
+        (served / f"{name}.yaml").write_text(chat_manifest(model, name=name))
+    with Server(served, tmp_path / "state", "--budget", "cpu=4GiB") as server:
+        names = sorted(s["name"] for s in get(f"{server.url}/status")[1] if s.get("phase") == "Ready")
+        assert names == ["tied-a", "tied-b"], get(f"{server.url}/status")[1]
