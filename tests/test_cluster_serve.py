@@ -118,3 +118,60 @@ def test_replicas_scale_and_a_broken_revision_keeps_the_old_ones_serving(cluster
         leave_early(server, "rep", max_tokens=32)  # with the asker stopped: clients that leave early pin nothing
     assert failures == []
     assert len(set(texts)) == 1 and len(texts) >= 5
+
+
+def test_a_pipeline_asked_while_it_loads_is_answered(cluster, tmp_path):
+    """Clients that ask as soon as /v1/models lists the pipeline (still loading) wait for it and get
+    greedy answers equal to transformers; the server stops only when told to, and cleanly."""
+    import signal
+    import subprocess
+    import sys
+    import threading
+
+    from helpers import wait_until
+    from servers import free_port, get
+
+    from transformers import AutoTokenizer
+
+    model = build_chat_model(tmp_path / "model")
+    served = tmp_path / "served"
+    served.mkdir()
+    (served / "piped.yaml").write_text(manifest(model, cluster.address))
+    tokenizer = AutoTokenizer.from_pretrained(model)
+    want = reference_text(model, tokenizer("Once upon a time")["input_ids"], 8)[0]
+    port = free_port()
+    url = f"http://127.0.0.1:{port}"
+    process = subprocess.Popen([sys.executable, "-m", "deploykit.cli", "serve", str(served), "--port", str(port)],
+                               env={**__import__("os").environ, "DEPLOYKIT_STATE": str(tmp_path / "state")},
+                               stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    texts: list[str] = []
+    failures: list[str] = []
+
+    def listed() -> bool:
+        try:
+            return "piped" in [m["id"] for m in get(f"{url}/v1/models")[1]["data"]]
+        except (OSError, KeyError, TypeError):
+            return False
+
+    def ask() -> None:
+        client = openai.OpenAI(base_url=f"{url}/v1", api_key="none", max_retries=0, timeout=240)
+        try:
+            texts.append(client.completions.create(model="piped", prompt="Once upon a time", max_tokens=8,
+                                                   temperature=0).choices[0].text)
+        except Exception as exc:  # every failure counts
+            failures.append(repr(exc))
+
+    try:
+        wait_until(listed, 120, "the pipeline is listed")
+        askers = [threading.Thread(target=ask) for _ in range(8)]
+        for asker in askers:
+            asker.start()
+        for asker in askers:
+            asker.join(300)
+    finally:
+        process.send_signal(signal.SIGTERM)
+        _, stderr = process.communicate(timeout=120)
+    assert not failures, (failures, stderr)
+    assert texts == [want] * 8, stderr
+    assert "interpreter shutdown" not in stderr and "Exception in ASGI application" not in stderr, stderr
+    assert process.returncode == 0, stderr

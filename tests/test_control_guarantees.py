@@ -70,6 +70,7 @@ def test_an_error_clears_when_the_file_is_written_back_to_what_serves(tmp_path):
         assert failed["status"] is False, failed
         recorded = cli_status(tmp_path / "state", "chat")
         assert recorded["last_error"] is None and recorded["phase"] == "Ready", recorded
+    assert "threads still running" not in server.stderr, server.stderr  # every thread joined at exit
 
 
 def _ask_as_soon_as_listed(url: str, name: str, results: list, failures: list) -> None:

@@ -58,6 +58,7 @@ def serve(path: str | None, host: str, port: int, api_key: str | None, control_t
     from ..serve.auth import check_bind
     from ..serve.discovery import find_server, new_token, remove_server_file, server_info, write_server_file
     from ..serve.server import bind, run
+    from ..threads import ThreadGroup
 
     check_bind(host, api_key)
     _log_to_stderr(log_level)
@@ -74,6 +75,7 @@ def serve(path: str | None, host: str, port: int, api_key: str | None, control_t
     sock = bind(host, port)
     url = f"http://{host if ':' not in host else f'[{host}]'}:{sock.getsockname()[1]}"
     written = False
+    owned = ThreadGroup()  # the thread that loads the deployments once the server listens
 
     def start() -> None:
         nonlocal written
@@ -91,13 +93,14 @@ def serve(path: str | None, host: str, port: int, api_key: str | None, control_t
               markup=False)
     try:
         run(create_app(supervisor, api_key=api_key, control_token=token), sock, on_started=start,
-            drain_timeout=drain_timeout)
+            threads=owned, drain_timeout=drain_timeout)
     finally:
         if written:
             remove_server_file(states.directory, token)
         err.print("deploykit serve: stopping: draining in-flight work")
         try:
-            supervisor.close()
+            supervisor.close()  # waits for loads under way: nothing uses Ray after this
+            _report_left(owned.join(drain_timeout))
         finally:
             _leave_ray(disconnect)
         err.print("deploykit serve: stopped")
@@ -105,6 +108,15 @@ def serve(path: str | None, host: str, port: int, api_key: str | None, control_t
         # stderr then aborts the process ("could not acquire lock ... at interpreter shutdown")
         logging.getLogger("deploykit").handlers.clear()
     os.environ.pop("DEPLOYKIT_API_KEY", None)
+
+
+def _report_left(names: list[str]) -> None:
+    """Say which of deploykit's threads are still running once everything was closed (none should be)."""
+    import threading
+
+    left = sorted({t.name for t in threading.enumerate() if t.name.startswith("deploykit")} | set(names))
+    if left:
+        err.print(f"deploykit serve: threads still running after close: {', '.join(left)}", markup=False)
 
 
 def _leave_ray(disconnect: Callable[[], None]) -> None:

@@ -26,66 +26,66 @@ from .rollout import Rollout, RolloutResult
 
 if TYPE_CHECKING:
     from ..artifacts.reshard import ProgressSink
-    from .deployment import Deployment
     from .host import Host
+    from .on_demand import Loads
 
 StepSink = Callable[[str], None] | None
 
 
-def need_of(dep: Deployment, loaded: LoadedManifest) -> dict[str, int]:
+def need_of(loads: Loads, loaded: LoadedManifest) -> dict[str, int]:
     """Bytes per budget tier of ``loaded``'s plan (planned as an apply would: pure, no weights read)."""
-    return plan_tiers(plan_deployment(loaded, devices=dep.devices))
+    return plan_tiers(plan_deployment(loaded, devices=loads.devices))
 
 
-def start_budgeted(dep: Deployment, host: Host, loaded: LoadedManifest, *, force: bool = False,
+def start_budgeted(loads: Loads, host: Host, loaded: LoadedManifest, *, force: bool = False,
                    progress: ProgressSink | None = None, on_step: StepSink = None) -> None:
     lifecycle = loaded.manifest.spec.lifecycle
-    need = need_of(dep, loaded)
-    host.register(dep.name, dep.pool, need, priority=lifecycle.priority, keep_alive=lifecycle.keep_alive)
+    need = need_of(loads, loaded)
+    host.register(loads.name, loads.pool, need, priority=lifecycle.priority, keep_alive=lifecycle.keep_alive)
     try:
-        _start(dep, host, loaded, need, force=force, progress=progress, on_step=on_step)
+        _start(loads, host, loaded, need, force=force, progress=progress, on_step=on_step)
     except BaseException:
-        host.forget(dep.name)  # it never served: the budget holds nothing for it
+        host.forget(loads.name)  # it never served: the budget holds nothing for it
         raise
 
 
-def _start(dep: Deployment, host: Host, loaded: LoadedManifest, need: dict[str, int], *, force: bool,
+def _start(loads: Loads, host: Host, loaded: LoadedManifest, need: dict[str, int], *, force: bool,
            progress: ProgressSink | None, on_step: StepSink) -> None:
     if loaded.manifest.spec.lifecycle.load == Load.ON_DEMAND:
-        probe = apply(loaded, store=dep.store, options=ApplyOptions(devices=dep.devices, dry_run=True, force=force))
-        dep.last_outcome = probe
+        probe = apply(loaded, store=loads.store, options=ApplyOptions(devices=loads.devices, dry_run=True, force=force))
+        loads.last_outcome = probe
         if probe.status != "unchanged":
-            dep.pending = loaded  # applied (laid out, loaded, checked, recorded) at its first request
-            dep.last_outcome = replace(probe, status="deferred")
-        dep.pool.mark_unloaded()
+            loads.pending = loaded  # applied (laid out, loaded, checked, recorded) at its first request
+            loads.last_outcome = replace(probe, status="deferred")
+        loads.pool.mark_unloaded()
         return
-    with host.room(dep.name, need, reason="start"):
-        dep.load_initial(loaded, force=force, progress=progress, on_step=on_step)
+    with host.room(loads.name, need, reason="start"):
+        loads.load_initial(loaded, force=force, progress=progress, on_step=on_step)
 
 
-def roll_budgeted(dep: Deployment, host: Host, loaded: LoadedManifest, *, force: bool = False,
+def roll_budgeted(loads: Loads, host: Host, loaded: LoadedManifest, *, force: bool = False,
                   progress: ProgressSink | None = None, on_step: StepSink = None) -> RolloutResult:
     lifecycle = loaded.manifest.spec.lifecycle
-    need = need_of(dep, loaded)
-    host.register(dep.name, dep.pool, need, priority=lifecycle.priority, keep_alive=lifecycle.keep_alive)
-    probe = apply(loaded, store=dep.store, options=ApplyOptions(devices=dep.devices, dry_run=True, force=force))
+    need = need_of(loads, loaded)
+    host.register(loads.name, loads.pool, need, priority=lifecycle.priority, keep_alive=lifecycle.keep_alive)
+    probe = apply(loaded, store=loads.store, options=ApplyOptions(devices=loads.devices, dry_run=True, force=force))
     if probe.status == "unchanged":
-        dep.pending = None  # back to what is recorded: nothing left to apply
-        dep.store.settle(dep.name)  # a no-op confirms what serves: earlier errors are over (as apply does)
+        loads.pending = None  # back to what is recorded: nothing left to apply
+        loads.store.settle(loads.name)  # a no-op confirms what serves: earlier errors are over (as apply does)
         return RolloutResult(False, "none", probe)
-    if dep.pool.unloaded:
-        dep.pending = loaded  # nothing serves: its next request applies it (no room taken now)
+    if loads.pool.unloaded:
+        loads.pending = loaded  # nothing serves: its next request applies it (no room taken now)
         return RolloutResult(False, "none", replace(probe, status="deferred"))
-    rollout = Rollout(dep.pool, dep.store, devices=dep.devices, acquire_timeout=dep.acquire_timeout)
-    with host.rolling(dep.name):
+    rollout = Rollout(loads.pool, loads.store, devices=loads.devices, acquire_timeout=loads.acquire_timeout)
+    with host.rolling(loads.name):
         requested = loaded.manifest.spec.rollout.strategy
-        if dep.pool.current is not None and requested != Strategy.RECREATE:
+        if loads.pool.current is not None and requested != Strategy.RECREATE:
             try:
-                with host.room(dep.name, need, reason="rollout", beside=True,
+                with host.room(loads.name, need, reason="rollout", beside=True,
                                timeout=0 if requested == Strategy.AUTO else None):
                     return rollout.run(loaded, force=force, progress=progress, on_step=on_step)
             except BudgetError:
                 if requested == Strategy.BLUE_GREEN:
                     raise
-        with host.room(dep.name, need, reason="rollout"):
+        with host.room(loads.name, need, reason="rollout"):
             return rollout.run(loaded, strategy=Strategy.RECREATE, force=force, progress=progress, on_step=on_step)

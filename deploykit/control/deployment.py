@@ -7,11 +7,14 @@
     dep.close()
 
 A thin facade over a ``GenerationPool`` (pin, swap, drain, free, leak guard), a ``Rollout`` (blue-green,
-recreate, auto) and a ``ManifestWatcher``. Each successful (re)load makes a new generation; a caller
-that acquired generation N keeps it until its ``with`` block ends. The in-process calls (``acquire``,
-``generate``, ``chat``, ``embed``) live in ``embedded``; its loads (the first, and those on demand
-under a host, by ``pin``) in ``on_demand``; the reload records, counts, timing and worker thread in ``reloads``; the shape of
-``status()`` in ``report``.
+recreate, auto), its ``Loads`` (the first load, and those on demand under a host) and a
+``ManifestWatcher``. Each successful (re)load makes a new generation; a caller that acquired generation N
+keeps it until its ``with`` block ends.
+
+One owner changes it: every start, reload, apply, rollback, load on demand and close runs on its
+``ChangeWorker`` thread, which alone moves its typed ``State`` (``machine``); ``state()`` reads it with
+the pool as one ``LiveStatus`` (``report``). The in-process calls (``acquire``, ``generate``, ``chat``,
+``embed``) live in ``embedded``; the reload records and timing in ``reloads``.
 
 A reload that fails at any step (bad manifest, missing file, plan infeasible, load error, failed
 health check) leaves the serving generation untouched; the error appears in ``status()`` (with the
@@ -22,23 +25,25 @@ in its events. A later reload that succeeds, or finds nothing to change, clears 
 from __future__ import annotations
 
 import logging
-import threading
 from collections import deque
 from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from ..errors import ApplyError, DeploykitError
-from ..names import Phase
 from ..spec.manifest import LoadedManifest, manifest_named
+from .budget import BudgetError
+from .budgeting import roll_budgeted, start_budgeted
 from .embedded import EmbeddedApi
-from .on_demand import OnDemandLoading
-from .pool import GenerationPool
-from .report import live_status
+from .machine import Event, State, StateCell, Trigger
+from .on_demand import Loads
+from .pool import Generation, GenerationPool, NotLoaded
 from .reconciler import ApplyOutcome
-from .reloads import ReloadClock, ReloadLog, ReloadRecord, ReloadWorker, describe, store_failure
+from .reloads import ReloadClock, ReloadLog, ReloadRecord, describe, store_failure
+from .report import LiveStatus, live_status
 from .rollout import Rollout, RolloutResult
 from .state import StateStore, open_store
+from .worker import ChangeWorker
 
 if TYPE_CHECKING:
     from ..artifacts.reshard import ProgressSink
@@ -47,9 +52,10 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 DEFAULT_ACQUIRE_TIMEOUT = 300.0  # seconds acquire() waits while a recreate rollout reloads
+StepSink = Callable[[str], None] | None
 
 
-class Deployment(OnDemandLoading, EmbeddedApi):
+class Deployment(EmbeddedApi):
     """A deployed model held by this process. Thread-safe. See the module docstring."""
 
     def __init__(self, manifest_path: Path, *, name: str | None = None, devices: str | None = None,
@@ -60,23 +66,17 @@ class Deployment(OnDemandLoading, EmbeddedApi):
         self.devices = devices
         self.store = store or open_store()
         self.acquire_timeout = acquire_timeout
+        self.host = host  # the budget this deployment loads and unloads under (deploykit serve), if any
         self.name: str = name or ""
         self.pool = GenerationPool(self.name)
-        self._reload_lock = threading.Lock()  # one reload at a time
-        self._phase = Phase.PENDING  # Pending, Progressing while a change runs, then Ready/Failed, Closed
-        self._last_error: str | None = None
-        self._conflict: str | None = None  # a watched file declares this API-owned name (supervisor)
+        self.loads = Loads(self.name, self.pool, self.store, devices, host, acquire_timeout)
+        self._cell = StateCell()  # moved only on the worker
+        self._worker = ChangeWorker(name or self.manifest_path.stem)
         self._callbacks: list[Callable[[Deployment], None]] = []
         self.reload_log = ReloadLog()
         self._watcher: ManifestWatcher | None = None
-        self._worker: ReloadWorker | None = None
         self._closed = False
         self._given: LoadedManifest | None = None  # a manifest handed over (control API), not a file
-        self.last_outcome: ApplyOutcome | None = None
-        self.host = host  # the budget this deployment loads and unloads under (deploykit serve), if any
-        self._verified: int | None = None  # the revision whose shards this process checked by hash
-        self.pending: LoadedManifest | None = None  # an on-demand manifest to apply at its first load
-        self._load_error: str | None = None  # why the last load on demand failed (cleared by one that works)
 
     @classmethod
     def from_manifest(cls, path: str | Path, *, watch: bool = False, name: str | None = None,
@@ -86,7 +86,7 @@ class Deployment(OnDemandLoading, EmbeddedApi):
         """Apply the manifest at ``path`` and hold its model. ``watch=True`` reloads on changes."""
         store = store or open_store(Path(state_dir) if state_dir is not None else None)
         dep = cls(Path(path), name=name, devices=devices, store=store, acquire_timeout=acquire_timeout, host=host)
-        dep.start()
+        dep._start_or_close()
         if watch:
             dep.watch(debounce=debounce)
         return dep
@@ -94,36 +94,47 @@ class Deployment(OnDemandLoading, EmbeddedApi):
     @classmethod
     def from_loaded(cls, loaded: LoadedManifest, *, devices: str | None = None, store: StateStore | None = None,
                     acquire_timeout: float = DEFAULT_ACQUIRE_TIMEOUT, force: bool = False,
-                    progress: ProgressSink | None = None,
-                    on_step: Callable[[str], None] | None = None, host: Host | None = None) -> Deployment:
+                    progress: ProgressSink | None = None, on_step: StepSink = None,
+                    host: Host | None = None) -> Deployment:
         """Apply an already loaded manifest (one sent over the control API, or a revision's recorded
         manifest after a restart) and hold its model. It has no file to watch: ``roll_to`` changes it."""
         dep = cls(Path(loaded.source), name=loaded.name, devices=devices, store=store,
                   acquire_timeout=acquire_timeout, host=host)
         dep._given = loaded
-        dep.start(force=force, progress=progress, on_step=on_step)
+        dep._start_or_close(force=force, progress=progress, on_step=on_step)
         return dep
+
+    def _start_or_close(self, **options: Any) -> None:
+        """``start``; a deployment that never started stops its worker (nobody else holds it)."""
+        try:
+            self.start(**options)
+        except BaseException:
+            self._worker.stop()
+            raise
 
     def _manifest(self) -> LoadedManifest:
         return self._given if self._given is not None else manifest_named(self.manifest_path, self._wanted_name)
 
-    def start(self, *, force: bool = False, progress: ProgressSink | None = None,
-              on_step: Callable[[str], None] | None = None) -> None:
+    def start(self, *, force: bool = False, progress: ProgressSink | None = None, on_step: StepSink = None) -> None:
         """Apply the manifest (or load the current revision, verified and health-checked)."""
+        self._worker.call(lambda: self._start(force=force, progress=progress, on_step=on_step))
+
+    def _start(self, *, force: bool, progress: ProgressSink | None, on_step: StepSink) -> None:
         loaded = self._manifest()
-        self.name = self.pool.name = loaded.name
-        self._phase = Phase.PROGRESSING
+        self.name = self.pool.name = self.loads.name = loaded.name
+        self._cell.move(Event(Trigger.CHANGE_STARTED))
         try:
             if self.host is None:
-                self.load_initial(loaded, force=force, progress=progress, on_step=on_step)
+                self.loads.load_initial(loaded, force=force, progress=progress, on_step=on_step)
             else:
-                from .budgeting import start_budgeted
-
-                start_budgeted(self, self.host, loaded, force=force, progress=progress, on_step=on_step)
+                start_budgeted(self.loads, self.host, loaded, force=force, progress=progress, on_step=on_step)
         except Exception as exc:
-            self._phase, self._last_error = Phase.FAILED, describe(exc, loaded)
+            self._cell.move(Event(Trigger.CHANGE_FAILED, serving=False, error=describe(exc, loaded)))
             raise
-        self._phase = Phase.READY
+        self._cell.move(Event(Trigger.CHANGE_SUCCEEDED, serving=self._serving()))
+
+    def _serving(self) -> bool:
+        return self.pool.current is not None or self.pool.unloaded  # unloaded: loads at its next request
 
     # ---- serving --------------------------------------------------------------------------------
 
@@ -134,6 +145,15 @@ class Deployment(OnDemandLoading, EmbeddedApi):
     @property
     def memory(self) -> list[tuple[int, int]]:
         return list(self.pool.memory)
+
+    @property
+    def pending(self) -> LoadedManifest | None:
+        """A new revision of an on-demand deployment, applied by its next request."""
+        return self.loads.pending
+
+    @property
+    def last_outcome(self) -> ApplyOutcome | None:
+        return self.loads.last_outcome
 
     @property
     def reloads(self) -> deque[ReloadRecord]:
@@ -148,6 +168,43 @@ class Deployment(OnDemandLoading, EmbeddedApi):
     def reload_failures(self) -> int:
         return self.reload_log.failures
 
+    def pin(self, timeout: float | None = None) -> Generation:
+        """The current generation, pinned (``unpin`` it). Under a host, an unloaded deployment is loaded
+        first, once the host has made room (a ``BudgetError`` naming the budget if it cannot in time)."""
+        import time
+
+        timeout = self.acquire_timeout if timeout is None else timeout
+        if self.host is None:
+            return self.pool.pin(timeout)
+        deadline = time.monotonic() + timeout
+        with self.host.wanted(self.name):  # busy from now: what loads for this request stays loaded
+            while True:
+                try:
+                    return self.pool.pin(max(0.0, deadline - time.monotonic()))
+                except NotLoaded:
+                    self.host.load(self.name, lambda: self._worker.call(self._load_on_demand), reason="request")
+
+    def unpin(self, gen: Generation) -> None:
+        self.pool.unpin(gen)
+
+    def _load_on_demand(self) -> None:
+        """On the worker: load what serves now (``Loads.load_current``); a failure that is not a lack of
+        room shows in ``status()`` like a failed reload, and a load that works clears it."""
+        if self._closed:
+            raise ApplyError(f"deployment {self.name!r} is closed")
+        if not self.pool.unloaded:
+            return  # loaded meanwhile (a rollout, another request)
+        try:
+            self.loads.load_current()
+        except BudgetError:
+            raise
+        except DeploykitError as exc:
+            error = describe(exc, self.loads.pending)
+            log.warning("loading %s on demand failed: %s", self.name, error)
+            self._cell.move(Event(Trigger.LOAD_FAILED, serving=self._serving(), error=error))
+            raise
+        self._cell.move(Event(Trigger.LOAD_SUCCEEDED, serving=True))
+
     # ---- reloading ------------------------------------------------------------------------------
 
     def on_reload(self, callback: Callable[[Deployment], None]) -> None:
@@ -159,34 +216,40 @@ class Deployment(OnDemandLoading, EmbeddedApi):
 
         Never raises for a bad manifest or a failed rollout: the error goes to ``status()``.
         """
-        with self._reload_lock:
+        try:
+            return self._worker.call(self._reload_now)
+        except ApplyError:
             if self._closed:
                 return False
-            swapped = self._reload_once() is True
+            raise
+
+    def _reload_now(self) -> bool:
+        if self._closed:
+            return False
+        swapped = self._reload_once() is True
         if swapped:
             self._notify()
         return swapped
 
     def roll_to(self, loaded: LoadedManifest, *, force: bool = False, progress: ProgressSink | None = None,
-                on_step: Callable[[str], None] | None = None) -> RolloutResult:
+                on_step: StepSink = None) -> RolloutResult:
         """Roll out ``loaded`` (a manifest handed over, e.g. by the control API) instead of re-reading
         the file; it becomes this deployment's manifest. Unlike ``reload`` it raises on failure (after
         recording it as a reload failure: the serving generation stays)."""
-        return self._roll(loaded, force=force, progress=progress, on_step=on_step)
+        return self._worker.call(lambda: self._roll(loaded, force=force, progress=progress, on_step=on_step))
 
     def reconcile(self, *, force: bool = False, progress: ProgressSink | None = None,
-                  on_step: Callable[[str], None] | None = None) -> RolloutResult:
+                  on_step: StepSink = None) -> RolloutResult:
         """Roll out the manifest file as it is now (what a save of it does) and raise the real reason
         when that fails; the serving generation stays. ``deploykit apply`` of a watched file."""
-        return self._roll(None, force=force, progress=progress, on_step=on_step)
+        return self._worker.call(lambda: self._roll(None, force=force, progress=progress, on_step=on_step))
 
     def _roll(self, given: LoadedManifest | None, *, force: bool, progress: ProgressSink | None,
-              on_step: Callable[[str], None] | None) -> RolloutResult:
+              on_step: StepSink) -> RolloutResult:
         """``roll_to`` (``given``) or ``reconcile`` (None: the file as it is now), raising on failure."""
-        with self._reload_lock:
-            if self._closed:
-                raise ApplyError(f"{self.name!r} is being deleted")
-            result = self._reload_once(given, force=force, progress=progress, on_step=on_step, raise_errors=True)
+        if self._closed:
+            raise ApplyError(f"{self.name!r} is being deleted")
+        result = self._reload_once(given, force=force, progress=progress, on_step=on_step, raise_errors=True)
         assert isinstance(result, RolloutResult)
         if result.swapped:
             self._notify()
@@ -194,7 +257,7 @@ class Deployment(OnDemandLoading, EmbeddedApi):
 
     def set_conflict(self, message: str | None) -> None:
         """Show (or clear) an ownership conflict as this deployment's error (the supervisor's)."""
-        self._conflict = message
+        self._worker.post(lambda: self._cell.move(Event(Trigger.CONFLICT, error=message)))
 
     def _notify(self) -> None:
         for callback in list(self._callbacks):
@@ -204,25 +267,18 @@ class Deployment(OnDemandLoading, EmbeddedApi):
                 log.exception("on_reload callback failed")
 
     def _reload_once(self, given: LoadedManifest | None = None, *, force: bool = False,
-                     progress: ProgressSink | None = None, on_step: Callable[[str], None] | None = None,
+                     progress: ProgressSink | None = None, on_step: StepSink = None,
                      raise_errors: bool = False) -> bool | RolloutResult:
         clock = ReloadClock()
         loaded: LoadedManifest | None = given
         strategy = "none"
-        self._phase = Phase.PROGRESSING
+        self._cell.move(Event(Trigger.CHANGE_STARTED))
         try:
             loaded = given or self._manifest()
             if loaded.name != self.name:
                 raise ApplyError(f"the manifest now names {loaded.name!r}, this deployment is "
                                  f"{self.name!r}; a rename is a new deployment")
-            if self.host is None:
-                result = Rollout(self.pool, self.store, devices=self.devices,
-                                 acquire_timeout=self.acquire_timeout).run(loaded, force=force, progress=progress,
-                                                                           on_step=on_step)
-            else:
-                from .budgeting import roll_budgeted
-
-                result = roll_budgeted(self, self.host, loaded, force=force, progress=progress, on_step=on_step)
+            result = self._rollout(loaded, force=force, progress=progress, on_step=on_step)
             strategy = result.strategy
         except Exception as exc:  # any failure, expected or not: recorded, the last good generation serves
             if not isinstance(exc, DeploykitError):
@@ -233,12 +289,22 @@ class Deployment(OnDemandLoading, EmbeddedApi):
             return False
         if given is not None:
             self._given = given
-        self._last_error = None
         swapped = self._finish_reload(result, clock)
         return result if raise_errors else swapped
 
+    def _rollout(self, loaded: LoadedManifest, *, force: bool, progress: ProgressSink | None,
+                 on_step: StepSink) -> RolloutResult:
+        if self.host is None:
+            rollout = Rollout(self.pool, self.store, devices=self.devices, acquire_timeout=self.acquire_timeout)
+            return rollout.run(loaded, force=force, progress=progress, on_step=on_step)
+        return roll_budgeted(self.loads, self.host, loaded, force=force, progress=progress, on_step=on_step)
+
     def _finish_reload(self, result: RolloutResult, clock: ReloadClock) -> bool:
-        self._phase = Phase.READY if self.pool.current is not None else Phase.FAILED
+        if result.outcome is not None:
+            self.loads.last_outcome = result.outcome
+        serving = self._serving()
+        self._cell.move(Event(Trigger.CHANGE_SUCCEEDED if serving else Trigger.CHANGE_FAILED, serving=serving,
+                              error=None if serving else "nothing serves after the change"))
         if not result.swapped:  # nothing changed that needs a new generation
             return False
         current = self.pool.current
@@ -250,46 +316,56 @@ class Deployment(OnDemandLoading, EmbeddedApi):
         error = describe(exc, loaded)
         log.warning("reload of %s failed; generation %d keeps serving: %s", self.name, self.generation, error)
         store_failure(self.store, self.name, exc, loaded, error)  # first: who sees it here sees it in the store
-        self._last_error = error
-        self._phase = Phase.FAILED
-        clock.record(self.reload_log, self.generation, None, False, strategy, self._last_error)
+        self._cell.move(Event(Trigger.CHANGE_FAILED, serving=self._serving(), error=error))
+        clock.record(self.reload_log, self.generation, None, False, strategy, error)
 
     def request_reload(self) -> None:
-        """Reload on this deployment's own worker thread (returns at once; bursts coalesce), so one
-        deployment's slow reload never delays another's."""
-        if self._worker is None:
-            self._worker = ReloadWorker(self.name, self.reload)
-        self._worker.request()
+        """Reload on this deployment's worker (returns at once; bursts coalesce), so one deployment's
+        slow reload never delays another's."""
+        self._worker.request(self.reload)
 
     def watch(self, *, debounce: float = 0.3) -> None:
-        """Reload in a background thread whenever the manifest's content changes."""
+        """Reload on the worker whenever the manifest's content changes."""
         from .watcher import ManifestWatcher
 
         if self._watcher is None:
-            self._watcher = ManifestWatcher([self.manifest_path], lambda paths: self.reload(),
+            self._watcher = ManifestWatcher([self.manifest_path], lambda paths: self.request_reload(),
                                             debounce=debounce)
             self._watcher.start()
 
     # ---- status and shutdown --------------------------------------------------------------------
 
+    def state(self) -> LiveStatus:
+        """Phase, generation, revision, load state, budget, last error, reloads, memory and plan."""
+        gen = self.pool.current  # first: a state read after it can only be newer
+        return live_status(gen, self._cell.get(), name=self.name, pool=self.pool, host=self.host,
+                           manifest=self.manifest_path, reloads=self.reload_log)
+
     def status(self) -> dict[str, Any]:
-        """Phase, generation, revision, load state, budget, last error, reloads, memory and plan
-        (``report.live_status``)."""
-        return live_status(self.pool.current, self._last_error or self._conflict or self._load_error, self._phase,
-                           name=self.name, pool=self.pool, host=self.host, manifest=self.manifest_path,
-                           reloads=self.reload_log)
+        """``state()`` as a JSON object."""
+        return self.state().to_dict()
+
+    @property
+    def phase_state(self) -> State:
+        """The typed state the worker holds (``machine.State``)."""
+        return self._cell.get()
 
     def close(self, timeout: float = 30.0) -> None:
-        """Stop watching, let in-flight calls finish (up to ``timeout``), free the model."""
+        """Stop watching, let in-flight calls finish (up to ``timeout``), free the model, and join the
+        worker."""
         if self._watcher is not None:
             self._watcher.stop()
             self._watcher = None
-        if self._worker is not None:
-            self._worker.stop()
-        with self._reload_lock:
-            self._closed = True
-            self.pool.close(timeout)
-            self._phase = Phase.CLOSED
+        try:
+            self._worker.call(lambda: self._close(timeout))
+        except ApplyError:  # closed already
+            pass
+        self._worker.stop()
+
+    def _close(self, timeout: float) -> None:
+        self._closed = True
+        self.pool.close(timeout)
+        self._cell.move(Event(Trigger.CLOSED))
 
     def __enter__(self) -> Deployment:
         return self

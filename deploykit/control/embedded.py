@@ -6,6 +6,7 @@ so a reload never pulls a model from under a caller.
 
 from __future__ import annotations
 
+from abc import ABC, abstractmethod
 from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import TYPE_CHECKING, Any
@@ -15,17 +16,21 @@ from ..errors import ApplyError
 if TYPE_CHECKING:
     from ..engine.loader import LoadedModel
     from ..engine.runtime import Completion, Sampling, TextRuntime
-    from .pool import Generation, GenerationPool
+    from .pool import Generation
 
 
-class EmbeddedApi:
-    """The in-process calls of ``Deployment``, over its ``name``, ``pool`` and ``pin``."""
+class EmbeddedApi(ABC):
+    """The in-process calls of ``Deployment``, over the two it provides: ``pin`` and ``unpin``."""
 
-    if TYPE_CHECKING:
-        name: str
-        pool: GenerationPool
+    name: str
 
-        def pin(self, timeout: float | None = None) -> Generation: ...
+    @abstractmethod
+    def pin(self, timeout: float | None = None) -> Generation:
+        """The current generation, pinned (loaded first if it is not)."""
+
+    @abstractmethod
+    def unpin(self, gen: Generation) -> None:
+        """Release what ``pin`` returned."""
 
     @contextmanager
     def acquire(self, timeout: float | None = None) -> Iterator[Any]:
@@ -48,7 +53,7 @@ class EmbeddedApi:
             else:
                 yield gen.loaded
         finally:
-            self.pool.unpin(gen)
+            self.unpin(gen)
 
     def generate(self, prompt: str, **sampling: Any) -> Completion:
         """Complete ``prompt`` on the current generation (batched with concurrent calls).
@@ -76,7 +81,7 @@ class EmbeddedApi:
                 raise ApplyError(f"{self.name!r} ({gen.task}) does not serve embeddings")
             return gen.runtime.submit(list(texts)).result()[0]
         finally:
-            self.pool.unpin(gen)
+            self.unpin(gen)
 
     @contextmanager
     def _text_runtime(self) -> Iterator[TextRuntime]:
@@ -88,7 +93,7 @@ class EmbeddedApi:
                 raise ApplyError(f"{self.name!r} ({gen.task}) does not generate text")
             yield gen.runtime
         finally:
-            self.pool.unpin(gen)
+            self.unpin(gen)
 
 
 def _sampling(options: dict[str, Any]) -> Sampling:

@@ -23,6 +23,7 @@ from typing import TYPE_CHECKING
 from ..errors import ApplyError
 from ..placement.inventory import process_rss
 from ..placement.plan import Plan
+from ..threads import ThreadGroup
 
 if TYPE_CHECKING:
     from ..engine.loader import LoadedModel
@@ -91,6 +92,7 @@ class GenerationPool:
         self.memory: deque[tuple[int, int]] = deque(maxlen=MEMORY_HISTORY)  # (generation freed, RSS after)
         self.unloaded = False  # unloaded under the host's budget: a pin raises NotLoaded instead of waiting
         self.last_used = time.monotonic()  # when the last caller unpinned (keep-alive counts from here)
+        self._frees = ThreadGroup()  # frees started by ``release``; ``close`` joins them
 
     @property
     def current(self) -> Generation | None:
@@ -135,7 +137,7 @@ class GenerationPool:
         """Unpin without ever blocking: a retired generation left with no caller is freed on a thread
         of its own (for the event loop, and for cleanup that must not be interrupted halfway)."""
         if self._unpinned(gen):
-            threading.Thread(target=self._free, args=(gen,), name=f"deploykit-free-{self.name}", daemon=True).start()
+            self._frees.start(self._free, gen, name=f"deploykit-free-{self.name}")
 
     def _unpinned(self, gen: Generation) -> bool:
         with self._cond:
@@ -213,6 +215,9 @@ class GenerationPool:
         with self._cond:
             self._closed = True
             self._cond.notify_all()
+        left = self._frees.join(timeout)
+        if left:
+            log.warning("%s: still freeing after %gs: %s", self.name, timeout, ", ".join(left))
 
     def _free(self, gen: Generation) -> None:
         with self._cond:

@@ -1,16 +1,14 @@
 """The reloads of one ``Deployment``: what each did (``ReloadRecord``, timed by ``ReloadClock``), the
-recent ones and the counts (``ReloadLog``, read by ``status()`` and the Prometheus metrics), the thread
-that runs requested reloads (``ReloadWorker``), how a failure reads for the user (``describe``) and
+recent ones and the counts (``ReloadLog``, read by ``status()`` and the Prometheus metrics), how a
+failure reads for the user (``describe``) and
 where the state store keeps it (``store_failure``).
 """
 
 from __future__ import annotations
 
 import logging
-import threading
 import time
 from collections import deque
-from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -63,37 +61,6 @@ class ReloadClock:
                error: str | None = None) -> None:
         log.record(ReloadRecord(generation, revision, ok, time.perf_counter() - self.started, strategy, error,
                                 self.rss_before, process_rss()))
-
-
-class ReloadWorker:
-    """One thread per deployment that runs requested reloads; requests during a reload coalesce
-    into one more reload after it."""
-
-    def __init__(self, name: str, reload: Callable[[], object]) -> None:
-        self.name = name
-        self._reload = reload
-        self._wanted = threading.Event()
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._loop, name=f"deploykit-reload-{name}", daemon=True)
-        self._thread.start()
-
-    def request(self) -> None:
-        self._wanted.set()
-
-    def _loop(self) -> None:
-        while True:
-            self._wanted.wait()
-            if self._stop.is_set():
-                return
-            self._wanted.clear()
-            try:
-                self._reload()
-            except Exception:  # reload() records every failure; this only keeps the worker alive
-                log.exception("reload of %s failed", self.name)
-
-    def stop(self) -> None:
-        self._stop.set()
-        self._wanted.set()
 
 
 def describe(exc: Exception, loaded: LoadedManifest | None) -> str:

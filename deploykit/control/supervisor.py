@@ -35,8 +35,9 @@ from .deployment import Deployment
 from .loading import recorded_manifest
 from .ownership import Owners
 from .reconciler import ApplyOptions, ApplyOutcome, apply
-from .report import status_report
+from .report import served_status
 from .state import StateStore
+from ..threads import ThreadGroup
 from .watcher import ManifestWatcher
 
 if TYPE_CHECKING:
@@ -66,6 +67,11 @@ class Supervisor:
         self._lock = threading.Lock()  # guards deployments, _errors and loading
         self._changed = threading.Condition(self._lock)  # a deployment began serving or stopped loading
         self._closing = False
+        self.close_timeout = 120.0  # how long close waits for loads under way
+        self._starting = False
+        self._started = threading.Event()  # start() returned
+        self._adds = ThreadGroup()  # deployments added after start (new files, a deleted name's heir)
+        self.tasks = ThreadGroup()  # changes asked through the control API, each on a thread of its own
         self._watcher: ManifestWatcher | None = None
         self._name_locks: dict[str, threading.Lock] = {}
         self._busy: dict[str, str] = {}  # name -> the change running for it now
@@ -79,6 +85,13 @@ class Supervisor:
     def start(self) -> None:
         """Load every file's deployments (in parallel, one worker each), then follow the files.
         Without a path: restore every recorded deployment instead."""
+        self._starting = True
+        try:
+            self._start()
+        finally:
+            self._started.set()
+
+    def _start(self) -> None:
         if self.host is not None:
             self.host.start()
         if self.path is None:
@@ -142,15 +155,28 @@ class Supervisor:
                 self._show_conflict(name)
             if not claim.ok or self.get(name) is not None:
                 return None
-            dep = Deployment.from_manifest(file, name=name, devices=self.devices, store=self.store, host=self.host)
-            with self._lock:  # served before it stops loading: a reader always finds it in one of the two
-                self.deployments[name] = dep
-                self._changed.notify_all()
+            if self._closing:
+                return None
+            dep = self._hold(name, Deployment.from_manifest(file, name=name, devices=self.devices, store=self.store,
+                                                            host=self.host))
         finally:
             with self._lock:
                 self.loading.discard(name)
                 self._changed.notify_all()
         log.info("%s: serving %s (generation %d)", file, name, dep.generation)
+        return dep
+
+    def _hold(self, name: str, dep: Deployment) -> Deployment:
+        """Serve ``dep`` as ``name`` (before it stops loading: a reader always finds it in one of the two
+        lists); one that finished loading while the supervisor closes is closed instead."""
+        with self._changed:
+            closing = self._closing
+            if not closing:
+                self.deployments[name] = dep
+                self._changed.notify_all()
+        if closing:
+            dep.close()
+            raise DeploykitError(f"{name!r} loaded while the server was stopping; not served")
         return dep
 
     def _show_conflict(self, name: str) -> None:
@@ -173,8 +199,7 @@ class Supervisor:
                 unloaded = [n for n in new if self.get(n) is None]
                 with self._lock:
                     self.loading.update(unloaded)
-                threading.Thread(target=self._add, args=(file, new), daemon=True,
-                                 name="deploykit-add").start()
+                self._adds.start(self._add, file, new, name="deploykit-add")
 
     def _file_removed(self, file: Path, owned: list[str]) -> None:
         self._set_error(file, None)
@@ -219,14 +244,12 @@ class Supervisor:
         try:
             with self._exclusive(name, "restore"):
                 current = self.store.current(name)
-                if current is None or self.get(name) is not None:
+                if current is None or self.get(name) is not None or self._closing:
                     return
                 dep = Deployment.from_loaded(recorded_manifest(current), devices=self.devices, store=self.store,
                                              host=self.host)
                 self.owners.claim_for_api(name)
-                with self._lock:
-                    self.deployments[name] = dep
-                    self._changed.notify_all()
+                self._hold(name, dep)
                 log.info("restored %s (revision %s)", name, current.revision)
         except Exception as exc:
             with self._lock:
@@ -294,9 +317,8 @@ class Supervisor:
                 dep = Deployment.from_loaded(loaded, devices=self.devices, store=self.store, force=force,
                                              progress=progress, on_step=on_step, host=self.host)
                 self.owners.claim_for_api(name)
-                with self._lock:  # served before it stops loading (see _add_one)
-                    self.deployments[name] = dep
-                    self._changed.notify_all()
+                self._hold(name, dep)
+                with self._lock:
                     self._errors.pop(f"revision of {name}", None)
             finally:
                 with self._lock:
@@ -362,7 +384,7 @@ class Supervisor:
             log.info("%s now owns %s", heir, name)
             with self._lock:
                 self.loading.add(name)
-            threading.Thread(target=self._add, args=(heir, [name]), daemon=True, name="deploykit-add").start()
+            self._adds.start(self._add, heir, [name], name="deploykit-add")
 
     def prune_directory(self, directory: Path, *, keep: set[str]) -> list[str]:
         """Delete the deployments whose manifests lived in ``directory`` and are not in ``keep`` (names
@@ -408,16 +430,7 @@ class Supervisor:
             return next((e for e in self._errors.values() if e.startswith(f"{name}: ")), None)
 
     def statuses(self) -> list[dict[str, Any]]:
-        out = []
-        for name, dep in self.items():
-            report = status_report(self.store, name)
-            live = dep.status()
-            report.update({"phase": live["phase"], "generation": live["generation"],
-                           "serving_revision": live["revision"], "in_flight": live["in_flight"],
-                           "reloads": live["reloads"], "loaded": live["loaded"], "budget": live["budget"]})
-            if live["last_error"]:
-                report["last_error"] = live["last_error"]
-            out.append(report)
+        out = [served_status(self.store, name, dep.state()) for name, dep in self.items()]
         out += [{"name": n, "phase": "Progressing", "serving_revision": None, "last_error": None}
                 for n in self.loading_names()]
         out += [{"name": None, "manifest": f, "phase": "Failed", "last_error": e}
@@ -432,7 +445,7 @@ class Supervisor:
     def ready(self) -> tuple[bool, list[str]]:
         """(every deployment can serve, what cannot)."""
         items = self.items()
-        not_ready = [n for n, d in items if not d.status()["serving"]]
+        not_ready = [n for n, d in items if not d.state().serving]
         not_ready += [f"{n}: loading" for n in self.loading_names()]
         not_ready += [f"{f}: {e}" for f, e in self._unserved_errors(items)]
         return (not not_ready and bool(items)), not_ready
@@ -441,9 +454,14 @@ class Supervisor:
         with self._changed:
             self._closing = True
             self._changed.notify_all()  # requests waiting for a load are answered: the server is stopping
-        if self.host is not None:
-            self.host.stop()
         if self._watcher is not None:
             self._watcher.stop()
+        if self._starting:
+            self._started.wait(self.close_timeout)  # the first loads end first (each loaded late is closed)
+        left = self._adds.join(self.close_timeout) + self.tasks.join(self.close_timeout)  # loads under way end first (one loaded late is closed)
+        if left:
+            log.warning("still loading after %gs: %s", self.close_timeout, ", ".join(left))
         for _, dep in self.items():
             dep.close()
+        if self.host is not None:
+            self.host.stop()

@@ -130,8 +130,9 @@ def error_event(exc: BaseException, loaded: LoadedManifest | None = None) -> dic
     return {"event": "error", "kind": "internal", "message": f"{type(exc).__name__}: {exc}"}
 
 
-def _streamed(work: Callable[[_Events], dict[str, Any]]) -> StreamingResponse:
-    """Run ``work`` on its own thread; stream its events, then its result (or its error)."""
+def _streamed(request: Request, work: Callable[[_Events], dict[str, Any]]) -> StreamingResponse:
+    """Run ``work`` on a thread the supervisor owns (it joins it when it closes); stream its events, then
+    its result (or its error)."""
     events = _Events(asyncio.get_running_loop())
 
     def run() -> None:
@@ -142,7 +143,7 @@ def _streamed(work: Callable[[_Events], dict[str, Any]]) -> StreamingResponse:
         events.put(final)
         events.put(None)
 
-    threading.Thread(target=run, name="deploykit-control", daemon=True).start()
+    _supervisor(request).tasks.start(run, name="deploykit-control")
 
     async def body() -> AsyncIterator[bytes]:
         while True:
@@ -204,7 +205,7 @@ async def apply(request: Request, body: ManifestBody) -> StreamingResponse:
             raise
         return {"event": "result", **outcome_summary(outcome)}
 
-    return _streamed(work)
+    return _streamed(request, work)
 
 
 @router.post("/rollback")
@@ -218,7 +219,7 @@ async def rollback(request: Request, body: RollbackBody) -> StreamingResponse:
                                               on_step=events.step, on_wait=events.wait)
         return {"event": "result", "target": target.revision, **outcome_summary(outcome)}
 
-    return _streamed(work)
+    return _streamed(request, work)
 
 
 @router.post("/delete")
@@ -229,7 +230,7 @@ async def delete(request: Request, body: DeleteBody) -> StreamingResponse:
         supervisor.delete(body.name, keep_shards=body.keep_shards, on_wait=events.wait)
         return {"event": "result", "name": body.name, "deleted": True, "keep_shards": body.keep_shards}
 
-    return _streamed(work)
+    return _streamed(request, work)
 
 
 @router.post("/prune")
@@ -268,7 +269,7 @@ async def status(request: Request, name: str | None = None) -> JSONResponse:
     supervisor = _supervisor(request)
 
     def work() -> list[dict[str, Any]]:
-        from ..control.report import status_report
+        from ..control.report import served_status
 
         held = [n for n, _ in supervisor.items()]  # an on-demand deployment is recorded by its first load
         names = supervisor.store.names() + [n for n in held if n not in supervisor.store.names()]
@@ -276,17 +277,8 @@ async def status(request: Request, name: str | None = None) -> JSONResponse:
             raise DeploykitError(f"no deployment named {name!r} (known: {', '.join(names) or 'none'})")
         reports = []
         for n in [name] if name else names:
-            report = status_report(supervisor.store, n)
             dep = supervisor.get(n)
-            live = dep.status() if dep is not None else None
-            if live is not None:  # what this server holds now: a pending error or a conflict, and its phase
-                report["last_error"] = live["last_error"] or report["last_error"]
-                report["phase"] = live["phase"]
-            report["serving"] = bool(live and live["serving"])
-            report["serving_revision"] = live["revision"] if live else None
-            report["generation"] = live["generation"] if live else None
-            report["loaded"], report["budget"] = (live["loaded"], live["budget"]) if live else (None, None)
-            reports.append(report)
+            reports.append(served_status(supervisor.store, n, dep.state() if dep is not None else None))
         return reports
 
     try:

@@ -8,13 +8,13 @@ from __future__ import annotations
 import logging
 import signal
 import socket
-import threading
 from collections.abc import Callable
 from typing import Any
 
 import uvicorn
 
 from ..errors import DeploykitError
+from ..threads import ThreadGroup
 
 log = logging.getLogger(__name__)
 
@@ -34,22 +34,32 @@ def bind(host: str, port: int) -> socket.socket:
     return sock
 
 
-def run(app: Any, sock: socket.socket, *, on_started: Callable[[], None], drain_timeout: float = 30.0) -> None:
-    """Serve ``app`` on ``sock`` until a signal; ``on_started`` runs on its own thread once serving."""
+class _Server(uvicorn.Server):
+    """uvicorn's server that starts ``on_started`` (on a thread of ``threads``) once it listens."""
+
+    def __init__(self, config: uvicorn.Config, on_started: Callable[[], None], threads: ThreadGroup) -> None:
+        super().__init__(config)
+        self._on_started, self._threads = on_started, threads
+
+    async def startup(self, sockets: list[socket.socket] | None = None) -> None:
+        await super().startup(sockets=sockets)
+        if self.started:
+            self._threads.start(self._run_on_started, name="deploykit-start")
+
+    def _run_on_started(self) -> None:
+        try:
+            self._on_started()
+        except Exception:  # the server keeps answering /healthz and /readyz says what failed
+            log.exception("loading the deployments failed")
+
+
+def run(app: Any, sock: socket.socket, *, on_started: Callable[[], None], threads: ThreadGroup,
+        drain_timeout: float = 30.0) -> None:
+    """Serve ``app`` on ``sock`` until a signal; ``on_started`` runs on a thread of ``threads`` (the caller
+    joins it) once serving."""
     config = uvicorn.Config(app, log_level="warning", lifespan="off", timeout_graceful_shutdown=int(drain_timeout),
                             access_log=False)
-    server = uvicorn.Server(config)
-
-    def when_started() -> None:
-        while not server.started and not server.should_exit:
-            threading.Event().wait(0.05)
-        if server.started:
-            try:
-                on_started()
-            except Exception:  # the server keeps answering /healthz and /readyz says what failed
-                log.exception("loading the deployments failed")
-
-    threading.Thread(target=when_started, name="deploykit-start", daemon=True).start()
+    server = _Server(config, on_started, threads)
     # uvicorn handles SIGTERM/SIGINT while it runs, then raises them again for the handler it found:
     # make that one a no-op, so the caller goes on to free the models and exits 0.
     previous = {sig: signal.signal(sig, lambda *_: None) for sig in (signal.SIGTERM, signal.SIGINT)}

@@ -1,6 +1,6 @@
 """``GET /v1/models``: every deployment (id = ``metadata.name``), loaded in memory or not (``loaded``,
 ``state``): a request for an unloaded one loads it. Deployments a served file declares that are still
-loading for the first time are listed too (``state: loading``; requests to them get 503 meanwhile)."""
+loading for the first time are listed too (``state: loading``); a request to one waits for its load."""
 
 from __future__ import annotations
 
@@ -16,7 +16,7 @@ router = APIRouter()
 
 def _card(name: str, dep: Any) -> ModelCard:
     gen = dep.pool.current
-    state = dep.status()["loaded"]
+    state = dep.state().loaded
     return ModelCard(id=name, created=int(gen.created) if gen else 0, loaded=state == "loaded", state=state)
 
 

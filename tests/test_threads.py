@@ -1,0 +1,47 @@
+"""Every thread deploykit starts has an owner that joins it: after a supervisor that served, reloaded,
+applied through its API, loaded on demand and deleted is closed, no deploykit thread is left."""
+
+from __future__ import annotations
+
+import threading
+
+from deploykit.control.budget import Budget
+from deploykit.control.host import Host
+from deploykit.control.state import StateStore
+from deploykit.control.supervisor import Supervisor
+from deploykit.spec.manifest import load_manifests
+from deploykit.units import parse_size
+from chatmodel import build_chat_model
+from helpers import wait_until
+from manifests import manifest_text, replace_like_an_editor, write_manifest
+
+
+def deploykit_threads() -> list[str]:
+    return sorted(t.name for t in threading.enumerate() if t.name.startswith("deploykit"))
+
+
+def test_no_thread_is_left_after_a_supervisor_closes(model, tmp_path):
+    before = deploykit_threads()
+    directory = tmp_path / "served"
+    directory.mkdir()
+    path = write_manifest(directory, model, name="tiny")
+    host = Host(Budget({"cpu": parse_size("4GiB")}, source="test"))
+    supervisor = Supervisor(directory, store=StateStore(tmp_path / "state"), debounce=0.1, host=host)
+    try:
+        supervisor.start()
+        dep = supervisor.get("tiny")
+        assert dep is not None
+        replace_like_an_editor(path, manifest_text(model, name="tiny", shard="100KiB"))  # a reload
+        wait_until(lambda: dep.generation == 2, 90, "the reload swapped")
+        api = tmp_path / "api.yaml"
+        api.write_text(manifest_text(model, name="other"))
+        supervisor.apply_manifest(load_manifests(api)[0])  # through the API
+        with dep.acquire_loaded():
+            pass
+        supervisor.delete("other")
+        big = build_chat_model(tmp_path / "big", hidden=256, layers=8, intermediate=1024)
+        write_manifest(directory, big, name="late", shard="1MiB")  # its load is under way when the supervisor closes
+        wait_until(lambda: "late" in supervisor.loading_names(), 30, "the late deployment loads")
+    finally:
+        supervisor.close()
+    assert deploykit_threads() == before
