@@ -150,5 +150,5 @@ def quantize_for(checkpoint_dir: Any, *, scheme: str, dtype: str, task: str,
     from ..model.structure import build_meta_model, load_config, quantized_linears
 
     model = build_meta_model(load_config(checkpoint_dir, trust_remote_code=trust_remote_code),
-                             task=task, trust_remote_code=trust_remote_code)  # type: ignore[arg-type]
+                             task=task, trust_remote_code=trust_remote_code)
     return Quantize(scheme, dtype, frozenset(f"{m}.weight" for m in quantized_linears(model, scheme)))

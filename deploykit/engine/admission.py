@@ -13,14 +13,15 @@ import itertools
 import threading
 from collections import deque
 from collections.abc import Callable, Sequence
-from typing import TYPE_CHECKING, Any, Literal
+from typing import TYPE_CHECKING, Any
 
 from ..errors import DeploykitError
+from .types import FinishReason
 
 if TYPE_CHECKING:
     from .requests import GenerationRequest, RequestHandle
 
-FinishReason = Literal["stop", "length", "cancelled", "error"]
+__all__ = ["Admission", "EngineClosed", "FinishReason", "QueueFull", "stop_reason"]
 
 
 class QueueFull(DeploykitError):

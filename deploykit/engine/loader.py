@@ -100,7 +100,7 @@ def check_shapes(checkpoint_dir: Path, *, task: str, trust_remote_code: bool = F
     from ..model.structure import build_meta_model, load_config, quantized_linears
 
     model = build_meta_model(load_config(checkpoint_dir, trust_remote_code=trust_remote_code),
-                             task=task, trust_remote_code=trust_remote_code)  # type: ignore[arg-type]
+                             task=task, trust_remote_code=trust_remote_code)
     expected = {n: tuple(t.shape) for n, t in model.state_dict().items()}
     linears = quantized_linears(model, quantization)
     for module, shape in linears.items():

@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from .admission import FinishReason
+from .types import FinishReason
 from .sampling import TokenLogprobs
 
 __all__ = ["GenerationRequest", "GenerationResult", "RequestHandle"]

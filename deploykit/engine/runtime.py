@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING, Any
 from ..names import Task
 from .embeddings import Pooling, embed, pooling_of
 from .text import RequestError, TextStream, check_length
+from .types import Limits
 
 if TYPE_CHECKING:
     from .loader import LoadedModel
@@ -23,19 +24,6 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 MAX_DEFAULT_CONTEXT = 8192
-
-
-@dataclass(frozen=True)
-class Limits:
-    """``spec.serving`` of the manifest the generation was loaded from."""
-
-    context_length: int | None = None
-    max_tokens: int = 512
-    default_max_tokens: int = 256
-    max_concurrent: int = 16
-    max_queued: int = 64
-    max_input_items: int = 256
-    batching: str = "padded"
 
 
 def context_length(model: Any, limits: Limits) -> int:

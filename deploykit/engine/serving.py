@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING, Protocol, runtime_checkable
 
 from ..names import Task
 from .loader import LoadOptions
-from .runtime import Limits
+from .types import Limits
 
 if TYPE_CHECKING:
     from .requests import GenerationRequest, GenerationResult, RequestHandle

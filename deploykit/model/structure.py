@@ -21,7 +21,6 @@ planned without importing torch or transformers. This module must never import e
 from __future__ import annotations
 
 
-import json
 import logging
 import threading
 
@@ -33,7 +32,7 @@ from typing import TYPE_CHECKING, Any, Literal, get_args
 from ..errors import CheckpointError
 from . import gguf, structure_cache
 from . import quantization as quant
-from .hf import BUILD_LOCK, auto_class, quiet_transformers
+from .meta import build_meta_model, load_config, read_config_json
 from ..names import DTYPE_SIZES, FROM_TORCH
 from ..names import Task as TaskName
 
@@ -123,65 +122,6 @@ class Structure:
                    dtype=_expect(data["dtype"], str), blocks=blocks, embedding_block=embedding_block,
                    no_split=_strings(data["no_split"]),
                    notes=_strings(data["notes"]))
-
-
-def read_config_json(model_dir: Path) -> bytes:
-    """The bytes of a checkpoint directory's config.json, checked to be JSON (no transformers needed)."""
-    config_file = Path(model_dir) / "config.json"
-    if not config_file.is_file():
-        raise CheckpointError(f"{model_dir}: no config.json; point spec.model.path at a Hugging Face "
-                              "checkpoint directory")
-    data = config_file.read_bytes()
-    try:
-        json.loads(data.decode("utf-8"))
-    except (ValueError, UnicodeDecodeError) as exc:
-        raise CheckpointError(f"{config_file}: not valid JSON: {exc}") from None
-    return data
-
-
-def load_config(model_dir: Path, *, trust_remote_code: bool = False) -> Any:
-    """The transformers config of a checkpoint directory, with errors that say what to fix."""
-    config_file = Path(model_dir) / "config.json"
-    read_config_json(model_dir)
-    from transformers import AutoConfig
-
-    try:
-        with quiet_transformers():
-            return AutoConfig.from_pretrained(str(model_dir), trust_remote_code=trust_remote_code)
-    except (ValueError, KeyError, OSError) as exc:
-        raise CheckpointError(f"{config_file}: transformers cannot read this config: {exc}") from None
-
-
-_META_CACHE: dict[tuple[str, str, bool], Any] = {}
-
-
-def build_meta_model(config: Any, *, task: Task, trust_remote_code: bool = False) -> torch.nn.Module:
-    """The model for ``task`` on the meta device: real structure and names, no memory, no weights.
-
-    Cached by config content (meta models hold no data and are only read), so planning and the
-    pre-load shape check of one apply build it once.
-    """
-    key = (config.to_json_string(), task, trust_remote_code)
-    with BUILD_LOCK:  # the cache and the build: one thread at a time (``hf.BUILD_LOCK``)
-        if key not in _META_CACHE:
-            if len(_META_CACHE) > 8:
-                _META_CACHE.clear()
-            _META_CACHE[key] = _build_meta_model(config, task=task, trust_remote_code=trust_remote_code)
-        return _META_CACHE[key]
-
-
-def _build_meta_model(config: Any, *, task: Task, trust_remote_code: bool = False) -> torch.nn.Module:
-    import torch
-
-    auto = auto_class(task)
-    try:
-        with quiet_transformers(), torch.device("meta"):
-            model = auto.from_config(config, trust_remote_code=trust_remote_code)
-    except ValueError as exc:
-        raise CheckpointError(f"task {task!r} does not fit a {type(config).__name__} "
-                              f"({config.model_type}): {str(exc).splitlines()[0]}") from None
-    model.eval()
-    return model
 
 
 def _holds_layer_list(module: torch.nn.Module, cache: dict[int, bool]) -> bool:

@@ -90,8 +90,8 @@ def rank_split(model_dir: Any, *, task: str, trust_remote_code: bool = False,
                available: set[str]) -> tuple[dict[str, int], dict[str, str]]:
     """For the checkpoint at ``model_dir`` (its config.json only): the split parameters with their
     dimension, and the tied names missing from ``available`` with the name that holds their tensor."""
-    from .structure import build_meta_model, load_config
+    from .meta import build_meta_model, load_config
 
     config = load_config(model_dir, trust_remote_code=trust_remote_code)
-    model = build_meta_model(config, task=task, trust_remote_code=trust_remote_code)  # type: ignore[arg-type]
+    model = build_meta_model(config, task=task, trust_remote_code=trust_remote_code)
     return split_parameters(model), tied_sources(model, available)

@@ -10,12 +10,23 @@ ignored. No torch, no transformers.
 from __future__ import annotations
 
 import json
-from typing import TYPE_CHECKING, Any
+from pathlib import Path
+from typing import Any, Protocol
 
 from ..errors import Issue
 
-if TYPE_CHECKING:
-    from .manifest import LoadedManifest
+
+class _Located(Protocol):
+    """What ``heads_issues`` reads of a ``manifest.LoadedManifest`` (named here, not imported: the manifest
+    module imports this one)."""
+
+    @property
+    def manifest(self) -> Any: ...
+
+    @property
+    def model_path(self) -> Path: ...
+
+    def issue(self, field: str, message: str, hint: str | None = None) -> Issue: ...
 
 FIELD = "spec.placement.tensor_parallel"
 
@@ -62,7 +73,7 @@ def heads_of(config: dict[str, Any]) -> tuple[int | None, int | None]:
     return heads, kv if isinstance(kv, int) else heads
 
 
-def heads_issues(loaded: LoadedManifest) -> list[Issue]:
+def heads_issues(loaded: _Located) -> list[Issue]:
     """A located issue when the rank count does not divide the model's heads (read from config.json)."""
     ranks = loaded.manifest.spec.placement.tensor_parallel
     if ranks == 1:

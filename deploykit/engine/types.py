@@ -1,0 +1,22 @@
+"""Plain data every engine module shares, below all behaviour (so no two engine modules import each
+other for a type): why a request finished, and the serving limits of a generation. No torch."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+FinishReason = Literal["stop", "length", "cancelled", "error"]
+
+
+@dataclass(frozen=True)
+class Limits:
+    """``spec.serving`` of the manifest the generation was loaded from."""
+
+    context_length: int | None = None
+    max_tokens: int = 512
+    default_max_tokens: int = 256
+    max_concurrent: int = 16
+    max_queued: int = 64
+    max_input_items: int = 256
+    batching: str = "padded"
