@@ -25,7 +25,7 @@ from typing import Any, Callable
 
 from ..engine.admission import Admission
 from ..engine.requests import GenerationRequest, GenerationResult, RequestHandle
-from ..engine.runtime import MAX_DEFAULT_CONTEXT, TextRuntime
+from ..engine.runtime import TextRuntime, context_length, eos_ids_of
 from ..engine.sampling import request_generator
 from ..engine.serving import ServingSpec
 from ..names import Task
@@ -107,13 +107,9 @@ class ReplicaRuntime(TextRuntime):
     """TextRuntime whose engine is N replicas on the cluster; ``close`` deletes their application."""
 
     def __init__(self, app: str, engine: ReplicaEngine, tokenizer: Any, serving: ServingSpec, *,
-                 context_length: int) -> None:  # noqa: D107 (TextRuntime's __init__ loads a model: not here)
+                 context_length: int) -> None:
+        super().__init__(engine, tokenizer, serving.limits, context_length=context_length)
         self.app = app
-        self.loaded = None  # type: ignore[assignment]
-        self.tokenizer = tokenizer
-        self.limits = serving.limits
-        self.context_length = context_length
-        self.engine = engine
 
     def close(self, timeout: float | None = 30.0) -> None:
         try:
@@ -138,13 +134,9 @@ def build_replica_runtime(plan: Plan, path: Path, serving: ServingSpec, *, addre
     try:
         tokenizer = AutoTokenizer.from_pretrained(path)
         config = AutoConfig.from_pretrained(path, trust_remote_code=serving.load.trust_remote_code)
-        eos = getattr(config, "eos_token_id", None)
-        eos_ids = set(eos if isinstance(eos, list) else [] if eos is None else [eos])
-        own = getattr(config, "max_position_embeddings", None) or MAX_DEFAULT_CONTEXT
-        context = int(serving.limits.context_length or min(own, MAX_DEFAULT_CONTEXT))
-        engine = ReplicaEngine(handle, eos_ids, slots=serving.limits.max_concurrent * replicas,
+        engine = ReplicaEngine(handle, eos_ids_of(path, config), slots=serving.limits.max_concurrent * replicas,
                                max_queued=serving.limits.max_queued)
-        return ReplicaRuntime(app, engine, tokenizer, serving, context_length=context)
+        return ReplicaRuntime(app, engine, tokenizer, serving, context_length=context_length(config, serving.limits))
     except Exception:
         delete_replicas(app)
         raise

@@ -8,9 +8,9 @@ import logging
 from dataclasses import dataclass
 from pathlib import Path
 
-from ..engine.runtime import MAX_DEFAULT_CONTEXT
+from ..engine.runtime import context_length, eos_ids_of
 from ..engine.serving import ServingSpec
-from ..engine.stepped import SteppedEngine, SteppedRuntime, eos_ids_of
+from ..engine.stepped import SteppedEngine, SteppedRuntime
 from ..names import Task
 from ..placement.plan import Plan
 from .pipeline import RayPipeline, stages_of
@@ -63,10 +63,8 @@ def build_pipeline_runtime(plan: Plan, path: Path, serving: ServingSpec, address
     num_gpus = 1.0 if any(s.device != "cpu" for s in specs) else 0.0
     pipeline = RayPipeline.start(specs, num_cpus=cpus, num_gpus=num_gpus, timeout=options.timeout,
                                  in_current_group=options.in_replica_group)
-    own = getattr(config, "max_position_embeddings", None) or MAX_DEFAULT_CONTEXT
-    context = int(serving.limits.context_length or min(own, MAX_DEFAULT_CONTEXT))
     try:
-        return PipelineRuntime(pipeline, tokenizer, serving.limits, context_length=context,
+        return PipelineRuntime(pipeline, tokenizer, serving.limits, context_length=context_length(config, serving.limits),
                                eos_ids=eos_ids_of(path, config))
     except Exception:
         pipeline.close()

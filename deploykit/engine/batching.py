@@ -25,6 +25,7 @@ from collections.abc import Callable
 from typing import Any, Literal, Protocol
 
 from .admission import Admission, FinishReason, QueueFull
+from .types import eos_set
 from .continuous import ContinuousBackend
 from .padded import PaddedBackend
 from .requests import GenerationRequest, GenerationResult, RequestHandle
@@ -98,8 +99,9 @@ class Engine:
 
 
 def _eos_ids(model: Any) -> set[int]:
-    eos = model.generation_config.eos_token_id
-    return set(eos if isinstance(eos, list) else [] if eos is None else [eos])
+    """What ``runtime.eos_ids_of`` reads for the other runtimes: transformers loaded it into
+    ``generation_config`` (generation_config.json, else config.json)."""
+    return eos_set(model.generation_config.eos_token_id)
 
 
 def _kv_bytes_per_token(model: Any) -> int:

@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING, Any
 from ..names import Task
 from .embeddings import Pooling, embed, pooling_of
 from .text import RequestError, TextStream, check_length
-from .types import Limits
+from .types import Limits, eos_set
 
 if TYPE_CHECKING:
     from .loader import LoadedModel
@@ -26,11 +26,24 @@ log = logging.getLogger(__name__)
 MAX_DEFAULT_CONTEXT = 8192
 
 
-def context_length(model: Any, limits: Limits) -> int:
-    """The context a request may use: the manifest's, else the model's own (at most 8192)."""
-    config = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
-    own = getattr(config, "max_position_embeddings", None) or MAX_DEFAULT_CONTEXT
+def context_length(config: Any, limits: Limits) -> int:
+    """The context a request may use: the manifest's, else the model's own (at most 8192). ``config``: the
+    model's transformers config (its text config counts for a multimodal one). Every runtime asks here."""
+    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    own = getattr(text, "max_position_embeddings", None) or MAX_DEFAULT_CONTEXT
     return int(limits.context_length or min(own, MAX_DEFAULT_CONTEXT))
+
+
+def eos_ids_of(checkpoint: Any, config: Any) -> set[int]:
+    """The end-of-sequence ids of a checkpoint: its generation_config.json's, else its config's (what
+    ``from_pretrained`` gives an in-process model as ``generation_config``). Every runtime asks here."""
+    from transformers import GenerationConfig
+
+    try:
+        eos = GenerationConfig.from_pretrained(checkpoint).eos_token_id
+    except OSError:
+        eos = getattr(config, "eos_token_id", None)
+    return eos_set(eos)
 
 
 @dataclass(frozen=True)
@@ -53,24 +66,35 @@ class Completion:
 
 
 class TextRuntime:
-    """A causal LM's batching engine plus what requests need of its tokenizer."""
+    """A causal LM's text engine plus what requests need of its tokenizer and limits: composed from those
+    parts, whatever runs the model (in process: ``in_process``; pipeline stages, tensor-parallel ranks and
+    replicas build their engine and hand it here)."""
 
     kind = "text"
 
-    def __init__(self, loaded: LoadedModel, limits: Limits, *, kv_cache_bytes: int,
-                 forward_lock: threading.Lock | None) -> None:
+    def __init__(self, engine: TextEngine, tokenizer: Any, limits: Limits, *, context_length: int,
+                 loaded: LoadedModel | None = None) -> None:
+        if tokenizer is None:
+            raise RequestError("this model ships no tokenizer: it cannot serve text", code="no_tokenizer")
+        self.engine = engine
+        self.tokenizer = tokenizer
+        self.limits = limits
+        self.context_length = context_length
+        self.loaded = loaded  # the in-process model, if any
+
+    @classmethod
+    def in_process(cls, loaded: LoadedModel, limits: Limits, *, kv_cache_bytes: int,
+                   forward_lock: threading.Lock | None) -> TextRuntime:
+        """The batching engine over a model loaded in this process."""
         from .batching import Engine
 
         if loaded.tokenizer is None:
             raise RequestError("this model ships no tokenizer: it cannot serve text", code="no_tokenizer")
-        self.loaded = loaded
-        self.tokenizer = loaded.tokenizer
-        self.limits = limits
-        self.context_length = context_length(loaded.model, limits)
-        self.engine: TextEngine = Engine(loaded.model, loaded.tokenizer, max_batch_size=limits.max_concurrent,
-                                     max_queued=limits.max_queued, kv_cache_bytes=kv_cache_bytes,
-                                     forward_lock=forward_lock,
-                                     backend="continuous" if limits.batching == "continuous" else "padded")
+        engine = Engine(loaded.model, loaded.tokenizer, max_batch_size=limits.max_concurrent,
+                        max_queued=limits.max_queued, kv_cache_bytes=kv_cache_bytes, forward_lock=forward_lock,
+                        backend="continuous" if limits.batching == "continuous" else "padded")
+        return cls(engine, loaded.tokenizer, limits, context_length=context_length(loaded.model.config, limits),
+                   loaded=loaded)
 
     @property
     def eos_ids(self) -> set[int]:
@@ -113,7 +137,7 @@ class EmbeddingRuntime:
         self.loaded = loaded
         self.tokenizer = loaded.tokenizer
         self.limits = limits
-        self.context_length = context_length(loaded.model, limits)
+        self.context_length = context_length(loaded.model.config, limits)
         self.pooling: Pooling = pooling_of(loaded.source)
         self._worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="deploykit-embed")
 
@@ -138,7 +162,7 @@ def build_runtime(loaded: LoadedModel, limits: Limits, *, task: str, kv_cache_by
         log.info("%s ships no tokenizer: the inference API will not serve it", loaded.source)
         return None
     if task == Task.CAUSAL_LM:
-        return TextRuntime(loaded, limits, kv_cache_bytes=kv_cache_bytes, forward_lock=forward_lock)
+        return TextRuntime.in_process(loaded, limits, kv_cache_bytes=kv_cache_bytes, forward_lock=forward_lock)
     if task == Task.FEATURE_EXTRACTION:
         return EmbeddingRuntime(loaded, limits)
     return None

@@ -119,20 +119,11 @@ class SteppedRuntime(TextRuntime):
     name = "stepped"
 
     def __init__(self, pipeline: Any, tokenizer: Any, limits: Limits, *, context_length: int,
-                 eos_ids: set[int]) -> None:  # no super().__init__: there is no in-process model
-        if tokenizer is None:
-            raise RequestError("this model ships no tokenizer: it cannot serve text", code="no_tokenizer")
-        self.loaded = None  # type: ignore[assignment]
+                 eos_ids: set[int]) -> None:
+        engine = SteppedEngine(pipeline, tokenizer, eos_ids, max_batch_size=limits.max_concurrent,
+                               max_queued=limits.max_queued, name=self.name)
+        super().__init__(engine, tokenizer, limits, context_length=context_length)
         self.pipeline = pipeline
-        self.tokenizer = tokenizer
-        self.limits = limits
-        self.context_length = context_length
-        self.engine = SteppedEngine(pipeline, tokenizer, eos_ids, max_batch_size=limits.max_concurrent,
-                                    max_queued=limits.max_queued, name=self.name)
-
-    @property
-    def eos_ids(self) -> set[int]:
-        return set(self.engine.eos_ids)
 
     def health_check(self, text: str, *, timeout: float) -> HealthResult:
         """``rollout.health_check`` through the stages: one forward of ``text``, next-token logits must be
@@ -163,14 +154,3 @@ class SteppedRuntime(TextRuntime):
             self.engine.close(timeout)
         finally:
             self.pipeline.close()
-
-
-def eos_ids_of(checkpoint: Any, config: Any) -> set[int]:
-    """The end-of-sequence ids of a checkpoint: its generation config's, else its config's."""
-    from transformers import GenerationConfig
-
-    try:
-        eos = GenerationConfig.from_pretrained(checkpoint).eos_token_id
-    except OSError:
-        eos = getattr(config, "eos_token_id", None)
-    return set(eos if isinstance(eos, list) else [] if eos is None else [eos])

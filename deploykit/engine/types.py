@@ -1,10 +1,11 @@
 """Plain data every engine module shares, below all behaviour (so no two engine modules import each
-other for a type): why a request finished, and the serving limits of a generation. No torch."""
+other for a type): why a request finished, the serving limits of a generation, and end-of-sequence ids
+as a set. No torch."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Literal
+from typing import Any, Literal
 
 FinishReason = Literal["stop", "length", "cancelled", "error"]
 
@@ -20,3 +21,8 @@ class Limits:
     max_queued: int = 64
     max_input_items: int = 256
     batching: str = "padded"
+
+
+def eos_set(value: Any) -> set[int]:
+    """An ``eos_token_id`` as transformers stores it (an int, a list, or None) as a set."""
+    return set(value if isinstance(value, list) else [] if value is None else [value])

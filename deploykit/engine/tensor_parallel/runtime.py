@@ -9,8 +9,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from ..runtime import MAX_DEFAULT_CONTEXT, Limits
-from ..stepped import SteppedRuntime, eos_ids_of
+from ..runtime import Limits, context_length, eos_ids_of
+from ..stepped import SteppedRuntime
 from .group import RankGroup, free_port
 from .rank import RankSpec
 
@@ -64,10 +64,8 @@ def build_tensor_parallel_runtime(shards: Path, options: RankOptions, limits: Li
     except (OSError, ValueError):
         tokenizer = AutoTokenizer.from_pretrained(tokenizer_source) if tokenizer_source else None
     group = RankGroup.start(rank_specs(shards, options), timeout=options.timeout)
-    own = getattr(config, "max_position_embeddings", None) or MAX_DEFAULT_CONTEXT
     try:
-        return TensorParallelRuntime(group, tokenizer, limits, context_length=int(limits.context_length or
-                                                                                   min(own, MAX_DEFAULT_CONTEXT)),
+        return TensorParallelRuntime(group, tokenizer, limits, context_length=context_length(config, limits),
                                      eos_ids=eos_ids_of(shards, config))
     except BaseException:
         group.close()
