@@ -185,11 +185,11 @@ def test_rollback_history_and_git_commit(model, tmp_path):
     assert deploykit("apply", str(manifest), "-q", state=state).returncode == 0
     store = StateStore(state)
     assert store.get("tiny", 1).git_commit == head
-    assert "disk" in store.get("tiny", 2).plan["device_map"].values()
+    assert "disk" in store.get("tiny", 2).plan.device_map.values()
     result = deploykit("rollback", "tiny", "-q", state=state)
     assert result.returncode == 0, result.stderr
     assert "now revision 3" in result.stdout
-    assert store.get("tiny", 3).plan["device_map"] == store.get("tiny", 1).plan["device_map"]
+    assert store.get("tiny", 3).plan.device_map == store.get("tiny", 1).plan.device_map
     assert store.get("tiny", 3).manifest_digest == store.get("tiny", 1).manifest_digest
     hist = deploykit("history", "tiny", "-o", "json", state=state)
     rows = json.loads(hist.stdout)

@@ -110,7 +110,7 @@ def test_pull_reloads_and_revert_rolls_back(upstream, tmp_path):
         # the new generation serves a moment before its reload is counted: wait for both
         assert wait_for(lambda: (s := status())["generation"] == 3 and s["reloads"]["total"] == 2)
         store = StateStore(state)
-        assert store.get("tiny", 3).plan["device_map"] == store.get("tiny", 1).plan["device_map"]
+        assert store.get("tiny", 3).plan.device_map == store.get("tiny", 1).plan.device_map
         assert store.get("tiny", 3).manifest_digest == store.get("tiny", 1).manifest_digest
 
         metrics = get(port, "/metrics")[1]

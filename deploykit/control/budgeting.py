@@ -21,7 +21,8 @@ from typing import TYPE_CHECKING
 from ..names import Load, Strategy
 from ..spec.manifest import LoadedManifest
 from .budget import BudgetError, plan_tiers
-from .reconciler import ApplyOptions, apply, plan_deployment
+from .change import Change
+from .reconciler import ApplyOptions, ApplyOutcome, apply
 from .rollout import Rollout, RolloutResult
 
 if TYPE_CHECKING:
@@ -32,27 +33,28 @@ if TYPE_CHECKING:
 StepSink = Callable[[str], None] | None
 
 
-def need_of(loads: Loads, loaded: LoadedManifest) -> dict[str, int]:
-    """Bytes per budget tier of ``loaded``'s plan (planned as an apply would: pure, no weights read)."""
-    return plan_tiers(plan_deployment(loaded, devices=loads.devices))
+def need_of(change: Change) -> dict[str, int]:
+    """Bytes per budget tier of the change's plan (the plan its apply uses: pure, no weights read)."""
+    return plan_tiers(change.plan())
 
 
-def start_budgeted(loads: Loads, host: Host, loaded: LoadedManifest, *, force: bool = False,
+def start_budgeted(loads: Loads, host: Host, change: Change, *, force: bool = False,
                    progress: ProgressSink | None = None, on_step: StepSink = None) -> None:
-    lifecycle = loaded.manifest.spec.lifecycle
-    need = need_of(loads, loaded)
+    lifecycle = change.loaded.manifest.spec.lifecycle
+    need = need_of(change)
     host.register(loads.name, loads.pool, need, priority=lifecycle.priority, keep_alive=lifecycle.keep_alive)
     try:
-        _start(loads, host, loaded, need, force=force, progress=progress, on_step=on_step)
+        _start(loads, host, change, need, force=force, progress=progress, on_step=on_step)
     except BaseException:
         host.forget(loads.name)  # it never served: the budget holds nothing for it
         raise
 
 
-def _start(loads: Loads, host: Host, loaded: LoadedManifest, need: dict[str, int], *, force: bool,
+def _start(loads: Loads, host: Host, change: Change, need: dict[str, int], *, force: bool,
            progress: ProgressSink | None, on_step: StepSink) -> None:
+    loaded = change.loaded
     if loaded.manifest.spec.lifecycle.load == Load.ON_DEMAND:
-        probe = apply(loaded, store=loads.store, options=ApplyOptions(devices=loads.devices, dry_run=True, force=force))
+        probe = _probe(loads, change, force=force)
         loads.last_outcome = probe
         if probe.status != "unchanged":
             loads.pending = loaded  # applied (laid out, loaded, checked, recorded) at its first request
@@ -60,15 +62,22 @@ def _start(loads: Loads, host: Host, loaded: LoadedManifest, need: dict[str, int
         loads.pool.mark_unloaded()
         return
     with host.room(loads.name, need, reason="start"):
-        loads.load_initial(loaded, force=force, progress=progress, on_step=on_step)
+        loads.load_initial(loaded, force=force, progress=progress, on_step=on_step, change=change)
 
 
-def roll_budgeted(loads: Loads, host: Host, loaded: LoadedManifest, *, force: bool = False,
+def _probe(loads: Loads, change: Change, *, force: bool) -> ApplyOutcome:
+    """What the apply of ``change`` would do (a dry run: nothing recorded, nothing loaded)."""
+    return apply(change.loaded, store=loads.store, change=change,
+                 options=ApplyOptions(devices=loads.devices, dry_run=True, force=force))
+
+
+def roll_budgeted(loads: Loads, host: Host, change: Change, *, force: bool = False,
                   progress: ProgressSink | None = None, on_step: StepSink = None) -> RolloutResult:
+    loaded = change.loaded
     lifecycle = loaded.manifest.spec.lifecycle
-    need = need_of(loads, loaded)
+    need = need_of(change)
     host.register(loads.name, loads.pool, need, priority=lifecycle.priority, keep_alive=lifecycle.keep_alive)
-    probe = apply(loaded, store=loads.store, options=ApplyOptions(devices=loads.devices, dry_run=True, force=force))
+    probe = _probe(loads, change, force=force)
     if probe.status == "unchanged":
         loads.pending = None  # back to what is recorded: nothing left to apply
         loads.store.settle(loads.name)  # a no-op confirms what serves: earlier errors are over (as apply does)
@@ -83,9 +92,10 @@ def roll_budgeted(loads: Loads, host: Host, loaded: LoadedManifest, *, force: bo
             try:
                 with host.room(loads.name, need, reason="rollout", beside=True,
                                timeout=0 if requested == Strategy.AUTO else None):
-                    return rollout.run(loaded, force=force, progress=progress, on_step=on_step)
+                    return rollout.run(loaded, force=force, progress=progress, on_step=on_step, change=change)
             except BudgetError:
                 if requested == Strategy.BLUE_GREEN:
                     raise
         with host.room(loads.name, need, reason="rollout"):
-            return rollout.run(loaded, strategy=Strategy.RECREATE, force=force, progress=progress, on_step=on_step)
+            return rollout.run(loaded, strategy=Strategy.RECREATE, force=force, progress=progress, on_step=on_step,
+                               change=change)

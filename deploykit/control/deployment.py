@@ -34,6 +34,7 @@ from ..errors import ApplyError, DeploykitError
 from ..spec.manifest import LoadedManifest, manifest_named
 from .budget import BudgetError
 from .budgeting import roll_budgeted, start_budgeted
+from .change import Change
 from .embedded import EmbeddedApi
 from .machine import Event, State, StateCell, Trigger
 from .on_demand import Loads
@@ -95,13 +96,13 @@ class Deployment(EmbeddedApi):
     def from_loaded(cls, loaded: LoadedManifest, *, devices: str | None = None, store: StateStore | None = None,
                     acquire_timeout: float = DEFAULT_ACQUIRE_TIMEOUT, force: bool = False,
                     progress: ProgressSink | None = None, on_step: StepSink = None,
-                    host: Host | None = None) -> Deployment:
+                    host: Host | None = None, change: Change | None = None) -> Deployment:
         """Apply an already loaded manifest (one sent over the control API, or a revision's recorded
         manifest after a restart) and hold its model. It has no file to watch: ``roll_to`` changes it."""
         dep = cls(Path(loaded.source), name=loaded.name, devices=devices, store=store,
                   acquire_timeout=acquire_timeout, host=host)
         dep._given = loaded
-        dep._start_or_close(force=force, progress=progress, on_step=on_step)
+        dep._start_or_close(force=force, progress=progress, on_step=on_step, change=change)
         return dep
 
     def _start_or_close(self, **options: Any) -> None:
@@ -115,19 +116,23 @@ class Deployment(EmbeddedApi):
     def _manifest(self) -> LoadedManifest:
         return self._given if self._given is not None else manifest_named(self.manifest_path, self._wanted_name)
 
-    def start(self, *, force: bool = False, progress: ProgressSink | None = None, on_step: StepSink = None) -> None:
-        """Apply the manifest (or load the current revision, verified and health-checked)."""
-        self._worker.call(lambda: self._start(force=force, progress=progress, on_step=on_step))
+    def start(self, *, force: bool = False, progress: ProgressSink | None = None, on_step: StepSink = None,
+              change: Change | None = None) -> None:
+        """Apply the manifest (or load the current revision, verified and health-checked). ``change``: the
+        manifest already checked and planned by the caller (it is not planned again)."""
+        self._worker.call(lambda: self._start(force=force, progress=progress, on_step=on_step, change=change))
 
-    def _start(self, *, force: bool, progress: ProgressSink | None, on_step: StepSink) -> None:
-        loaded = self._manifest()
+    def _start(self, *, force: bool, progress: ProgressSink | None, on_step: StepSink,
+               change: Change | None) -> None:
+        loaded = change.loaded if change is not None else self._manifest()
+        change = change if change is not None else Change(loaded, self.devices)
         self.name = self.pool.name = self.loads.name = loaded.name
         self._cell.move(Event(Trigger.CHANGE_STARTED))
         try:
             if self.host is None:
-                self.loads.load_initial(loaded, force=force, progress=progress, on_step=on_step)
+                self.loads.load_initial(loaded, force=force, progress=progress, on_step=on_step, change=change)
             else:
-                start_budgeted(self.loads, self.host, loaded, force=force, progress=progress, on_step=on_step)
+                start_budgeted(self.loads, self.host, change, force=force, progress=progress, on_step=on_step)
         except Exception as exc:
             self._cell.move(Event(Trigger.CHANGE_FAILED, serving=False, error=describe(exc, loaded)))
             raise
@@ -232,24 +237,28 @@ class Deployment(EmbeddedApi):
         return swapped
 
     def roll_to(self, loaded: LoadedManifest, *, force: bool = False, progress: ProgressSink | None = None,
-                on_step: StepSink = None) -> RolloutResult:
+                on_step: StepSink = None, change: Change | None = None) -> RolloutResult:
         """Roll out ``loaded`` (a manifest handed over, e.g. by the control API) instead of re-reading
         the file; it becomes this deployment's manifest. Unlike ``reload`` it raises on failure (after
-        recording it as a reload failure: the serving generation stays)."""
-        return self._worker.call(lambda: self._roll(loaded, force=force, progress=progress, on_step=on_step))
+        recording it as a reload failure: the serving generation stays). ``change``: ``loaded`` already
+        checked and planned by the caller."""
+        return self._worker.call(lambda: self._roll(loaded, force=force, progress=progress, on_step=on_step,
+                                                    change=change))
 
     def reconcile(self, *, force: bool = False, progress: ProgressSink | None = None,
                   on_step: StepSink = None) -> RolloutResult:
         """Roll out the manifest file as it is now (what a save of it does) and raise the real reason
         when that fails; the serving generation stays. ``deploykit apply`` of a watched file."""
-        return self._worker.call(lambda: self._roll(None, force=force, progress=progress, on_step=on_step))
+        return self._worker.call(lambda: self._roll(None, force=force, progress=progress, on_step=on_step,
+                                                    change=None))
 
     def _roll(self, given: LoadedManifest | None, *, force: bool, progress: ProgressSink | None,
-              on_step: StepSink) -> RolloutResult:
+              on_step: StepSink, change: Change | None) -> RolloutResult:
         """``roll_to`` (``given``) or ``reconcile`` (None: the file as it is now), raising on failure."""
         if self._closed:
             raise ApplyError(f"{self.name!r} is being deleted")
-        result = self._reload_once(given, force=force, progress=progress, on_step=on_step, raise_errors=True)
+        result = self._reload_once(given, force=force, progress=progress, on_step=on_step, raise_errors=True,
+                                   change=change)
         assert isinstance(result, RolloutResult)
         if result.swapped:
             self._notify()
@@ -268,7 +277,7 @@ class Deployment(EmbeddedApi):
 
     def _reload_once(self, given: LoadedManifest | None = None, *, force: bool = False,
                      progress: ProgressSink | None = None, on_step: StepSink = None,
-                     raise_errors: bool = False) -> bool | RolloutResult:
+                     raise_errors: bool = False, change: Change | None = None) -> bool | RolloutResult:
         clock = ReloadClock()
         loaded: LoadedManifest | None = given
         strategy = "none"
@@ -278,7 +287,9 @@ class Deployment(EmbeddedApi):
             if loaded.name != self.name:
                 raise ApplyError(f"the manifest now names {loaded.name!r}, this deployment is "
                                  f"{self.name!r}; a rename is a new deployment")
-            result = self._rollout(loaded, force=force, progress=progress, on_step=on_step)
+            if change is None or change.loaded is not loaded:
+                change = Change(loaded, self.devices)  # parsed once, checked and planned once from here
+            result = self._rollout(change, force=force, progress=progress, on_step=on_step)
             strategy = result.strategy
         except Exception as exc:  # any failure, expected or not: recorded, the last good generation serves
             if not isinstance(exc, DeploykitError):
@@ -292,12 +303,12 @@ class Deployment(EmbeddedApi):
         swapped = self._finish_reload(result, clock)
         return result if raise_errors else swapped
 
-    def _rollout(self, loaded: LoadedManifest, *, force: bool, progress: ProgressSink | None,
+    def _rollout(self, change: Change, *, force: bool, progress: ProgressSink | None,
                  on_step: StepSink) -> RolloutResult:
         if self.host is None:
             rollout = Rollout(self.pool, self.store, devices=self.devices, acquire_timeout=self.acquire_timeout)
-            return rollout.run(loaded, force=force, progress=progress, on_step=on_step)
-        return roll_budgeted(self.loads, self.host, loaded, force=force, progress=progress, on_step=on_step)
+            return rollout.run(change.loaded, force=force, progress=progress, on_step=on_step, change=change)
+        return roll_budgeted(self.loads, self.host, change, force=force, progress=progress, on_step=on_step)
 
     def _finish_reload(self, result: RolloutResult, clock: ReloadClock) -> bool:
         if result.outcome is not None:

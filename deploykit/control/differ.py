@@ -52,7 +52,8 @@ def diff_manifest(loaded: LoadedManifest, *, store: StateStore, devices: str | N
     except DeploykitError as exc:
         lines.append(f"  the new manifest does not plan: {exc}")
         return lines
-    old_map = (current.plan or {}).get("device_map", {}) if current else {}
+    old_plan = current.plan if current else None
+    old_map: dict[str, Any] = dict(old_plan.device_map) if old_plan else {}
     moves: dict[tuple[Any, Any], list[str]] = {}
     for module, device in plan.device_map.items():
         before = old_map.get(module)

@@ -187,7 +187,7 @@ def load_revision(revision: Revision) -> LoadedModel:
     problem = shards_problem(revision, hashes=True)
     if problem is not None:
         raise CheckpointError(f"revision {revision.revision} of {revision.name!r} cannot be loaded: {problem}")
-    model, _ = load_checked(recorded_manifest(revision), Plan.from_dict(revision.plan),
+    model, _ = load_checked(recorded_manifest(revision), revision.plan,
                              Path(revision.shards_path or ""), StepTimer(None))
     return model
 
@@ -208,7 +208,7 @@ def load_laid_out(revision: Revision) -> tuple[LoadedModel, Plan, ServingSpec]:
     """Load ``revision`` (shards already checked: ``checked_current``) from its shards, no reshard, and
     health-check it: the model, its plan and what serving it needs."""
     assert revision.plan is not None
-    manifest, plan = recorded_manifest(revision), Plan.from_dict(revision.plan)
+    manifest, plan = recorded_manifest(revision), revision.plan
     model, _ = load_checked(manifest, plan, Path(revision.shards_path or ""), StepTimer(None))
     return model, plan, serving_of(manifest)
 

@@ -22,6 +22,7 @@ if TYPE_CHECKING:
 
     from ..artifacts.reshard import ProgressSink
     from ..spec.manifest import LoadedManifest
+    from .change import Change
     from .host import Host
     from .pool import GenerationPool
     from .state import StateStore
@@ -44,11 +45,11 @@ class Loads:
     verified: int | None = field(default=None)  # the revision whose shards this process checked by hash
 
     def load_initial(self, loaded: LoadedManifest, *, force: bool = False, progress: ProgressSink | None = None,
-                     on_step: Callable[[str], None] | None = None) -> None:
+                     on_step: Callable[[str], None] | None = None, change: Change | None = None) -> None:
         """Apply ``loaded`` (or load its current revision, verified and health-checked) and serve it."""
         outcome = apply(loaded, store=self.store, options=ApplyOptions(
             devices=self.devices, keep_model=True, load_if_unchanged=True, force=force),
-            progress=progress, on_step=on_step)
+            progress=progress, on_step=on_step, change=change)
         assert outcome.loaded is not None
         self.pool.install(outcome.loaded, outcome.plan, outcome.revision or 0, "initial", serving_of(loaded))
         outcome.loaded = None  # the pool owns the model now: a kept outcome must not pin it

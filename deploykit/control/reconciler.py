@@ -37,7 +37,8 @@ from ..errors import CheckpointError, DeploykitError, ManifestError
 from ..model.checkpoint import Checkpoint
 from ..placement.inventory import Inventory
 from ..placement.plan import Plan
-from ..spec.manifest import LoadedManifest, check_on_host
+from ..spec.manifest import LoadedManifest
+from .change import Change
 from .decision import Action, Actual, Decision, Desired, decide
 from .layouts import collect_old_shards, import_source, in_place_checksums, lay_out, open_source
 from .loading import StepTimer, load_checked, shards_problem
@@ -85,11 +86,14 @@ def git_commit(path: Path) -> str | None:
 
 
 def apply(loaded: LoadedManifest, *, store: StateStore, options: ApplyOptions = ApplyOptions(),
-          progress: ProgressSink | None = None, on_step: Callable[[str], None] | None = None) -> ApplyOutcome:
-    """Make ``loaded`` the deployed revision of its name. See the module docstring."""
+          progress: ProgressSink | None = None, on_step: Callable[[str], None] | None = None,
+          change: Change | None = None) -> ApplyOutcome:
+    """Make ``loaded`` the deployed revision of its name. See the module docstring. ``change``: the
+    change this apply is a step of (its host checks and plans are made once, whoever asks first)."""
     timer = StepTimer(on_step)
+    change = change if change is not None else Change(loaded, options.devices)
     with timer.step("validate"):
-        issues = check_on_host(loaded)
+        issues = change.issues()
         if issues:
             _refuse_without_source(loaded, store, options)
             raise ManifestError(issues)
@@ -112,11 +116,11 @@ def apply(loaded: LoadedManifest, *, store: StateStore, options: ApplyOptions = 
                 store.settle(loaded.name)  # a no-op confirms what serves: earlier errors are over
             return _reuse(loaded, current, decision, timer, options)
         if options.dry_run:
-            return ApplyOutcome(loaded.name, "dry-run", None, _plan(loaded, options, timer), decision.actions,
+            return ApplyOutcome(loaded.name, "dry-run", None, _plan(change, options, timer), decision.actions,
                                 timer.timings)
         if checkpoint is None:
             checkpoint = import_source(loaded, store, fingerprint, timer)
-        return _act(loaded, store, checkpoint, decision, options, timer, progress)
+        return _act(change, store, checkpoint, decision, options, timer, progress)
 
 
 def _refuse_without_source(loaded: LoadedManifest, store: StateStore, options: ApplyOptions) -> None:
@@ -145,7 +149,7 @@ def _refuse_changed_in_place(current: Revision | None, checkpoint: Checkpoint, a
 def _reuse(loaded: LoadedManifest, current: Revision, decision: Decision, timer: StepTimer,
            options: ApplyOptions) -> ApplyOutcome:
     """Nothing to record: keep the current revision, loading it (health-checked) if asked."""
-    plan = Plan.from_dict(current.plan) if current.plan else None
+    plan = current.plan
     outcome = ApplyOutcome(loaded.name, "unchanged", current.revision, plan, decision.actions, timer.timings,
                            shards=Path(current.shards_path or ""))
     if "load" in decision.steps and plan is not None:
@@ -154,41 +158,23 @@ def _reuse(loaded: LoadedManifest, current: Revision, decision: Decision, timer:
     return outcome
 
 
-def deployment_inventory(loaded: LoadedManifest, devices: str | None) -> Inventory:
-    """What a deployment is planned against: ``devices`` (or ``$DEPLOYKIT_DEVICES``) when given; else
-    the Ray cluster's nodes for a pipeline manifest; else this host."""
-    import os
-
-    from ..placement.planning import inventory_for
-
-    cluster = loaded.manifest.spec.cluster
-    spans_nodes = cluster is not None and loaded.manifest.spec.placement.nodes > 1
-    if devices is None and not os.environ.get("DEPLOYKIT_DEVICES") and spans_nodes:
-        from ..cluster.inventory import probe_cluster  # imports ray: only for such manifests
-
-        assert cluster is not None
-        return probe_cluster(cluster.address)
-    return inventory_for(loaded, devices)
-
-
 def plan_deployment(loaded: LoadedManifest, *, devices: str | None = None, inventory: Inventory | None = None) -> Plan:
-    """The plan of ``loaded`` against ``inventory``, else ``deployment_inventory(loaded, devices)``."""
-    from ..placement.planning import plan_manifest
-
-    return plan_manifest(loaded, inventory=inventory or deployment_inventory(loaded, devices))
+    """The plan of ``loaded`` against ``inventory``, else ``change.deployment_inventory(loaded, devices)``."""
+    return Change(loaded, devices).plan(inventory)
 
 
-def _plan(loaded: LoadedManifest, options: ApplyOptions, timer: StepTimer) -> Plan:
+def _plan(change: Change, options: ApplyOptions, timer: StepTimer) -> Plan:
     with timer.step("plan"):
-        return plan_deployment(loaded, devices=options.devices, inventory=options.inventory)
+        return change.plan(options.inventory)
 
 
-def _act(loaded: LoadedManifest, store: StateStore, checkpoint: Checkpoint, decision: Decision,
+def _act(change: Change, store: StateStore, checkpoint: Checkpoint, decision: Decision,
          options: ApplyOptions, timer: StepTimer, progress: ProgressSink | None) -> ApplyOutcome:
     """Plan (nothing recorded if it does not fit), record, then do the side effects."""
     from ..engine.loader import check_fits_host
 
-    plan = _plan(loaded, options, timer)
+    loaded = change.loaded
+    plan = _plan(change, options, timer)
     check_fits_host(plan)
     source = Path(loaded.source).resolve()
     revision = store.begin_revision(

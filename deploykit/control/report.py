@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING, Any
 from ..errors import DeploykitError
 from ..names import Phase
 from ..placement.inventory import process_rss
+from ..placement.plan import Plan
 from .state import Revision, StateStore
 
 if TYPE_CHECKING:
@@ -50,12 +51,12 @@ def _open_failure(store: StateStore, name: str, latest: Revision | None, running
     return latest.reason or "failed"
 
 
-def _plan_summary(plan: dict[str, Any] | None) -> dict[str, Any] | None:
+def _plan_summary(plan: Plan | None) -> dict[str, Any] | None:
     if plan is None:
         return None
-    return {"digest": plan["digest"], "bottleneck_factor": plan["bottleneck_factor"],
-            "devices": [{"device": d["device"], "blocks": d["blocks"], "bytes": d["bytes"]}
-                        for d in plan["devices"] if d["blocks"]]}
+    return {"digest": plan.digest, "bottleneck_factor": plan.bottleneck_factor,
+            "devices": [{"device": d.device, "blocks": list(d.blocks), "bytes": d.bytes}
+                        for d in plan.devices if d.blocks]}
 
 
 def status_report(store: StateStore, name: str) -> dict[str, Any]:

@@ -26,6 +26,7 @@ from ..placement.plan import Plan
 from ..spec.manifest import LoadedManifest
 from .pool import Generation, GenerationPool
 from .loading import load_revision, recorded_manifest, serving_of
+from .change import Change
 from .reconciler import ApplyOptions, ApplyOutcome, apply
 from .state import StateStore
 
@@ -73,26 +74,25 @@ class Rollout:
         self._apply_args: dict[str, Any] = {}
 
     def run(self, loaded: LoadedManifest, *, force: bool = False, progress: ProgressSink | None = None,
-            on_step: Callable[[str], None] | None = None, strategy: str | None = None) -> RolloutResult:
+            on_step: Callable[[str], None] | None = None, strategy: str | None = None,
+            change: Change | None = None) -> RolloutResult:
         """``force``, ``progress`` and ``on_step`` are passed to the apply (the control API streams them).
         ``strategy`` overrides the manifest's (the host budget's decision: recreate when two generations
-        do not fit in it)."""
-        from ..placement.planning import plan_manifest
-        from .reconciler import deployment_inventory
-
+        do not fit in it). ``change``: the change this rollout is (planned once for all its steps)."""
+        change = change if change is not None else Change(loaded, self.devices)
         requested = strategy or loaded.manifest.spec.rollout.strategy
-        beside = inventory_beside(deployment_inventory(loaded, self.devices), self.pool.current)
+        beside = inventory_beside(change.inventory(), self.pool.current)
         infeasible: PlanInfeasible | None = None
         if requested != Strategy.RECREATE:
             try:
-                plan_manifest(loaded, inventory=beside)
+                change.plan(beside)
             except PlanInfeasible as exc:
                 infeasible = exc
         chosen = choose_strategy(requested, fits_beside=infeasible is None)
         if chosen is None:
             assert infeasible is not None
             raise infeasible
-        self._apply_args = {"progress": progress, "on_step": on_step}
+        self._apply_args = {"progress": progress, "on_step": on_step, "change": change}
         self._force = force
         if chosen == Strategy.BLUE_GREEN:
             return self._blue_green(loaded, beside)
@@ -142,6 +142,6 @@ class Rollout:
         if current is None or current.plan is None:
             return
         model = load_revision(current)
-        self.pool.install(model, Plan.from_dict(current.plan), current.revision, "restore",
+        self.pool.install(model, current.plan, current.revision, "restore",
                           serving_of(recorded_manifest(current)))
         log.warning("%s: restored revision %d after a failed recreate", self.pool.name, current.revision)

@@ -28,6 +28,7 @@ from pathlib import Path
 from typing import Any
 
 from ..errors import ApplyError
+from ..placement.plan import Plan
 
 SCHEMA_VERSION = 2
 # Columns added after schema 1, for databases created before them.
@@ -104,8 +105,9 @@ class Revision:
         return json.loads(self.checksums_json) if self.checksums_json else None
 
     @property
-    def plan(self) -> dict[str, Any] | None:
-        return json.loads(self.plan_json) if self.plan_json else None
+    def plan(self) -> Plan | None:
+        """The plan this revision was laid out and loaded with (parsed from the record each time)."""
+        return Plan.from_dict(json.loads(self.plan_json)) if self.plan_json else None
 
     @property
     def timings(self) -> dict[str, float]:

@@ -31,6 +31,7 @@ from typing import TYPE_CHECKING, Any
 
 from ..errors import DeploykitError
 from ..spec.manifest import LoadedManifest, load_manifests, manifest_files
+from .change import Change
 from .deployment import Deployment
 from .loading import recorded_manifest
 from .ownership import Owners
@@ -286,36 +287,39 @@ class Supervisor:
 
     def apply_manifest(self, loaded: LoadedManifest, *, dry_run: bool = False, force: bool = False,
                        progress: ProgressSink | None = None, on_step: StepSink | None = None,
-                       on_wait: StepSink | None = None, what: str = "apply") -> ApplyOutcome:
+                       on_wait: StepSink | None = None, what: str = "apply",
+                       devices: str | None = None) -> ApplyOutcome:
         """Make ``loaded`` what serves under its name: a new deployment, or a rollout of the one that
         serves (blue-green/recreate as its manifest says). Recorded in the state store, so a restart
-        without a path restores it. Raises what the apply raised; what served keeps serving."""
+        without a path restores it. Raises what the apply raised; what served keeps serving.
+        ``dry_run`` says what it would do (planned against ``devices`` if given) and changes nothing."""
         from ..errors import ManifestError
-        from ..spec.manifest import check_on_host
 
         name = loaded.name
+        if devices and not dry_run and devices != self.devices:
+            raise DeploykitError("--devices applies only to --dry-run when a server holds the deployments; "
+                                 "the server plans with its own inventory (deploykit serve --devices)")
+        change = Change(loaded, devices or self.devices)  # checked once, planned once, whatever runs it
         if self.owners.check_api_change(name, what, Path(loaded.source) if what == "apply" else None):
             if dry_run:
-                return apply(loaded, store=self.store, options=ApplyOptions(devices=self.devices, dry_run=True,
-                                                                            force=force))
+                return self.dry_run(change, force=force)
             return self._reconcile_file(name, force=force, progress=progress, on_step=on_step, on_wait=on_wait)
-        issues = check_on_host(loaded)  # as a local apply validates first (a rollout would plan first)
+        issues = change.issues()  # as a local apply validates first (a rollout would plan first)
         if issues:
             raise ManifestError(issues)
         if dry_run:
-            return apply(loaded, store=self.store, options=ApplyOptions(devices=self.devices, dry_run=True,
-                                                                        force=force))
+            return self.dry_run(change, force=force)
         with self._exclusive(name, what, on_wait):
             dep = self.get(name)
             if dep is not None:
-                result = dep.roll_to(loaded, force=force, progress=progress, on_step=on_step)
+                result = dep.roll_to(loaded, force=force, progress=progress, on_step=on_step, change=change)
                 assert result.outcome is not None
                 return result.outcome
             with self._lock:
                 self.loading.add(name)
             try:
                 dep = Deployment.from_loaded(loaded, devices=self.devices, store=self.store, force=force,
-                                             progress=progress, on_step=on_step, host=self.host)
+                                             progress=progress, on_step=on_step, host=self.host, change=change)
                 self.owners.claim_for_api(name)
                 self._hold(name, dep)
                 with self._lock:
@@ -326,6 +330,11 @@ class Supervisor:
                     self._changed.notify_all()
             assert dep.last_outcome is not None
             return dep.last_outcome
+
+    def dry_run(self, change: Change, *, force: bool = False) -> ApplyOutcome:
+        """What applying ``change`` would do here (planned against this server's inventory), changing nothing."""
+        return apply(change.loaded, store=self.store, change=change,
+                     options=ApplyOptions(devices=change.devices, dry_run=True, force=force))
 
     def _reconcile_file(self, name: str, *, force: bool, progress: ProgressSink | None, on_step: StepSink | None,
                         on_wait: StepSink | None) -> ApplyOutcome:

@@ -186,14 +186,11 @@ async def apply(request: Request, body: ManifestBody) -> StreamingResponse:
 
     def work(events: _Events) -> dict[str, Any]:
         from ..control.lifecycle import outcome_summary
-        from ..control.reconciler import ApplyOptions
-        from ..control.reconciler import apply as run
 
         loaded = _parse(body)
         try:
-            if body.dry_run:
-                options = ApplyOptions(devices=body.devices or supervisor.devices, dry_run=True, force=body.force)
-                outcome = run(loaded, store=supervisor.store, options=options)
+            if body.dry_run:  # the same path as an apply: ownership checked, planned once
+                outcome = supervisor.apply_manifest(loaded, dry_run=True, force=body.force, devices=body.devices)
             else:
                 if body.devices and body.devices != supervisor.devices:
                     raise DeploykitError("--devices applies only to --dry-run when a server holds the deployments; "

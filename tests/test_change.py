@@ -1,0 +1,50 @@
+"""Parse once, validate once, plan once per change: an apply through the server's supervisor (under a
+budget, as `deploykit serve` runs it) checks the manifest against the host once and plans it once,
+whether it deploys, rolls out a change, finds nothing changed, or only dry-runs."""
+
+from __future__ import annotations
+
+from collections import Counter
+
+import pytest
+
+import deploykit.placement.planning as planning
+import deploykit.spec.manifest as manifests
+from deploykit.control.budget import Budget
+from deploykit.control.host import Host
+from deploykit.control.state import StateStore
+from deploykit.control.supervisor import Supervisor
+from deploykit.spec.manifest import load_manifests
+from deploykit.units import parse_size
+from manifests import manifest_text
+
+
+@pytest.fixture
+def counted(monkeypatch):
+    counts: Counter[str] = Counter()
+    for module, name in ((planning, "plan_manifest"), (manifests, "check_on_host")):
+        real = getattr(module, name)
+
+        def counting(*args, _real=real, _name=name, **kwargs):
+            counts[_name] += 1
+            return _real(*args, **kwargs)
+
+        monkeypatch.setattr(module, name, counting)
+    return counts
+
+
+def test_each_change_is_checked_once_and_planned_once(model, tmp_path, counted):
+    host = Host(Budget({"cpu": parse_size("4GiB")}, source="test"))
+    supervisor = Supervisor(None, store=StateStore(tmp_path / "state"), host=host)
+    supervisor.start()
+    path = tmp_path / "tiny.yaml"
+    try:
+        for shard, dry_run, status in (("200KiB", True, "dry-run"), ("200KiB", False, "applied"),
+                                       ("100KiB", False, "applied"), ("100KiB", False, "unchanged")):
+            path.write_text(manifest_text(model, name="tiny", shard=shard))
+            counted.clear()
+            outcome = supervisor.apply_manifest(load_manifests(path)[0], dry_run=dry_run)
+            assert outcome.status == status
+            assert counted == {"plan_manifest": 1, "check_on_host": 1}, (shard, dry_run, counted)
+    finally:
+        supervisor.close()
