@@ -165,3 +165,50 @@ def test_deployments_of_one_tied_checkpoint_start_together(tiny_model, tmp_path,
     with Server(served, tmp_path / "state", "--budget", "cpu=4GiB") as server:
         names = sorted(s["name"] for s in get(f"{server.url}/status")[1] if s.get("phase") == "Ready")
         assert names == ["tied-a", "tied-b"], get(f"{server.url}/status")[1]
+
+
+def _stream_until(url: str, stop: threading.Event, latencies: list, failures: list) -> None:
+    import time
+
+    client = openai.OpenAI(base_url=f"{url}/v1", api_key="none", max_retries=0, timeout=300)
+    while not stop.is_set():
+        started = time.monotonic()
+        try:
+            for _ in client.chat.completions.create(model="chat", messages=[{"role": "user", "content": "hi"}],
+                                                    max_tokens=16, stream=True):
+                pass
+            latencies.append(time.monotonic() - started)
+        except Exception as exc:  # every failure counts
+            failures.append(repr(exc))
+
+
+@pytest.mark.parametrize("strategy", ["blue-green", "recreate"])
+def test_rewrites_under_streaming_load_stall_no_request_longer_than_a_reload(tmp_path, strategy):
+    """Three rewrites of the manifest while clients stream: nothing fails, and no request waits longer
+    than the longest reload took (plus what a request takes on its own)."""
+    model = build_chat_model(tmp_path / "model", hidden=256, layers=8, intermediate=1024)
+    served = tmp_path / "served"
+    served.mkdir()
+    path = served / "chat.yaml"
+    rollout = f"  rollout: {{strategy: {strategy}}}\n"
+    path.write_text(chat_manifest(model, shard="2MiB") + rollout)
+    with Server(served, tmp_path / "state") as server:
+        stop, latencies, failures = threading.Event(), [], []
+        clients = [threading.Thread(target=_stream_until, args=(server.url, stop, latencies, failures))
+                   for _ in range(3)]
+        for client in clients:
+            client.start()
+        wait_until(lambda: len(latencies) >= 6, 60, "a few answers before the rewrites")
+        alone = max(latencies)
+        for generation, shard in ((2, "1MiB"), (3, "3MiB"), (4, "4MiB")):
+            replace_like_an_editor(path, chat_manifest(model, shard=shard) + rollout)
+            wait_until(lambda: status_of(server, "chat").get("generation", 0) >= generation, 120,
+                       f"generation {generation} serves")
+        answered = len(latencies)
+        wait_until(lambda: len(latencies) >= answered + 3, 60, "answers after the last reload")
+        stop.set()
+        for client in clients:
+            client.join(120)
+        longest = status_of(server, "chat")["reloads"]["longest_seconds"]
+    assert not failures, failures
+    assert max(latencies) <= longest + 2 * alone + 1.0, (max(latencies), longest, alone)

@@ -124,7 +124,7 @@ class LiveStatus:
     last_error: str | None
     manifest: str
     serialize_forward: bool
-    reloads: dict[str, int]
+    reloads: dict[str, float]
     memory: dict[str, int | None]
     plan: list[dict[str, Any]] | None
 
@@ -146,7 +146,8 @@ def live_status(gen: Generation | None, state: State, *, name: str, pool: Genera
         budget=host.describe(name) if host is not None else None,
         in_flight=gen.refs if gen else 0, last_error=state.message, manifest=str(manifest),
         serialize_forward=bool(gen and gen.forward_lock),
-        reloads={"total": reloads.count, "failed": reloads.failures},
+        reloads={"total": reloads.count, "failed": reloads.failures,
+                 "longest_seconds": round(max((r.seconds for r in reloads.records), default=0.0), 3)},
         memory={"rss": process_rss(), "baseline_rss": pool.baseline_rss},
         plan=[{"device": d.device, "blocks": list(d.blocks), "bytes": d.bytes}
               for d in gen.plan.devices if d.blocks] if gen and gen.plan else None,
