@@ -92,8 +92,8 @@ def forward_latency(repeats: int = 15) -> list[tuple[str, float]]:
     from transformers import AutoModelForCausalLM
 
     from deploykit.spec.manifest import load_manifests
-    from deploykit.control.reconciler import ApplyOptions, apply
-    from deploykit.control.state import StateStore
+    from deploykit.control.revisions.reconciler import ApplyOptions, apply
+    from deploykit.control.revisions.state import StateStore
 
     src = checkpoint("llama-fp32-600m")
     size = size_of(src)

@@ -50,7 +50,7 @@ spec:
 
 _PERPLEXITY = """
 import json, math, sys, torch
-from deploykit.control.deployment import Deployment
+from deploykit.control.live.deployment import Deployment
 manifest, state, text, limit = sys.argv[1], sys.argv[2], open(sys.argv[3]).read(), int(sys.argv[4])
 torch.set_num_threads(2)
 dep = Deployment.from_manifest(manifest, state_dir=state)
@@ -69,7 +69,7 @@ print(json.dumps({"ppl": math.exp(nll / count), "tokens": count}))
 
 _EMBED = """
 import json, sys, torch
-from deploykit.control.deployment import Deployment
+from deploykit.control.live.deployment import Deployment
 manifests, states = sys.argv[1].split(","), sys.argv[2].split(",")
 texts = [f"{a} {b}." for a in ("The cat sat on the mat", "Quantization shrinks the weights of a model",
                                "Paris is the capital of France", "I like green tea in the morning")

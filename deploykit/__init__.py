@@ -18,7 +18,7 @@ __version__ = "0.1.0"
 
 def __getattr__(name: str) -> object:
     if name == "Deployment":  # imported on first use: it pulls in the manifest schema
-        from .control.deployment import Deployment
+        from .control.live.deployment import Deployment
 
         return Deployment
     raise AttributeError(f"module 'deploykit' has no attribute {name!r}")

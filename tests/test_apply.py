@@ -16,10 +16,10 @@ from safetensors.torch import load_file, save_file
 
 from deploykit.errors import ApplyError
 from deploykit.spec.manifest import load_manifests
-from deploykit.control.reconciler import ApplyOptions, apply
+from deploykit.control.revisions.reconciler import ApplyOptions, apply
 from deploykit.artifacts.verify import verify
-from deploykit.control.report import status_report
-from deploykit.control.state import StateStore
+from deploykit.control.revisions.report import status_report
+from deploykit.control.revisions.state import StateStore
 
 from manifests import write_manifest
 

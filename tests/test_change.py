@@ -11,9 +11,9 @@ import pytest
 import deploykit.placement.planning as planning
 import deploykit.spec.manifest as manifests
 from deploykit.control.budget import Budget
-from deploykit.control.host import Host
-from deploykit.control.state import StateStore
-from deploykit.control.supervisor import Supervisor
+from deploykit.control.budget.host import Host
+from deploykit.control.revisions.state import StateStore
+from deploykit.control.live.supervisor import Supervisor
 from deploykit.spec.manifest import load_manifests
 from deploykit.units import parse_size
 from manifests import manifest_text

@@ -83,7 +83,7 @@ def test_pipeline_runtime_serves_completions(cluster, tmp_path):
     """build_pipeline_runtime from a manifest and its two-node plan; requests through the runtime
     interface the OpenAI routes use equal single-process transformers."""
     from deploykit.cluster.runtime import PipelineOptions, PipelineRuntime, build_pipeline_runtime
-    from deploykit.control.loading import serving_of
+    from deploykit.control.revisions.loading import serving_of
     from deploykit.engine.batching import GenerationRequest
     from deploykit.engine.runtime import Sampling
     from deploykit.engine.serving import TextEngine
@@ -167,7 +167,7 @@ def test_replicas_scale_one_to_two_without_failures(cluster, tmp_path):
 
     from deploykit.cluster.replica_runtime import ReplicaEngine
     from deploykit.cluster.replicas import ReplicaOptions, replica_count, run_replicas, start_serve
-    from deploykit.control.loading import serving_of
+    from deploykit.control.revisions.loading import serving_of
     from deploykit.engine.batching import GenerationRequest
     from deploykit.placement.planning import plan_manifest
     from deploykit.spec.manifest import parse_manifests

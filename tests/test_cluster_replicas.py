@@ -51,7 +51,7 @@ def test_replica_engine_streams_as_produced_and_bounds_its_queue(cluster, model,
     from ray import serve
 
     from deploykit.cluster.replica_runtime import build_replica_runtime
-    from deploykit.control.loading import serving_of
+    from deploykit.control.revisions.loading import serving_of
     from deploykit.engine.admission import QueueFull
     from deploykit.engine.batching import GenerationRequest
     from deploykit.engine.serving import TextEngine
@@ -117,7 +117,7 @@ def test_replicas_the_cluster_cannot_place_fail_in_bounded_time(cluster, model, 
     from deploykit.cluster.ray_env import ClusterError
     from deploykit.cluster.replica_runtime import build_replica_runtime
     from deploykit.cluster.replicas import ReplicaOptions
-    from deploykit.control.loading import serving_of
+    from deploykit.control.revisions.loading import serving_of
     from deploykit.placement.planning import plan_manifest
     from deploykit.spec.manifest import parse_manifests
 
@@ -138,7 +138,7 @@ def test_replicas_the_cluster_cannot_place_fail_in_bounded_time(cluster, model, 
 
 
 def test_pipeline_replicas_scale_one_to_two_without_failures(cluster, model, tmp_path):
-    from deploykit.control.state import StateStore
+    from deploykit.control.revisions.state import StateStore
     from manifests import replace_like_an_editor
 
     from transformers import AutoTokenizer

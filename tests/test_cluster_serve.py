@@ -79,7 +79,7 @@ def test_replicas_scale_and_a_broken_revision_keeps_the_old_ones_serving(cluster
     import shutil
     import urllib.request
 
-    from deploykit.control.state import StateStore
+    from deploykit.control.revisions.state import StateStore
     from manifests import replace_like_an_editor
 
     model = build_chat_model(tmp_path / "model")

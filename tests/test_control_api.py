@@ -24,7 +24,7 @@ from pathlib import Path
 import pytest
 
 from chatmodel import build_chat_model
-from deploykit.control.state import StateStore
+from deploykit.control.revisions.state import StateStore
 from servers import Server, get
 
 MiB = 2**20

@@ -9,8 +9,8 @@ import pytest
 import torch
 
 from deploykit.spec.manifest import load_manifests
-from deploykit.control.reconciler import ApplyOptions, apply
-from deploykit.control.state import StateStore
+from deploykit.control.revisions.reconciler import ApplyOptions, apply
+from deploykit.control.revisions.state import StateStore
 from manifests import manifest_text
 
 pytestmark = pytest.mark.cuda

@@ -14,8 +14,8 @@ import urllib.request
 from pathlib import Path
 
 from conftest import REPO
-from deploykit.control.report import status_report
-from deploykit.control.state import StateStore
+from deploykit.control.revisions.report import status_report
+from deploykit.control.revisions.state import StateStore
 from manifests import manifest_text, replace_like_an_editor
 from test_gitops import free_port, wait_for
 

@@ -21,11 +21,11 @@ import pytest
 import torch
 from safetensors import safe_open
 
-from deploykit.control.deployment import Deployment
-from deploykit.control.reconciler import ApplyOptions, apply
-from deploykit.control.report import status_report
-from deploykit.control.state import StateStore
-from deploykit.control.supervisor import Supervisor
+from deploykit.control.live.deployment import Deployment
+from deploykit.control.revisions.reconciler import ApplyOptions, apply
+from deploykit.control.revisions.report import status_report
+from deploykit.control.revisions.state import StateStore
+from deploykit.control.live.supervisor import Supervisor
 from deploykit.errors import CheckpointError, DeploykitError
 from deploykit.spec.manifest import load_manifests
 from manifests import manifest_text, replace_like_an_editor, write_manifest

@@ -13,9 +13,9 @@ import pytest
 import torch
 
 from deploykit.artifacts.gguf import import_problem, read_record, source_fingerprint
-from deploykit.control.layouts import imports_root
-from deploykit.control.reconciler import ApplyOptions, apply
-from deploykit.control.state import StateStore
+from deploykit.control.revisions.layouts import imports_root
+from deploykit.control.revisions.reconciler import ApplyOptions, apply
+from deploykit.control.revisions.state import StateStore
 from deploykit.errors import CheckpointError, ManifestError
 from deploykit.model.gguf import gguf_fingerprint, gguf_metadata
 from deploykit.placement.planning import plan_manifest

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from deploykit.control.state import StateStore
+from deploykit.control.revisions.state import StateStore
 from manifests import manifest_text
 
 

@@ -13,9 +13,9 @@ import pytest
 
 from chatmodel import build_chat_model
 from deploykit.control.budget import Budget, BudgetError
-from deploykit.control.deployment import Deployment
-from deploykit.control.host import Host
-from deploykit.control.state import StateStore
+from deploykit.control.live.deployment import Deployment
+from deploykit.control.budget.host import Host
+from deploykit.control.revisions.state import StateStore
 from deploykit.errors import DeploykitError
 from manifests import replace_like_an_editor
 

@@ -7,7 +7,7 @@ import concurrent.futures
 import pytest
 
 from chatmodel import build_chat_model
-from deploykit.control.deployment import Deployment
+from deploykit.control.live.deployment import Deployment
 from deploykit.errors import ApplyError
 from deploykit.engine.text import RequestError
 from test_serve import chat_ids, chat_manifest, embed_manifest, minilm_path, reference_text

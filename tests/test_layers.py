@@ -38,7 +38,7 @@ def _with_extra_import(tmp_path: Path, module: str, code: str) -> subprocess.Com
 def test_an_upward_import_breaks_the_layers(tmp_path):
     result = _with_extra_import(tmp_path, "placement/planner.py", "from ..control import state")
     assert result.returncode != 0
-    assert "deploykit.placement.planner -> deploykit.control.state" in result.stdout
+    assert "deploykit.placement.planner -> deploykit.control.revisions.state" in result.stdout
 
 
 def test_the_light_layers_never_import_torch(tmp_path):

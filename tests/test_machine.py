@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from deploykit.control.machine import Event, State, StateCell, Trigger, step
+from deploykit.control.live.machine import Event, State, StateCell, Trigger, step
 from deploykit.names import Phase
 
 T = Trigger

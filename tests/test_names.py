@@ -21,7 +21,7 @@ def test_members_print_as_their_values():
     """A member goes wherever the plain string went (messages, JSON, the state store)."""
     import json
 
-    from deploykit.control.rollout import choose_strategy
+    from deploykit.control.live.rollout import choose_strategy
     from deploykit.names import Phase
 
     chosen = choose_strategy("auto", fits_beside=True)

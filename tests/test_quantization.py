@@ -139,7 +139,7 @@ def _quantized_manifest(directory: Path, model: Path, scheme: str, **kwargs) -> 
 
 
 def _apply(manifest: Path, store, **options):
-    from deploykit.control.reconciler import ApplyOptions, apply
+    from deploykit.control.revisions.reconciler import ApplyOptions, apply
     from deploykit.spec.manifest import load_manifests
 
     [loaded] = load_manifests(manifest)
@@ -148,7 +148,7 @@ def _apply(manifest: Path, store, **options):
 
 @pytest.fixture
 def store(tmp_path):
-    from deploykit.control.state import StateStore
+    from deploykit.control.revisions.state import StateStore
 
     return StateStore(tmp_path / "state")
 
@@ -247,7 +247,7 @@ def test_kill_9_during_the_quantizing_reshard_then_apply_finishes(model, tmp_pat
     import signal
 
     from deploykit.artifacts.verify import verify
-    from deploykit.control.state import StateStore
+    from deploykit.control.revisions.state import StateStore
 
     manifest = _quantized_manifest(tmp_path, model, "int4", shard="20KiB")
     state = tmp_path / "state"
@@ -333,7 +333,7 @@ def test_served_quantized_answers_and_hot_reloads_int8_to_int4_without_failures(
     import openai
 
     from chatmodel import build_chat_model
-    from deploykit.control.state import StateStore
+    from deploykit.control.revisions.state import StateStore
     from servers import Server
     from test_serve_reload import Streams, replace_like_an_editor, status, wait_for
 
@@ -367,7 +367,7 @@ def test_acquire_yields_a_module_whose_forward_returns_logits(tmp_path):
     import torch
 
     from chatmodel import build_chat_model
-    from deploykit.control.deployment import Deployment
+    from deploykit.control.live.deployment import Deployment
     from deploykit.engine.quantized import QuantizedLinear
 
     model = build_chat_model(tmp_path / "model")

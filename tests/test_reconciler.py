@@ -2,7 +2,7 @@
 
 import pytest
 
-from deploykit.control.decision import FULL, RELOAD, Actual, Decision, Desired, decide
+from deploykit.control.revisions.decision import FULL, RELOAD, Actual, Decision, Desired, decide
 
 D = Desired("m", "sha256:manifest-a", "sha256:ckpt-a")
 INTACT = Actual(3, "sha256:manifest-a", "sha256:ckpt-a", None)

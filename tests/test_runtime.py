@@ -12,8 +12,8 @@ import torch
 
 from deploykit.errors import ApplyError
 from deploykit.placement.inventory import process_rss
-from deploykit.control.deployment import Deployment
-from deploykit.control.loading import serving_of
+from deploykit.control.live.deployment import Deployment
+from deploykit.control.revisions.loading import serving_of
 from deploykit.spec.manifest import load_manifests
 from manifests import manifest_text, replace_like_an_editor, write_manifest
 
@@ -285,7 +285,7 @@ def test_leak_guard_warns_when_old_models_are_kept(tmp_path, caplog):
     path = write_manifest(tmp_path, big, shard="16MiB")
     dep = Deployment.from_manifest(path, state_dir=tmp_path / "state")
     kept = []
-    with caplog.at_level(logging.WARNING, logger="deploykit.control.pool"):
+    with caplog.at_level(logging.WARNING, logger="deploykit.control.live.pool"):
         for i in range(3):
             with dep.acquire() as m, torch.no_grad():
                 m(IDS)

@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 
 from deploykit.control.budget import Budget, BudgetError, host_budget, parse_budget, plan_tiers
-from deploykit.control.scheduler import Never, Resident, Room, Wait, Want, evictable, expired, make_room
+from deploykit.control.budget.scheduler import Never, Resident, Room, Wait, Want, evictable, expired, make_room
 from deploykit.errors import ManifestError
 from deploykit.placement.inventory import Gpu, Inventory
 from deploykit.spec.manifest import load_manifests

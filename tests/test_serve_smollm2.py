@@ -18,7 +18,7 @@ import pytest
 import torch
 
 from deploykit.artifacts.gguf import read_record
-from deploykit.control.state import StateStore
+from deploykit.control.revisions.state import StateStore
 
 from servers import Server
 

@@ -8,8 +8,8 @@ import time
 import pytest
 
 from deploykit.errors import ApplyError
-from deploykit.control.report import status_report
-from deploykit.control.state import StateStore
+from deploykit.control.revisions.report import status_report
+from deploykit.control.revisions.state import StateStore
 
 
 def begin(store: StateStore, name: str = "m") -> int:

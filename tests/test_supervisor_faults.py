@@ -12,9 +12,9 @@ from pathlib import Path
 
 import pytest
 
-from deploykit.control.report import status_report
-from deploykit.control.state import StateStore
-from deploykit.control.supervisor import Supervisor
+from deploykit.control.revisions.report import status_report
+from deploykit.control.revisions.state import StateStore
+from deploykit.control.live.supervisor import Supervisor
 from deploykit.errors import DeploykitError
 from deploykit.spec.manifest import load_manifests
 from manifests import manifest_text, replace_like_an_editor, write_manifest

@@ -456,8 +456,8 @@ def test_a_restart_verifies_the_rank_files_and_lays_a_damaged_one_out_again(tmp_
 def test_blue_green_room_counts_every_cpu_rank(tmp_path, llama):
     """A simulated host's memory left beside a serving tensor-parallel generation is net of all its
     ranks, so a rollout does not plan a second copy into memory the first one holds."""
-    from deploykit.control.pool import Generation
-    from deploykit.control.rollout import inventory_beside
+    from deploykit.control.live.pool import Generation
+    from deploykit.control.live.rollout import inventory_beside
     from deploykit.placement.inventory import resolve
     from deploykit.placement.planning import plan_manifest
     from deploykit.spec.manifest import load_manifests

@@ -51,7 +51,7 @@ def _summary(outcome: dict[str, Any]) -> None:
 def outcome_json(outcome: Any) -> dict[str, Any]:
     """An apply's outcome (``ApplyOutcome``, or the control API's result event) as `-o json` prints it."""
     if not isinstance(outcome, dict):
-        from ..control.lifecycle import outcome_summary
+        from ..control.revisions.lifecycle import outcome_summary
 
         outcome = outcome_summary(outcome)
     from ..placement.plan import Plan
@@ -92,9 +92,9 @@ def apply(target: str, devices: str | None, dry_run: bool, force: bool, prune: b
         _apply_remote(remote, loaded, target, dry_run=dry_run, force=force, prune=prune, output=output,
                       quiet=quiet, devices=devices)
         return
-    from ..control.lifecycle import prune_directory
-    from ..control.reconciler import ApplyOptions
-    from ..control.reconciler import apply as run
+    from ..control.revisions.lifecycle import prune_directory
+    from ..control.revisions.reconciler import ApplyOptions
+    from ..control.revisions.reconciler import apply as run
 
     states = store(state_dir)
     results, failures = [], []

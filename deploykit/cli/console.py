@@ -20,7 +20,7 @@ from ..errors import DeploykitError, Issue, ManifestError, PlanInfeasible
 from ..units import format_size
 
 if TYPE_CHECKING:
-    from ..control.state import StateStore
+    from ..control.revisions.state import StateStore
     from ..spec.manifest import LoadedManifest
 
 EXIT_OK, EXIT_FAILED, EXIT_INVALID = 0, 1, 2
@@ -89,7 +89,7 @@ def load_all(targets: tuple[str, ...] | list[str]) -> list[LoadedManifest]:
 
 
 def store(state_dir: str | None) -> StateStore:
-    from ..control.state import StateStore
+    from ..control.revisions.state import StateStore
 
     return StateStore(Path(state_dir) if state_dir else None)
 

@@ -26,7 +26,7 @@ def delete(name: str, keep_shards: bool, server: str | None, state_dir: str | No
         if final["event"] == "error":
             raise RemoteError(final)
     else:
-        from ..control.lifecycle import delete as run
+        from ..control.revisions.lifecycle import delete as run
 
         run(store(state_dir), name, keep_shards=keep_shards)
     out.print(f"[green]deleted[/] {name}" + (" (shards kept)" if keep_shards else " (shards removed)"))

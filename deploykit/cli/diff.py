@@ -33,7 +33,7 @@ def diff(files: tuple[str, ...], devices: str | None, server: str | None, state_
             for line in lines:
                 out.print(localise(line, item.source), markup=False)
         return
-    from ..control.differ import diff_manifest
+    from ..control.revisions.differ import diff_manifest
 
     states = store(state_dir)
     for item in loaded:

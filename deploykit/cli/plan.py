@@ -23,7 +23,7 @@ from .console import EXIT_FAILED, OUTPUT_OPTION, fail, handle_errors, load_all, 
 def plan(files: tuple[str, ...], devices: str | None, budget: str | None, output: str) -> None:
     """Plan where every block of the model goes. Reads config.json only: no weights needed.
     FILES may be directories (their *.yaml manifests)."""
-    from ..control.reconciler import plan_deployment
+    from ..control.revisions.reconciler import plan_deployment
 
     plans, failures, manifests = [], [], []
     for item in load_all(files):
@@ -57,7 +57,7 @@ def _packing(text: str, devices: str | None, manifests: list, plans: list, outpu
     from rich.table import Table
 
     from ..control.budget import plan_tiers, serve_budget
-    from ..control.packing import Item, pack
+    from ..control.budget.packing import Item, pack
     from ..names import Load
 
     budget = serve_budget(text, devices)

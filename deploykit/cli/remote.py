@@ -123,7 +123,7 @@ class RemoteError(DeploykitError):
 
 def connect(server: str | None, state_dir: str | None) -> Remote | None:
     """The server to send work to, or None to work alone."""
-    from ..control.state import default_state_dir
+    from ..control.revisions.state import default_state_dir
     from ..serve.discovery import find_server, read_server_file
 
     directory = Path(state_dir) if state_dir else default_state_dir()

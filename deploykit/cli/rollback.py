@@ -27,7 +27,7 @@ def rollback(name: str, to_revision: int | None, quiet: bool, server: str | None
             raise RemoteError(final)
         target, revision = final["target"], final["revision"]
     else:
-        from ..control.lifecycle import rollback as run
+        from ..control.revisions.lifecycle import rollback as run
 
         found, outcome = run(store(state_dir), name, to_revision=to_revision,
                              on_step=None if quiet else step_printer(name))

@@ -51,9 +51,9 @@ def serve(path: str | None, host: str, port: int, api_key: str | None, control_t
     """
     from ..cluster.ray_env import disconnect
     from ..control.budget import serve_budget
-    from ..control.host import Host
-    from ..control.state import open_store
-    from ..control.supervisor import Supervisor
+    from ..control.budget.host import Host
+    from ..control.revisions.state import open_store
+    from ..control.live.supervisor import Supervisor
     from ..serve.app import create_app
     from ..serve.auth import check_bind
     from ..serve.discovery import find_server, new_token, remove_server_file, server_info, write_server_file

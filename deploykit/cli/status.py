@@ -20,7 +20,7 @@ def _reports(name: str | None, server: str | None, state_dir: str | None) -> lis
     if remote is not None:  # the server's view: what it serves, and its state store
         query = f"?name={urllib.parse.quote(name)}" if name else ""
         return list(remote.call("GET", f"/status{query}"))
-    from ..control.report import status_report
+    from ..control.revisions.report import status_report
 
     states = store(state_dir)
     names = [name] if name else states.names()
@@ -85,7 +85,7 @@ def history(name: str, output: str, server: str | None, state_dir: str | None) -
     if remote is not None:
         rows = list(remote.call("GET", f"/history/{urllib.parse.quote(name, safe='')}"))
     else:
-        from ..control.report import history_rows
+        from ..control.revisions.report import history_rows
 
         rows = history_rows(store(state_dir), name)
     if output == "json":

@@ -1,3 +1,3 @@
-"""Layer 7: desired against actual. The decision and the reconciler (decide, then act), the layouts
-(a deployment's files), the state store, rollouts, the generation pool, the watcher and the
-``Deployment`` facade. Never imports torch at module import."""
+"""Layer 7: desired against actual, in three subpackages: ``revisions`` (decide, then act; the state
+store), ``budget`` (the host as a budget) and ``live`` (deployments held in this process, each changed by
+one worker, over the other two). Never imports torch at module import."""

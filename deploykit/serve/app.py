@@ -25,7 +25,7 @@ from .openai.common import Registry
 from . import ops
 
 if TYPE_CHECKING:
-    from ..control.deployment import Deployment
+    from ..control.live.deployment import Deployment
 
 
 class Deployments:

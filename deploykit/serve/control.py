@@ -35,7 +35,7 @@ from starlette.concurrency import run_in_threadpool
 from ..errors import DeploykitError, ManifestError, PlanInfeasible
 
 if TYPE_CHECKING:
-    from ..control.supervisor import Supervisor
+    from ..control.live.supervisor import Supervisor
     from ..spec.manifest import LoadedManifest
 
 log = logging.getLogger(__name__)
@@ -185,7 +185,7 @@ async def apply(request: Request, body: ManifestBody) -> StreamingResponse:
     supervisor = _supervisor(request)
 
     def work(events: _Events) -> dict[str, Any]:
-        from ..control.lifecycle import outcome_summary
+        from ..control.revisions.lifecycle import outcome_summary
 
         loaded = _parse(body)
         try:
@@ -210,7 +210,7 @@ async def rollback(request: Request, body: RollbackBody) -> StreamingResponse:
     supervisor = _supervisor(request)
 
     def work(events: _Events) -> dict[str, Any]:
-        from ..control.lifecycle import outcome_summary
+        from ..control.revisions.lifecycle import outcome_summary
 
         target, outcome = supervisor.rollback(body.name, to_revision=body.to_revision, progress=events,
                                               on_step=events.step, on_wait=events.wait)
@@ -245,7 +245,7 @@ async def diff(request: Request, body: ManifestBody) -> JSONResponse:
     supervisor = _supervisor(request)
 
     def work() -> list[str]:
-        from ..control.differ import diff_manifest
+        from ..control.revisions.differ import diff_manifest
 
         loaded = _parse(body)
         try:
@@ -266,7 +266,7 @@ async def status(request: Request, name: str | None = None) -> JSONResponse:
     supervisor = _supervisor(request)
 
     def work() -> list[dict[str, Any]]:
-        from ..control.report import served_status
+        from ..control.live.status import served_status
 
         held = [n for n, _ in supervisor.items()]  # an on-demand deployment is recorded by its first load
         names = supervisor.store.names() + [n for n in held if n not in supervisor.store.names()]
@@ -286,7 +286,7 @@ async def status(request: Request, name: str | None = None) -> JSONResponse:
 
 @router.get("/history/{name}")
 async def history(request: Request, name: str) -> JSONResponse:
-    from ..control.report import history_rows
+    from ..control.revisions.report import history_rows
 
     try:
         return JSONResponse(await run_in_threadpool(history_rows, _supervisor(request).store, name))

@@ -14,7 +14,7 @@ from prometheus_client import CollectorRegistry, Counter, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
 
 if TYPE_CHECKING:
-    from ..control.host import Host
+    from ..control.budget.host import Host
     from .openai.common import Registry
 
 _LABELS = ("model_name", "generation")

@@ -27,8 +27,8 @@ from ..errors import APIError
 from .protocol import Sampling
 
 if TYPE_CHECKING:
-    from ...control.deployment import Deployment
-    from ...control.pool import Generation
+    from ...control.live.deployment import Deployment
+    from ...control.live.pool import Generation
     from ...engine.runtime import TextRuntime
 
 RETRY_AFTER_SECONDS = 1

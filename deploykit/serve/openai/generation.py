@@ -19,7 +19,7 @@ from ..errors import APIError, ClientGone
 from .common import TokenEvents, submit
 
 if TYPE_CHECKING:
-    from ...control.pool import Generation
+    from ...control.live.pool import Generation
     from ...engine.runtime import TextRuntime
     from ..metrics import ServingMetrics
 

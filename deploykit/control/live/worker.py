@@ -16,7 +16,7 @@ from collections.abc import Callable
 from concurrent.futures import Future
 from typing import Any, TypeVar
 
-from ..errors import ApplyError
+from ...errors import ApplyError
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")

@@ -18,17 +18,17 @@ from collections.abc import Callable
 from dataclasses import dataclass, replace
 from typing import Any
 
-from ..artifacts.reshard import ProgressSink
-from ..errors import PlanInfeasible
-from ..names import Strategy
-from ..placement.inventory import Gpu, Inventory
-from ..placement.plan import Plan
-from ..spec.manifest import LoadedManifest
+from ...artifacts.reshard import ProgressSink
+from ...errors import PlanInfeasible
+from ...names import Strategy
+from ...placement.inventory import Gpu, Inventory
+from ...placement.plan import Plan
+from ...spec.manifest import LoadedManifest
 from .pool import Generation, GenerationPool
-from .loading import load_revision, recorded_manifest, serving_of
-from .change import Change
-from .reconciler import ApplyOptions, ApplyOutcome, apply
-from .state import StateStore
+from ..revisions.loading import load_revision, recorded_manifest, serving_of
+from ..revisions.change import Change
+from ..revisions.reconciler import ApplyOptions, ApplyOutcome, apply
+from ..revisions.state import StateStore
 
 log = logging.getLogger(__name__)
 

@@ -29,22 +29,22 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from ..errors import DeploykitError
-from ..spec.manifest import LoadedManifest, load_manifests, manifest_files
-from .change import Change
+from ...errors import DeploykitError
+from ...spec.manifest import LoadedManifest, load_manifests, manifest_files
+from ..revisions.change import Change
 from .deployment import Deployment
-from .loading import recorded_manifest
+from ..revisions.loading import recorded_manifest
 from .ownership import Owners
-from .reconciler import ApplyOptions, ApplyOutcome, apply
-from .report import served_status
-from .state import StateStore
-from ..threads import ThreadGroup
+from ..revisions.reconciler import ApplyOptions, ApplyOutcome, apply
+from .status import served_status
+from ..revisions.state import StateStore
+from ...threads import ThreadGroup
 from .watcher import ManifestWatcher
 
 if TYPE_CHECKING:
-    from ..artifacts.reshard import ProgressSink
-    from .host import Host
-    from .state import Revision
+    from ...artifacts.reshard import ProgressSink
+    from ..budget.host import Host
+    from ..revisions.state import Revision
 
 log = logging.getLogger(__name__)
 StepSink = Callable[[str], None]
@@ -103,7 +103,7 @@ class Supervisor:
         with self._lock:
             self.loading.update(name for _, names in declared for name in names)
         if len(files) > 1:
-            from ..model.hf import preload
+            from ...model.hf import preload
 
             preload()  # before the loads run in parallel
         with ThreadPoolExecutor(max_workers=max(1, min(4, len(files))), thread_name_prefix="deploykit-load") as pool:
@@ -213,7 +213,7 @@ class Supervisor:
                 log.warning("%s was removed; %s keeps serving (use --prune to remove it)", file, name)
 
     def _remove(self, name: str) -> None:
-        from .lifecycle import delete
+        from ..revisions.lifecycle import delete
 
         with self._lock:
             dep = self.deployments.pop(name, None)
@@ -234,7 +234,7 @@ class Supervisor:
         with self._lock:
             self.loading.update(names)
         if len(names) > 1:
-            from ..model.hf import preload
+            from ...model.hf import preload
 
             preload()
         with ThreadPoolExecutor(max_workers=max(1, min(4, len(names))), thread_name_prefix="deploykit-restore") as pool:
@@ -293,7 +293,7 @@ class Supervisor:
         serves (blue-green/recreate as its manifest says). Recorded in the state store, so a restart
         without a path restores it. Raises what the apply raised; what served keeps serving.
         ``dry_run`` says what it would do (planned against ``devices`` if given) and changes nothing."""
-        from ..errors import ManifestError
+        from ...errors import ManifestError
 
         name = loaded.name
         if devices and not dry_run and devices != self.devices:
@@ -361,7 +361,7 @@ class Supervisor:
     def rollback(self, name: str, *, to_revision: int | None = None, progress: ProgressSink | None = None,
                  on_step: StepSink | None = None, on_wait: StepSink | None = None) -> tuple[Revision, ApplyOutcome]:
         """Re-apply a recorded revision's manifest (``lifecycle.rollback_target`` chooses) and serve it."""
-        from .lifecycle import rollback_target
+        from ..revisions.lifecycle import rollback_target
 
         self.owners.check_api_change(name, "roll back")
         target = rollback_target(self.store, name, to_revision=to_revision)
@@ -373,7 +373,7 @@ class Supervisor:
                on_wait: StepSink | None = None) -> None:
         """Stop serving ``name`` (running requests drain), free its memory, forget it in the store and
         remove its shards unless ``keep_shards``."""
-        from .lifecycle import delete
+        from ..revisions.lifecycle import delete
 
         self.owners.check_api_change(name, "delete")
         with self._exclusive(name, "delete", on_wait):

@@ -30,25 +30,25 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from ..errors import ApplyError, DeploykitError
-from ..spec.manifest import LoadedManifest, manifest_named
-from .budget import BudgetError
+from ...errors import ApplyError, DeploykitError
+from ...spec.manifest import LoadedManifest, manifest_named
+from ..budget import BudgetError
 from .budgeting import roll_budgeted, start_budgeted
-from .change import Change
+from ..revisions.change import Change
 from .embedded import EmbeddedApi
 from .machine import Event, State, StateCell, Trigger
 from .on_demand import Loads
 from .pool import Generation, GenerationPool, NotLoaded
-from .reconciler import ApplyOutcome
+from ..revisions.reconciler import ApplyOutcome
 from .reloads import ReloadClock, ReloadLog, ReloadRecord, describe, store_failure
-from .report import LiveStatus, live_status
+from .status import LiveStatus, live_status
 from .rollout import Rollout, RolloutResult
-from .state import StateStore, open_store
+from ..revisions.state import StateStore, open_store
 from .worker import ChangeWorker
 
 if TYPE_CHECKING:
-    from ..artifacts.reshard import ProgressSink
-    from .host import Host
+    from ...artifacts.reshard import ProgressSink
+    from ..budget.host import Host
     from .watcher import ManifestWatcher
 
 log = logging.getLogger(__name__)

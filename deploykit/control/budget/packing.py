@@ -10,7 +10,7 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
-from .budget import Budget
+from .tiers import Budget
 
 
 @dataclass(frozen=True)

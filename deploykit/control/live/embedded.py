@@ -11,11 +11,11 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import TYPE_CHECKING, Any
 
-from ..errors import ApplyError
+from ...errors import ApplyError
 
 if TYPE_CHECKING:
-    from ..engine.loader import LoadedModel
-    from ..engine.runtime import Completion, Sampling, TextRuntime
+    from ...engine.loader import LoadedModel
+    from ...engine.runtime import Completion, Sampling, TextRuntime
     from .pool import Generation
 
 
@@ -58,14 +58,14 @@ class EmbeddedApi(ABC):
     def generate(self, prompt: str, **sampling: Any) -> Completion:
         """Complete ``prompt`` on the current generation (batched with concurrent calls).
         ``sampling``: max_tokens, temperature (0 = greedy, the default), top_p, seed, stop."""
-        from ..engine.text import completion_prompt_ids
+        from ...engine.text import completion_prompt_ids
 
         with self._text_runtime() as runtime:
             return runtime.complete(completion_prompt_ids(runtime.tokenizer, prompt), _sampling(sampling))
 
     def chat(self, messages: list[dict[str, Any]], **sampling: Any) -> Completion:
         """Answer a chat (``[{"role": "user", "content": "..."}]``) through the model's chat template."""
-        from ..engine.text import chat_prompt_ids
+        from ...engine.text import chat_prompt_ids
 
         with self._text_runtime() as runtime:
             return runtime.complete(chat_prompt_ids(runtime.tokenizer, messages), _sampling(sampling),
@@ -73,7 +73,7 @@ class EmbeddedApi(ABC):
 
     def embed(self, texts: list[str]) -> list[list[float]]:
         """Sentence embeddings of a feature-extraction deployment, pooled as its checkpoint says."""
-        from ..engine.runtime import EmbeddingRuntime
+        from ...engine.runtime import EmbeddingRuntime
 
         gen = self.pin()
         try:
@@ -85,7 +85,7 @@ class EmbeddedApi(ABC):
 
     @contextmanager
     def _text_runtime(self) -> Iterator[TextRuntime]:
-        from ..engine.runtime import TextRuntime
+        from ...engine.runtime import TextRuntime
 
         gen = self.pin()
         try:
@@ -97,7 +97,7 @@ class EmbeddedApi(ABC):
 
 
 def _sampling(options: dict[str, Any]) -> Sampling:
-    from ..engine.runtime import Sampling
+    from ...engine.runtime import Sampling
 
     stop = options.pop("stop", ())
     return Sampling(stop=(stop,) if isinstance(stop, str) else tuple(stop), **options)

@@ -21,7 +21,7 @@ import threading
 from dataclasses import dataclass, replace
 from enum import Enum
 
-from ..names import Phase
+from ...names import Phase
 
 
 class Trigger(str, Enum):

@@ -14,18 +14,18 @@ import logging
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-from .loading import checked_current, load_laid_out, serving_of
-from .reconciler import ApplyOptions, ApplyOutcome, apply
+from ..revisions.loading import checked_current, load_laid_out, serving_of
+from ..revisions.reconciler import ApplyOptions, ApplyOutcome, apply
 
 if TYPE_CHECKING:
     from collections.abc import Callable
 
-    from ..artifacts.reshard import ProgressSink
-    from ..spec.manifest import LoadedManifest
-    from .change import Change
-    from .host import Host
+    from ...artifacts.reshard import ProgressSink
+    from ...spec.manifest import LoadedManifest
+    from ..revisions.change import Change
+    from ..budget.host import Host
     from .pool import GenerationPool
-    from .state import StateStore
+    from ..revisions.state import StateStore
 
 log = logging.getLogger(__name__)
 

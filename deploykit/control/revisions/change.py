@@ -13,12 +13,12 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-from ..placement.inventory import Inventory
+from ...placement.inventory import Inventory
 
 if TYPE_CHECKING:
-    from ..errors import Issue
-    from ..placement.plan import Plan
-    from ..spec.manifest import LoadedManifest
+    from ...errors import Issue
+    from ...placement.plan import Plan
+    from ...spec.manifest import LoadedManifest
 
 
 @dataclass
@@ -35,7 +35,7 @@ class Change:
     def issues(self) -> list[Issue]:
         """What this host finds wrong with the manifest (``spec.manifest.check_on_host``), once."""
         if self._issues is None:
-            from ..spec.manifest import check_on_host
+            from ...spec.manifest import check_on_host
 
             self._issues = check_on_host(self.loaded)
         return self._issues
@@ -49,7 +49,7 @@ class Change:
     def plan(self, inventory: Inventory | None = None) -> Plan:
         """The plan against ``inventory`` (default: ``inventory()``), made once per inventory. Raises
         ``PlanInfeasible`` each time it is asked when it does not fit."""
-        from ..placement.planning import plan_manifest
+        from ...placement.planning import plan_manifest
 
         inv = inventory if inventory is not None else self.inventory()
         if inv not in self._plans:
@@ -63,12 +63,12 @@ def deployment_inventory(loaded: LoadedManifest, devices: str | None) -> Invento
     the Ray cluster's nodes for a pipeline manifest; else this host."""
     import os
 
-    from ..placement.planning import inventory_for
+    from ...placement.planning import inventory_for
 
     cluster = loaded.manifest.spec.cluster
     spans_nodes = cluster is not None and loaded.manifest.spec.placement.nodes > 1
     if devices is None and not os.environ.get("DEPLOYKIT_DEVICES") and spans_nodes:
-        from ..cluster.inventory import probe_cluster  # imports ray: only for such manifests
+        from ...cluster.inventory import probe_cluster  # imports ray: only for such manifests
 
         assert cluster is not None
         return probe_cluster(cluster.address)

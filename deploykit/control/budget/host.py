@@ -17,13 +17,28 @@ from collections import Counter, deque
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
-from .budget import Budget, BudgetError
 from .scheduler import Never, Resident, Room, Want, expired, make_room
+from .tiers import Budget, BudgetError
 
-if TYPE_CHECKING:
-    from .pool import Generation, GenerationPool
+
+class Held(Protocol):
+    """What the host may ask of a deployment's generations (``live.pool.GenerationPool`` is one): whether
+    one is loaded and how many callers hold it, when it was last used, and to unload and free it."""
+
+    @property
+    def loaded(self) -> bool: ...
+
+    @property
+    def in_use(self) -> int: ...
+
+    @property
+    def last_used(self) -> float: ...
+
+    def unload_if_idle(self) -> Any: ...
+
+    def free(self, gen: Any) -> None: ...
 
 log = logging.getLogger(__name__)
 DEFAULT_WAIT_TIMEOUT = 120.0  # seconds a load waits for room before its request gets 503
@@ -37,7 +52,7 @@ class Entry:
     """What the host knows of one deployment."""
 
     name: str
-    pool: GenerationPool
+    pool: Held
     bytes: dict[str, int]  # per tier, of the plan that serves (or will)
     priority: int = 0
     keep_alive: float | None = None
@@ -48,8 +63,7 @@ class Entry:
     load_lock: threading.Lock = field(default_factory=threading.Lock)
 
     def busy(self) -> int:
-        gen = self.pool.current
-        return (gen.refs if gen is not None else 0) + self.waiting + (self.state == LOADING) + self.rolling
+        return self.pool.in_use + self.waiting + (self.state == LOADING) + self.rolling
 
 
 class Host:
@@ -70,7 +84,7 @@ class Host:
 
     # ---- membership ----------------------------------------------------------------------------
 
-    def register(self, name: str, pool: GenerationPool, need: dict[str, int], *, priority: int,
+    def register(self, name: str, pool: Held, need: dict[str, int], *, priority: int,
                  keep_alive: float | None) -> None:
         """Know ``name`` (refused with a BudgetError naming the budget if its plan alone exceeds it)."""
         decision = make_room(self.budget, [], Want(name, need, priority))
@@ -80,7 +94,7 @@ class Host:
             entry = self._entries.get(name)
             if entry is None:
                 self._entries[name] = Entry(name, pool, dict(need), priority, keep_alive,
-                                            LOADED if pool.current is not None else UNLOADED)
+                                            LOADED if pool.loaded else UNLOADED)
             else:
                 entry.priority, entry.keep_alive = priority, keep_alive
 
@@ -95,7 +109,7 @@ class Host:
         finally:
             with self._cond:
                 entry.rolling = False
-                entry.state = LOADED if entry.pool.current is not None else UNLOADED
+                entry.state = LOADED if entry.pool.loaded else UNLOADED
                 self._cond.notify_all()
 
     def forget(self, name: str) -> None:
@@ -162,7 +176,7 @@ class Host:
         loaded meanwhile). Raises BudgetError when no room can be made within ``timeout``."""
         entry = self._entry(name)
         with entry.load_lock:
-            if entry.pool.current is not None:
+            if entry.pool.loaded:
                 return False
             with self.room(name, need or entry.bytes, reason=reason, timeout=timeout):
                 do_load()
@@ -188,7 +202,7 @@ class Host:
                     if ok:
                         entry.bytes = dict(need)
                 else:
-                    entry.state = LOADED if ok and entry.pool.current is not None else UNLOADED
+                    entry.state = LOADED if ok and entry.pool.loaded else UNLOADED
                     if ok:
                         entry.bytes = dict(need)
                 self._cond.notify_all()
@@ -235,7 +249,7 @@ class Host:
                 out.append(Resident(f"{e.name} (next)", e.extra, e.priority, e.pool.last_used, 1))
         return out
 
-    def _detach(self, names: tuple[str, ...] | list[str], reason: str) -> list[tuple[Entry, Generation]]:
+    def _detach(self, names: tuple[str, ...] | list[str], reason: str) -> list[tuple[Entry, Any]]:
         """Under the lock: unload each idle one from its pool (a pin that won the race keeps it); the
         caller frees them (``_free``) outside the lock."""
         out = []
@@ -250,7 +264,7 @@ class Host:
                 out.append((entry, gen))
         return out
 
-    def _free(self, victims: list[tuple[Entry, Generation]], reason: str) -> None:
+    def _free(self, victims: list[tuple[Entry, Any]], reason: str) -> None:
         for entry, gen in victims:
             entry.pool.free(gen)
             log.info("unloaded %s (%s)", entry.name, "idle past its keep-alive" if reason == "idle" else

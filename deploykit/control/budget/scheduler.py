@@ -1,6 +1,6 @@
 """Which deployments to unload to make room for one, and which have been idle past their keep-alive.
 
-Pure decisions over small values (no clock, no locks, no I/O), tested as tables; ``control.host`` does
+Pure decisions over small values (no clock, no locks, no I/O), tested as tables; ``budget.host`` does
 what they say. The rules (docs/budget.md), after Ollama's ``server/sched.go`` but with exact bytes:
 
 - a deployment that alone exceeds the budget can never load (``Never``);
@@ -16,8 +16,8 @@ from __future__ import annotations
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 
-from ..units import format_size
-from .budget import Budget
+from ...units import format_size
+from .tiers import Budget
 
 
 @dataclass(frozen=True)

@@ -10,13 +10,13 @@ from typing import Any
 
 import yaml
 
-from ..model.checkpoint import open_checkpoint
-from ..model.gguf import is_gguf
-from ..errors import DeploykitError
-from ..spec.manifest import LoadedManifest
-from ..placement.keys import compress_names
-from ..artifacts.layout import fits_layout, plan_layout
-from ..artifacts.verify import read_lock
+from ...model.checkpoint import open_checkpoint
+from ...model.gguf import is_gguf
+from ...errors import DeploykitError
+from ...spec.manifest import LoadedManifest
+from ...placement.keys import compress_names
+from ...artifacts.layout import fits_layout, plan_layout
+from ...artifacts.verify import read_lock
 from .state import StateStore
 
 
@@ -35,7 +35,7 @@ def field_changes(old_text: str, new_text: str) -> list[tuple[str, Any, Any]]:
 
 
 def diff_manifest(loaded: LoadedManifest, *, store: StateStore, devices: str | None = None) -> list[str]:
-    from ..placement.planning import plan_manifest
+    from ...placement.planning import plan_manifest
     from .layouts import shards_dir
 
     current = store.current(loaded.name)

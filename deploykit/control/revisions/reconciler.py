@@ -1,7 +1,7 @@
 """Applying a manifest: observe actual (the state store and the files), decide, then act on the Decision.
 
-The decision itself is ``control.decision`` (pure: ``decide(desired, actual)``); where a deployment's
-files live and how they are made (the GGUF import, the shards, their collection) is ``control.layouts``.
+The decision itself is ``decision`` (pure: ``decide(desired, actual)``); where a deployment's
+files live and how they are made (the GGUF import, the shards, their collection) is ``layouts``.
 ``apply`` observes, decides, and then acts in this order:
 
     validate -> observe -> decide -> [import a GGUF source] -> plan (fits or PlanInfeasible: nothing
@@ -32,12 +32,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from ..artifacts.reshard import ProgressSink, ReshardResult
-from ..errors import CheckpointError, DeploykitError, ManifestError
-from ..model.checkpoint import Checkpoint
-from ..placement.inventory import Inventory
-from ..placement.plan import Plan
-from ..spec.manifest import LoadedManifest
+from ...artifacts.reshard import ProgressSink, ReshardResult
+from ...errors import CheckpointError, DeploykitError, ManifestError
+from ...model.checkpoint import Checkpoint
+from ...placement.inventory import Inventory
+from ...placement.plan import Plan
+from ...spec.manifest import LoadedManifest
 from .change import Change
 from .decision import Action, Actual, Decision, Desired, decide
 from .layouts import collect_old_shards, import_source, in_place_checksums, lay_out, open_source
@@ -45,7 +45,7 @@ from .loading import StepTimer, load_checked, shards_problem
 from .state import Revision, StateStore
 
 if TYPE_CHECKING:
-    from ..engine.loader import LoadedModel
+    from ...engine.loader import LoadedModel
 
 
 @dataclass(frozen=True)
@@ -171,7 +171,7 @@ def _plan(change: Change, options: ApplyOptions, timer: StepTimer) -> Plan:
 def _act(change: Change, store: StateStore, checkpoint: Checkpoint, decision: Decision,
          options: ApplyOptions, timer: StepTimer, progress: ProgressSink | None) -> ApplyOutcome:
     """Plan (nothing recorded if it does not fit), record, then do the side effects."""
-    from ..engine.loader import check_fits_host
+    from ...engine.loader import check_fits_host
 
     loaded = change.loaded
     plan = _plan(change, options, timer)

@@ -69,7 +69,7 @@ class Owners:
     def check_api_change(self, name: str, what: str, source: Path | None = None) -> bool:
         """May the API ``what`` (apply, roll back, delete) ``name``? True when ``source`` is the very file
         that owns it (reconcile that file now); raises when another file owns it; False otherwise."""
-        from ..errors import DeploykitError
+        from ...errors import DeploykitError
 
         owner = self.file_of(name)
         if owner is None:

@@ -1,7 +1,7 @@
 """The decision of an apply: desired (a manifest) against actual (the current revision) -> the steps to run.
 
 ``decide(desired, actual)`` is a plain function over small values and returns only the steps that will
-run, so a table of cases tests it. Pure: no I/O, no clock; ``control.reconciler`` observes and acts.
+run, so a table of cases tests it. Pure: no I/O, no clock; ``reconciler`` observes and acts.
 """
 
 from __future__ import annotations

@@ -18,7 +18,7 @@ from pathlib import Path
 from watchdog.events import FileSystemEvent, FileSystemEventHandler
 from watchdog.observers import Observer
 
-from ..spec.manifest import manifest_files
+from ...spec.manifest import manifest_files
 
 log = logging.getLogger(__name__)
 

@@ -12,8 +12,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from ..errors import DeploykitError
-from ..names import Phase
+from ...errors import DeploykitError
+from ...names import Phase
 from .loading import recorded_manifest
 from .reconciler import ApplyOptions, ApplyOutcome, apply
 from .state import Revision, StateStore
@@ -46,7 +46,7 @@ def rollback(store: StateStore, name: str, *, to_revision: int | None = None,
 
 def remove_shards(store: StateStore, name: str) -> list[Path]:
     """Remove every shard directory deploykit wrote for ``name`` (never a checkpoint used in place)."""
-    from ..artifacts.verify import read_lock
+    from ...artifacts.verify import read_lock
 
     removed = []
     for revision in store.history(name):

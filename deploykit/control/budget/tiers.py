@@ -12,10 +12,10 @@ import re
 from collections.abc import Mapping
 from dataclasses import dataclass
 
-from ..errors import DeploykitError
-from ..placement.inventory import Inventory
-from ..placement.plan import Plan
-from ..units import SIZE_UNITS_TEXT, format_size, parse_size
+from ...errors import DeploykitError
+from ...placement.inventory import Inventory
+from ...placement.plan import Plan
+from ...units import SIZE_UNITS_TEXT, format_size, parse_size
 
 _TIER_RE = re.compile(r"^(cpu|gpu\d+)$")
 BUDGET_ENV = "DEPLOYKIT_BUDGET"
@@ -81,7 +81,7 @@ def host_budget(inventory: Inventory, given: Mapping[str, int] | None = None, *,
 
 def serve_budget(text: str | None, devices: str | None, *, source: str = "--budget") -> Budget:
     """The budget of ``deploykit serve``: ``text`` (``--budget``) over the host (or ``devices``)."""
-    from ..placement.inventory import resolve
+    from ...placement.inventory import resolve
 
     return host_budget(resolve(devices), parse_budget(text, source=source) if text else None, source=source)
 

@@ -12,12 +12,12 @@ from collections import deque
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from ..errors import DeploykitError, ManifestError, PlanInfeasible
-from ..placement.inventory import process_rss
+from ...errors import DeploykitError, ManifestError, PlanInfeasible
+from ...placement.inventory import process_rss
 
 if TYPE_CHECKING:
-    from ..spec.manifest import LoadedManifest
-    from .state import StateStore
+    from ...spec.manifest import LoadedManifest
+    from ..revisions.state import StateStore
 
 log = logging.getLogger(__name__)
 RELOAD_HISTORY = 100  # reload records kept in memory

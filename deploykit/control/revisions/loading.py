@@ -12,15 +12,15 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from ..artifacts.verify import read_lock, recorded_problem, shard_problem
-from ..errors import ApplyError, CheckpointError
-from ..placement.plan import Plan
-from ..spec.manifest import LoadedManifest
+from ...artifacts.verify import read_lock, recorded_problem, shard_problem
+from ...errors import ApplyError, CheckpointError
+from ...placement.plan import Plan
+from ...spec.manifest import LoadedManifest
 from .state import Revision, StateStore
 
 if TYPE_CHECKING:
-    from ..engine.loader import LoadedModel
-    from ..engine.serving import ServingSpec
+    from ...engine.loader import LoadedModel
+    from ...engine.serving import ServingSpec
 
 
 def shards_problem(revision: Revision | None, *, hashes: bool) -> str | None:
@@ -56,9 +56,9 @@ class StepTimer:
 
 def serving_of(loaded: LoadedManifest, *, show_progress: bool = False) -> ServingSpec:
     """What the layers below need of a manifest to load and serve it (they never see the manifest)."""
-    from ..engine.loader import LoadOptions
-    from ..engine.runtime import Limits
-    from ..engine.serving import ServingSpec
+    from ...engine.loader import LoadOptions
+    from ...engine.runtime import Limits
+    from ...engine.serving import ServingSpec
 
     spec = loaded.manifest.spec
     disk, s, hc = spec.offload.disk, spec.serving, spec.rollout.health_check
@@ -74,7 +74,7 @@ def load_checked(loaded: LoadedManifest, plan: Plan, shards: Path, timer: StepTi
                   show_progress: bool = False) -> tuple[LoadedModel, str]:
     """Load ``shards`` as ``plan`` places them, where the manifest says (this process, pipeline stages on
     its cluster, or Serve replicas), and health-check the result."""
-    from ..engine.health import check
+    from ...engine.health import check
 
     serving = serving_of(loaded, show_progress=show_progress)
     cluster = loaded.manifest.spec.cluster
@@ -112,7 +112,7 @@ def is_tensor_parallel(loaded: LoadedManifest) -> bool:
 def _start_ranks(plan: Plan, shards: Path, serving: ServingSpec, ranks: int,
                  timer: StepTimer) -> tuple[LoadedModel, str]:
     """Start the ranks on their own rank files and check them through one forward across all of them."""
-    from ..engine.tensor_parallel.runtime import RankOptions, build_tensor_parallel_runtime
+    from ...engine.tensor_parallel.runtime import RankOptions, build_tensor_parallel_runtime
 
     gpus = tuple(d.device for d in plan.devices if isinstance(d.device, int))
     options = RankOptions(ranks=ranks, dtype=serving.load.dtype, gpus=gpus,
@@ -125,7 +125,7 @@ def _started_and_checked(build: Callable[[], Any], plan: Plan, shards: Path, ser
                          timer: StepTimer) -> tuple[LoadedModel, str]:
     """A runtime whose model lives elsewhere (stage actors, rank processes), built and health-checked
     like an in-process model, and closed if the check fails. The LoadedModel carries the runtime."""
-    from ..engine.loader import LoadedModel
+    from ...engine.loader import LoadedModel
 
     with timer.step("load"):
         runtime = build()
@@ -141,10 +141,10 @@ def _started_and_checked(build: Callable[[], Any], plan: Plan, shards: Path, ser
 def _start_replicas(plan: Plan, shards: Path, serving: ServingSpec, address: str, replicas: int,
                     timer: StepTimer) -> tuple[LoadedModel, str]:
     """A new Serve application of ``replicas`` replicas, checked with one generated token."""
-    from ..cluster.replica_runtime import build_replica_runtime
-    from ..engine.health import within
-    from ..engine.loader import LoadedModel
-    from ..engine.runtime import Sampling
+    from ...cluster.replica_runtime import build_replica_runtime
+    from ...engine.health import within
+    from ...engine.loader import LoadedModel
+    from ...engine.runtime import Sampling
 
     with timer.step("load"):
         runtime = build_replica_runtime(plan, shards, serving, address=address, replicas=replicas)
@@ -165,7 +165,7 @@ def _start_pipeline(plan: Plan, shards: Path, serving: ServingSpec, address: str
                     timer: StepTimer) -> tuple[LoadedModel, str]:
     """Start the plan's stages on the cluster (each reads its own tensors from ``shards``) and check them
     like an in-process model. No model lives here: the LoadedModel carries the runtime instead."""
-    from ..cluster.runtime import build_pipeline_runtime
+    from ...cluster.runtime import build_pipeline_runtime
 
     return _started_and_checked(lambda: build_pipeline_runtime(plan, shards, serving, address), plan, shards,
                                 serving, timer)
@@ -174,7 +174,7 @@ def _start_pipeline(plan: Plan, shards: Path, serving: ServingSpec, address: str
 def load_model(plan: Plan, shards: Path, serving: ServingSpec) -> LoadedModel:
     """Load ``shards`` as ``plan`` places them, with the manifest's model options (not health-checked:
     callers go through ``load_revision`` or ``apply``)."""
-    from ..engine.loader import load
+    from ...engine.loader import load
 
     return load(plan, shards, serving.load)
 
@@ -215,7 +215,7 @@ def load_laid_out(revision: Revision) -> tuple[LoadedModel, Plan, ServingSpec]:
 
 def recorded_manifest(revision: Revision) -> LoadedManifest:
     """The manifest a revision recorded (normalised, absolute paths), loaded again."""
-    from ..spec.manifest import parse_manifests
+    from ...spec.manifest import parse_manifests
 
     [loaded] = parse_manifests(revision.manifest_text.encode(), source=revision.manifest_path,
                                base_dir=Path(revision.manifest_path).parent)

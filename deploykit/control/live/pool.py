@@ -20,15 +20,15 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-from ..errors import ApplyError
-from ..placement.inventory import process_rss
-from ..placement.plan import Plan
-from ..threads import ThreadGroup
+from ...errors import ApplyError
+from ...placement.inventory import process_rss
+from ...placement.plan import Plan
+from ...threads import ThreadGroup
 
 if TYPE_CHECKING:
-    from ..engine.loader import LoadedModel
-    from ..engine.runtime import Runtime
-    from ..engine.serving import ServingSpec
+    from ...engine.loader import LoadedModel
+    from ...engine.runtime import Runtime
+    from ...engine.serving import ServingSpec
 
 log = logging.getLogger(__name__)
 MEMORY_HISTORY = 64  # leak-guard samples kept
@@ -70,7 +70,7 @@ def kv_cache_budget(plan: Plan | None) -> int:
 def new_generation(number: int, loaded: LoadedModel, plan: Plan | None, revision: int, strategy: str,
                    serving: ServingSpec) -> Generation:
     """A generation with its runtime (batching engine or embedder) built from the deployment's limits."""
-    from ..engine.runtime import build_runtime
+    from ...engine.runtime import build_runtime
 
     lock = threading.Lock() if loaded.serialize_forward else None
     runtime = loaded.runtime or build_runtime(loaded, serving.limits, task=serving.load.task,
@@ -101,6 +101,17 @@ class GenerationPool:
     @property
     def number(self) -> int:
         return self._number
+
+    @property
+    def loaded(self) -> bool:
+        """A generation is current (``budget.host.Held``)."""
+        return self._current is not None
+
+    @property
+    def in_use(self) -> int:
+        """Callers holding the current generation now (``budget.host.Held``)."""
+        gen = self._current
+        return gen.refs if gen is not None else 0
 
     def try_pin(self) -> Generation | None:
         """The current generation pinned, or None at once when there is none (a recreate is reloading)."""

@@ -14,18 +14,18 @@ import shutil
 from dataclasses import replace
 from pathlib import Path
 
-from ..artifacts.fsutil import discard_dir
-from ..artifacts.gguf import import_dir, import_gguf, import_problem, source_fingerprint
-from ..artifacts.layout import fits_layout, plan_layout
-from ..artifacts.quantize import quantize_for
-from ..artifacts.reshard import ProgressSink, ReshardResult, reshard
-from ..artifacts.verify import checksums, read_lock, shard_problem
-from ..errors import CheckpointError
-from ..model.checkpoint import Checkpoint, open_checkpoint
-from ..model.gguf import is_gguf
-from ..names import Phase
-from ..placement.plan import Plan
-from ..spec.manifest import LoadedManifest
+from ...artifacts.fsutil import discard_dir
+from ...artifacts.gguf import import_dir, import_gguf, import_problem, source_fingerprint
+from ...artifacts.layout import fits_layout, plan_layout
+from ...artifacts.quantize import quantize_for
+from ...artifacts.reshard import ProgressSink, ReshardResult, reshard
+from ...artifacts.verify import checksums, read_lock, shard_problem
+from ...errors import CheckpointError
+from ...model.checkpoint import Checkpoint, open_checkpoint
+from ...model.gguf import is_gguf
+from ...names import Phase
+from ...placement.plan import Plan
+from ...spec.manifest import LoadedManifest
 from .loading import StepTimer
 from .state import StateStore
 
@@ -126,7 +126,7 @@ def _layout_dir(loaded: LoadedManifest, store: StateStore, checkpoint: Checkpoin
 
 def _lay_out_ranks(loaded: LoadedManifest, store: StateStore, checkpoint: Checkpoint) -> Path:
     """Tensor parallel: one file per rank (its slices and what it replicates), with checksums."""
-    from ..artifacts.rank_shards import rank_layout, write_rank_shards
+    from ...artifacts.rank_shards import rank_layout, write_rank_shards
 
     model = loaded.manifest.spec.model
     layout = rank_layout(checkpoint, ranks=loaded.manifest.spec.placement.tensor_parallel, dtype=model.dtype,

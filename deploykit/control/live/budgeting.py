@@ -18,16 +18,16 @@ from collections.abc import Callable
 from dataclasses import replace
 from typing import TYPE_CHECKING
 
-from ..names import Load, Strategy
-from ..spec.manifest import LoadedManifest
-from .budget import BudgetError, plan_tiers
-from .change import Change
-from .reconciler import ApplyOptions, ApplyOutcome, apply
+from ...names import Load, Strategy
+from ...spec.manifest import LoadedManifest
+from ..budget import BudgetError, plan_tiers
+from ..revisions.change import Change
+from ..revisions.reconciler import ApplyOptions, ApplyOutcome, apply
 from .rollout import Rollout, RolloutResult
 
 if TYPE_CHECKING:
-    from ..artifacts.reshard import ProgressSink
-    from .host import Host
+    from ...artifacts.reshard import ProgressSink
+    from ..budget.host import Host
     from .on_demand import Loads
 
 StepSink = Callable[[str], None] | None

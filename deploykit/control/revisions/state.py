@@ -27,8 +27,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from ..errors import ApplyError
-from ..placement.plan import Plan
+from ...errors import ApplyError
+from ...placement.plan import Plan
 
 SCHEMA_VERSION = 2
 # Columns added after schema 1, for databases created before them.

@@ -1,0 +1,83 @@
+"""What a live deployment shows: ``LiveStatus``, built from its one state (``machine.State``) and its pool,
+and how a server shows a deployment it holds (``served_status``: the store's record with the live state
+over it)."""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from ...names import Phase
+from ...placement.inventory import process_rss
+from ..revisions.report import status_report
+from ..revisions.state import StateStore
+
+if TYPE_CHECKING:
+    from ..budget.host import Host
+    from .machine import State
+    from .pool import Generation, GenerationPool
+    from .reloads import ReloadLog
+
+
+@dataclass(frozen=True)
+class LiveStatus:
+    """What a live ``Deployment`` is now (``Deployment.state()``; ``status()`` is its ``to_dict``)."""
+
+    name: str
+    phase: Phase
+    trigger: str
+    generation: int
+    revision: int | None
+    serving: bool  # a generation serves, or it loads at its next request (unloaded under a budget)
+    loaded: str  # "loaded" | "unloaded" | "loading" ... as the host says
+    budget: dict[str, Any] | None
+    in_flight: int
+    last_error: str | None
+    manifest: str
+    serialize_forward: bool
+    reloads: dict[str, float]
+    memory: dict[str, int | None]
+    plan: list[dict[str, Any]] | None
+
+    def to_dict(self) -> dict[str, Any]:
+        out = asdict(self)
+        out["phase"] = self.phase.value
+        return out
+
+
+def live_status(gen: Generation | None, state: State, *, name: str, pool: GenerationPool, host: Host | None,
+                manifest: Path, reloads: ReloadLog) -> LiveStatus:
+    """``gen`` (its pool's current generation, read first) and ``state`` (the deployment's one state) as
+    one status, with its budget under ``host`` (if any) and its reloads."""
+    return LiveStatus(
+        name=name, phase=state.phase, trigger=str(state.trigger), generation=pool.number,
+        revision=gen.revision if gen else None,
+        serving=state.phase != Phase.CLOSED and (gen is not None or pool.unloaded),
+        loaded=(host.state(name) if host is not None else None) or ("loaded" if gen else "unloaded"),
+        budget=host.describe(name) if host is not None else None,
+        in_flight=gen.refs if gen else 0, last_error=state.message, manifest=str(manifest),
+        serialize_forward=bool(gen and gen.forward_lock),
+        reloads={"total": reloads.count, "failed": reloads.failures,
+                 "longest_seconds": round(max((r.seconds for r in reloads.records), default=0.0), 3)},
+        memory={"rss": process_rss(), "baseline_rss": pool.baseline_rss},
+        plan=[{"device": d.device, "blocks": list(d.blocks), "bytes": d.bytes}
+              for d in gen.plan.devices if d.blocks] if gen and gen.plan else None,
+    )
+
+
+def served_status(store: StateStore, name: str, live: LiveStatus | None) -> dict[str, Any]:
+    """One deployment as a server shows it (``/status``, ``deploykit status`` through a server): the
+    store's record (``status_report``) and, where this process holds it, its live state, which decides
+    the phase and the error (a pending broken change, a conflict)."""
+    report = status_report(store, name)
+    if live is not None:
+        report["last_error"] = live.last_error or report["last_error"]
+        report["phase"] = live.phase.value
+    report["serving"] = bool(live and live.serving)
+    report["serving_revision"] = live.revision if live else None
+    report["generation"] = live.generation if live else None
+    report["in_flight"] = live.in_flight if live else 0
+    report["reloads"] = live.reloads if live else None
+    report["loaded"], report["budget"] = (live.loaded, live.budget) if live else (None, None)
+    return report
