@@ -15,12 +15,26 @@ class ClusterError(DeploykitError):
 
 
 def require_ray() -> Any:
-    """The ``ray`` module, or a ClusterError saying how to install it."""
+    """The ``ray`` module (never connecting on its own: ``_no_auto_connect``), or a ClusterError saying
+    how to install it."""
+    os.environ["RAY_ENABLE_AUTO_CONNECT"] = "0"  # read by ray at its import: processes started from here too
     try:
         import ray
     except ImportError:
         raise ClusterError("spec.cluster needs Ray: pip install 'deploykit[ray]'") from None
+    _no_auto_connect(ray)
     return ray
+
+
+def _no_auto_connect(ray: Any) -> None:
+    """Ray joins a cluster on the first API call of a process that is not connected (its auto-init hook),
+    from whatever thread makes it, to whatever cluster it finds (or a new local one it starts). deploykit
+    connects on purpose (``connect``) and leaves on purpose (``disconnect``): a Ray call after that (a
+    Serve handle's router thread, a load still running) must fail, never join a cluster again. The hook
+    reads RAY_ENABLE_AUTO_CONNECT once, at ray's import, so an already imported ray is switched here."""
+    hook = getattr(getattr(ray, "_private", None), "auto_init_hook", None)
+    if hook is not None and hasattr(hook, "enable_auto_connect"):
+        hook.enable_auto_connect = False
 
 
 def worker_env() -> dict[str, str]:
