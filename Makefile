@@ -4,7 +4,7 @@ VENV   := .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.deploykit-installed
 
-.PHONY: demo test docs bench clean
+.PHONY: demo test docs bench clean gpu-check gpu-check-dry
 
 # torch is installed first and pinned: 2.13.0 is a CPU build available locally; letting pip resolve
 # torch on its own pulls a multi-GB CUDA build.
@@ -34,5 +34,14 @@ bench: $(STAMP)
 	$(PY) bench/load.py
 	$(PY) bench/reload.py
 
+# The GPU check (docs/gpu.md). gpu-check needs no venv and installs nothing here: it downloads the wheels
+# the GPU machine lacks into .gpucheck/wheels (pip, network), checks they fit what travels, and prints the
+# one command to run there. gpu-check-dry runs the same check here without CUDA (report in .gpucheck/report).
+gpu-check:
+	$(PYTHON) -m gpucheck.wheels
+
+gpu-check-dry: $(STAMP)
+	$(PY) -m gpucheck --dry --out .gpucheck/report
+
 clean:
-	rm -rf $(VENV) .demo .pytest_cache .hypothesis
+	rm -rf $(VENV) .demo .pytest_cache .hypothesis .gpucheck

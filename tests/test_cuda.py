@@ -48,3 +48,47 @@ def test_real_inventory_probe_sees_the_gpus():
     inventory = probe()
     assert len(inventory.gpus) == torch.cuda.device_count()
     assert all(g.memory > 0 for g in inventory.gpus)
+
+
+@pytest.mark.parametrize("scheme", ["int8", "int4"])
+def test_quantized_linear_on_cuda_equals_its_dequantized_weights(scheme):
+    from deploykit.engine.quantized import QuantizedLinear
+
+    torch.manual_seed(0)
+    layer = QuantizedLinear(64, 48, bias=True, scheme=scheme, dtype=torch.bfloat16)
+    with torch.no_grad():
+        low, high = (-127, 128) if scheme == "int8" else (0, 256)
+        layer.weight.copy_(torch.randint(low, high, layer.weight.shape).to(layer.weight.dtype))
+        for name in ("weight_scale", "weight_zero", "bias"):
+            if getattr(layer, name, None) is not None:
+                getattr(layer, name).copy_(torch.randn(getattr(layer, name).shape) / 10)
+    layer = layer.to("cuda:0")
+    layer.prepare()  # a no-op off the CPU: the CUDA path dequantizes per call
+    x = torch.randn(5, 64, dtype=torch.bfloat16, device="cuda:0")
+    expected = torch.nn.functional.linear(x.float(), layer.dequantized(torch.float32), layer.bias.float())
+    got = layer(x)
+    assert got.dtype == torch.bfloat16 and got.device.type == "cuda"
+    assert (got.float() - expected).norm() / expected.norm() < 1e-2
+
+
+def test_closing_a_gpu_deployment_returns_its_gpu_memory(tiny_model, tmp_path):
+    from deploykit import Deployment
+
+    model = Path(shutil.copytree(tiny_model("llama"), tmp_path / "model"))
+    path = tmp_path / "gpu.yaml"
+    path.write_text(manifest_text(model).replace("gpus: []", "gpus: [0]\n    reserve: 0"))
+    torch.cuda.empty_cache()
+    before = torch.cuda.memory_allocated(0)
+    dep = Deployment.from_manifest(path, state_dir=tmp_path / "state")
+    try:
+        with dep.acquire_loaded() as loaded:
+            assert loaded.input_device == "cuda:0"
+            held = torch.cuda.memory_allocated(0) - before
+            planned = sum(d.bytes for d in loaded.plan.devices if d.device == 0)
+            assert planned <= held < planned + (8 << 20)
+    finally:
+        dep.close()
+    import gc
+
+    gc.collect()
+    assert torch.cuda.memory_allocated(0) - before < 1 << 20
