@@ -18,7 +18,7 @@ from ..record import Recorder
 
 VERSIONS = ("torch", "transformers", "accelerate", "safetensors", "tokenizers", "pydantic", "fastapi", "uvicorn",
             "starlette", "watchdog", "gguf", "openai", "httpx", "click", "rich", "pyyaml", "pytest", "numpy")
-IMPORTS = ("deploykit.cli", "deploykit.control.deployment", "deploykit.serve.app", "fastapi", "uvicorn", "watchdog",
+IMPORTS = ("deploykit.cli", "deploykit.control.live.deployment", "deploykit.serve.app", "fastapi", "uvicorn", "watchdog",
            "gguf", "openai", "accelerate")
 # name -> (dtype of its weights, built on the GPU at full size; tiny on the CPU in the dry run)
 MODELS = {"llama-3.2-1b": "bfloat16", "smollm2-135m": "float32"}
