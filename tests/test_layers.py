@@ -36,7 +36,7 @@ def _with_extra_import(tmp_path: Path, module: str, code: str) -> subprocess.Com
 
 
 def test_an_upward_import_breaks_the_layers(tmp_path):
-    result = _with_extra_import(tmp_path, "placement/planner.py", "from ..control import state")
+    result = _with_extra_import(tmp_path, "placement/planner.py", "from ..control.revisions import state")
     assert result.returncode != 0
     assert "deploykit.placement.planner -> deploykit.control.revisions.state" in result.stdout
 
@@ -45,3 +45,15 @@ def test_the_light_layers_never_import_torch(tmp_path):
     result = _with_extra_import(tmp_path, "spec/manifest.py", "import torch")
     assert result.returncode != 0
     assert "deploykit.spec.manifest -> torch" in result.stdout
+
+
+def test_the_revisions_never_import_the_live_deployments(tmp_path):
+    result = _with_extra_import(tmp_path, "control/revisions/reconciler.py", "from ..live import pool")
+    assert result.returncode != 0
+    assert "deploykit.control.revisions.reconciler -> deploykit.control.live.pool" in result.stdout
+
+
+def test_the_budget_never_imports_the_live_deployments(tmp_path):
+    result = _with_extra_import(tmp_path, "control/budget/host.py", "from ..live import deployment")
+    assert result.returncode != 0
+    assert "deploykit.control.budget.host -> deploykit.control.live.deployment" in result.stdout
