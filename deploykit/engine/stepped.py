@@ -25,7 +25,6 @@ from .requests import GenerationRequest, GenerationResult, RequestHandle
 from .sampling import next_token, request_generator
 from .health import HealthResult, within
 from .runtime import Limits, TextRuntime
-from .text import RequestError
 
 log = logging.getLogger(__name__)
 

@@ -29,7 +29,6 @@ from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal, get_args
 
-from ..errors import CheckpointError
 from . import gguf, structure_cache
 from . import quantization as quant
 from .meta import build_meta_model, load_config, read_config_json

@@ -19,7 +19,6 @@ from dataclasses import replace
 from typing import TYPE_CHECKING
 
 from ...names import Load, Strategy
-from ...spec.manifest import LoadedManifest
 from ..budget import BudgetError, plan_tiers
 from ..revisions.change import Change
 from ..revisions.reconciler import ApplyOptions, ApplyOutcome, apply

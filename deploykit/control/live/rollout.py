@@ -16,13 +16,11 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable
 from dataclasses import dataclass, replace
-from typing import Any
 
 from ...artifacts.reshard import ProgressSink
 from ...errors import PlanInfeasible
 from ...names import Strategy
 from ...placement.inventory import Gpu, Inventory
-from ...placement.plan import Plan
 from ...spec.manifest import LoadedManifest
 from .pool import Generation, GenerationPool
 from ..revisions.loading import load_revision, recorded_manifest, serving_of
@@ -60,6 +58,16 @@ class RolloutResult:
     outcome: ApplyOutcome | None = None  # what the apply did (revision, timings, plan, health)
 
 
+@dataclass(frozen=True)
+class _How:
+    """What a rollout passes to its apply: force, where progress goes, and the change it is."""
+
+    force: bool
+    progress: ProgressSink | None
+    on_step: Callable[[str], None] | None
+    change: Change
+
+
 class Rollout:
     """Rolls a deployment's pool forward to a manifest. One rollout at a time per deployment (the
     caller serialises)."""
@@ -70,8 +78,6 @@ class Rollout:
         self.store = store
         self.devices = devices
         self.acquire_timeout = acquire_timeout
-        self._force = False
-        self._apply_args: dict[str, Any] = {}
 
     def run(self, loaded: LoadedManifest, *, force: bool = False, progress: ProgressSink | None = None,
             on_step: Callable[[str], None] | None = None, strategy: str | None = None,
@@ -92,22 +98,22 @@ class Rollout:
         if chosen is None:
             assert infeasible is not None
             raise infeasible
-        self._apply_args = {"progress": progress, "on_step": on_step, "change": change}
-        self._force = force
+        how = _How(force, progress, on_step, change)
         if chosen == Strategy.BLUE_GREEN:
-            return self._blue_green(loaded, beside)
-        return self._recreate(loaded)
+            return self._blue_green(loaded, beside, how)
+        return self._recreate(loaded, how)
 
-    def _blue_green(self, loaded: LoadedManifest, beside: Inventory) -> RolloutResult:
+    def _blue_green(self, loaded: LoadedManifest, beside: Inventory, how: _How) -> RolloutResult:
         outcome = apply(loaded, store=self.store, options=ApplyOptions(inventory=beside, keep_model=True,
-                                                                       force=self._force), **self._apply_args)
+                                                                       force=how.force),
+                        progress=how.progress, on_step=how.on_step, change=how.change)
         if outcome.status == "unchanged" or outcome.loaded is None:
             return RolloutResult(False, "none", outcome)
         self.pool.install(outcome.loaded, outcome.plan, outcome.revision or 0, "blue-green", serving_of(loaded))
         outcome.loaded = None  # the pool owns the model now: a kept outcome must not pin it
         return RolloutResult(True, "blue-green", outcome)
 
-    def _recreate(self, loaded: LoadedManifest) -> RolloutResult:
+    def _recreate(self, loaded: LoadedManifest, how: _How) -> RolloutResult:
         drained = False
 
         def before_load() -> None:
@@ -115,9 +121,10 @@ class Rollout:
             self.pool.drain(self.acquire_timeout)
             drained = True
 
-        options = ApplyOptions(devices=self.devices, keep_model=True, before_load=before_load, force=self._force)
+        options = ApplyOptions(devices=self.devices, keep_model=True, before_load=before_load, force=how.force)
         try:
-            outcome = apply(loaded, store=self.store, options=options, **self._apply_args)
+            outcome = apply(loaded, store=self.store, options=options, progress=how.progress, on_step=how.on_step,
+                            change=how.change)
         except Exception:  # any failure after the drain: serve the last Ready revision again
             if drained:
                 self._restore_after_failure()

@@ -8,7 +8,6 @@ Kept apart from the store: the store records facts; this module decides what the
 from __future__ import annotations
 
 import time
-from pathlib import Path
 from typing import Any
 
 from ...errors import DeploykitError
