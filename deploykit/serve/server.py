@@ -15,6 +15,7 @@ from typing import Any
 import uvicorn
 
 from ..errors import DeploykitError
+from .connections import HEADER_TIMEOUT, MAX_HEADER_BYTES, bounded_h11
 
 log = logging.getLogger(__name__)
 
@@ -34,10 +35,13 @@ def bind(host: str, port: int) -> socket.socket:
     return sock
 
 
-def run(app: Any, sock: socket.socket, *, on_started: Callable[[], None], drain_timeout: float = 30.0) -> None:
-    """Serve ``app`` on ``sock`` until a signal; ``on_started`` runs on its own thread once serving."""
+def run(app: Any, sock: socket.socket, *, on_started: Callable[[], None], drain_timeout: float = 30.0,
+        header_timeout: float = HEADER_TIMEOUT) -> None:
+    """Serve ``app`` on ``sock`` until a signal; ``on_started`` runs on its own thread once serving.
+    Connections are ``connections.BoundedH11``: headers bounded in size and in time (``header_timeout``)."""
     config = uvicorn.Config(app, log_level="warning", lifespan="off", timeout_graceful_shutdown=int(drain_timeout),
-                            access_log=False)
+                            access_log=False, http=bounded_h11(header_timeout),
+                            h11_max_incomplete_event_size=MAX_HEADER_BYTES)
     server = uvicorn.Server(config)
 
     def when_started() -> None:
