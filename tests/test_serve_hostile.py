@@ -75,6 +75,20 @@ def post(server: Server, path: str, body: dict, token: str | None = None, within
     return response.status_code, json.loads(content)
 
 
+# ---- a temperature below the floor -------------------------------------------------------------------
+
+def test_a_temperature_below_the_floor_is_greedy(client):
+    messages = [{"role": "user", "content": "hi"}]
+    greedy = client.chat.completions.create(model="tiny-chat", messages=messages, max_tokens=8, temperature=0)
+    for temperature in (1e-300, 1e-38, 1e-6):
+        tiny = client.chat.completions.create(model="tiny-chat", messages=messages, max_tokens=8,
+                                              temperature=temperature)
+        assert tiny.choices[0].message.content == greedy.choices[0].message.content
+    greedy_text = client.completions.create(model="tiny-chat", prompt="hi", max_tokens=8, temperature=0)
+    tiny_text = client.completions.create(model="tiny-chat", prompt="hi", max_tokens=8, temperature=5e-324)
+    assert tiny_text.choices[0].text == greedy_text.choices[0].text
+
+
 # ---- headers: size and time --------------------------------------------------------------------------
 
 def error_of(answer: bytes, status: int) -> dict:
