@@ -89,6 +89,40 @@ def test_a_temperature_below_the_floor_is_greedy(client):
     assert tiny_text.choices[0].text == greedy_text.choices[0].text
 
 
+# ---- a failure after the stream started --------------------------------------------------------------
+
+def sse_events(response: httpx.Response) -> list[dict | str]:
+    events: list[dict | str] = []
+    for line in response.iter_lines():
+        if line.startswith("data: "):
+            data = line[len("data: "):]
+            events.append(data if data == "[DONE]" else json.loads(data))
+    return events
+
+
+@pytest.mark.parametrize("path, body", [
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": POISON}]}),
+    ("/v1/completions", {"prompt": POISON}),
+], ids=["chat", "completions"])
+def test_a_failure_mid_stream_ends_with_an_error_event_then_done(server, path, body):
+    request = {"model": "broken-chat", "max_tokens": 8, "temperature": 1.0, "stream": True, **body}
+    with httpx.stream("POST", f"{server.url}{path}", json=request, timeout=60) as response:
+        assert response.status_code == 200
+        events = sse_events(response)
+    assert events[-1] == "[DONE]", events
+    error = events[-2]["error"]
+    assert error["code"] == "generation_failed" and error["type"] == "server_error" and error["message"]
+    assert set(error) == {"message", "type", "param", "code"}
+
+
+def test_the_openai_client_raises_the_error_of_a_failed_stream(client):
+    stream = client.chat.completions.create(model="broken-chat", messages=[{"role": "user", "content": POISON}],
+                                            max_tokens=8, temperature=1.0, stream=True)
+    with pytest.raises(openai.APIError, match="generation failed"):
+        for _ in stream:
+            pass
+
+
 # ---- headers: size and time --------------------------------------------------------------------------
 
 def error_of(answer: bytes, status: int) -> dict:
