@@ -123,6 +123,25 @@ def test_the_openai_client_raises_the_error_of_a_failed_stream(client):
             pass
 
 
+# ---- embeddings and client token ids -----------------------------------------------------------------
+
+@pytest.mark.parametrize("value, code", [
+    ([], None), ([-1], "invalid_token_id"), ([[1000000000000]], "invalid_token_id"),
+    ([[5, 6], [7, 300000]], "invalid_token_id"), ([[]], None),
+])
+def test_embeddings_refuse_empty_input_and_ids_outside_the_vocabulary(server, value, code):
+    status, answer = post(server, "/v1/embeddings", {"model": "minilm", "input": value})
+    assert status == 400, answer
+    error = answer["error"]
+    assert error["param"] == "input" and error["type"] == "invalid_request_error"
+    assert error["code"] == code
+
+
+def test_a_seed_beyond_64_bits_is_refused(server):
+    status, answer = post(server, "/v1/completions", {"model": "tiny-chat", "prompt": "hi", "seed": 2**64})
+    assert status == 400 and answer["error"]["param"] == "seed"
+
+
 # ---- headers: size and time --------------------------------------------------------------------------
 
 def error_of(answer: bytes, status: int) -> dict:
