@@ -142,6 +142,21 @@ def test_a_seed_beyond_64_bits_is_refused(server):
     assert status == 400 and answer["error"]["param"] == "seed"
 
 
+# ---- the control API --------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("text, where, fragment", [
+    ("apiVersion: deploykit/v1\n\u000e\n", ":2:1:", "a character YAML does not allow"),
+    ("metadata: " + "[" * 900 + "]" * 900, ":1:75:", "nests deeper than 64 levels"),
+])
+def test_applying_yaml_the_reader_refuses_is_a_located_manifest_error(server, tmp_path, text, where, fragment):
+    source = str(tmp_path / "bad.yaml")
+    status, event = post(server, "/control/v1/apply", {"manifest": text, "source": source, "name": "x"}, TOKEN)
+    assert status == 422, event
+    assert event["event"] == "error" and event["kind"] == "manifest"
+    [issue] = event["issues"]
+    assert issue.startswith(source + where) and fragment in issue
+
+
 # ---- headers: size and time --------------------------------------------------------------------------
 
 def error_of(answer: bytes, status: int) -> dict:

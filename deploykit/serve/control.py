@@ -12,6 +12,9 @@ Long operations (apply, rollback, delete) answer with newline-delimited JSON eve
     {"event": "error", "kind": "manifest", "issues": [...]}   or the error; last line
     {"event": "error", "kind": "plan" | "error" | "internal", "message": "..."}
 
+A manifest that cannot be read or validated is answered at once, before any stream: HTTP 422 with the
+``manifest`` error event (its located issues).
+
 The work runs on its own thread (never on the event loop) and finishes even if the client goes away:
 a change either completes or leaves the last good revision serving.
 """
@@ -45,7 +48,7 @@ ADVANCE_EVERY = 0.1
 
 
 class ManifestBody(BaseModel):
-    manifest: str  # the file's text, as the CLI read it
+    manifest: str  # the file's text, as the CLI read it (parsed as a manifest, with located errors)
     source: str  # the file's absolute path: relative paths in it resolve against its directory
     name: str  # which manifest of the file
     devices: str | None = None  # only for dry runs and diff: the server's inventory applies otherwise
@@ -179,16 +182,19 @@ def _failed(exc: BaseException, loaded: LoadedManifest | None = None) -> JSONRes
     return JSONResponse(event, status_code=422 if event["kind"] == "manifest" else 400)
 
 
-@router.post("/apply")
-async def apply(request: Request, body: ManifestBody) -> StreamingResponse:
+@router.post("/apply", response_model=None)
+async def apply(request: Request, body: ManifestBody) -> StreamingResponse | JSONResponse:
     supervisor = _supervisor(request)
+    try:  # before the stream: a manifest that cannot be read is an error answer, located
+        loaded = await run_in_threadpool(_parse, body)
+    except Exception as exc:
+        return _failed(exc)
 
     def work(events: _Events) -> dict[str, Any]:
         from ..control.lifecycle import outcome_summary
         from ..control.reconciler import ApplyOptions
         from ..control.reconciler import apply as run
 
-        loaded = _parse(body)
         try:
             if body.dry_run:
                 options = ApplyOptions(devices=body.devices or supervisor.devices, dry_run=True, force=body.force)
