@@ -157,6 +157,19 @@ def test_applying_yaml_the_reader_refuses_is_a_located_manifest_error(server, tm
     assert issue.startswith(source + where) and fragment in issue
 
 
+@pytest.mark.parametrize("path, body, param", [
+    ("/control/v1/prune", {"directory": "/tmp/a\u0000b", "keep": []}, "directory"),
+    ("/control/v1/prune", {"directory": "/tmp", "keep": ["a\u0000"]}, "keep.0"),
+    ("/control/v1/rollback", {"name": "tiny-chat", "to_revision": 2**64}, "to_revision"),
+    ("/control/v1/rollback", {"name": "tiny-chat", "to_revision": 0}, "to_revision"),
+    ("/control/v1/delete", {"name": "a\u0000b"}, "name"),
+    ("/control/v1/diff", {"manifest": "a: 1", "source": "/tmp/\u0000.yaml", "name": "x"}, "source"),
+])
+def test_the_control_api_names_a_bad_field(server, path, body, param):
+    status, answer = post(server, path, body, TOKEN)
+    assert status == 400 and answer["error"]["param"] == param, answer
+
+
 # ---- headers: size and time --------------------------------------------------------------------------
 
 def error_of(answer: bytes, status: int) -> dict:
