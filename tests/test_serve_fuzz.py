@@ -31,12 +31,13 @@ HOOKS = Path(__file__).parent / "fuzz_hooks.py"
 
 
 def fuzz(url: str, report: Path) -> subprocess.CompletedProcess[str]:
+    """schemathesis's own command (it keeps a cache in its working directory: the report's, not the repo)."""
     command = [sys.executable, "-m", "schemathesis.cli", "run", f"{url}/openapi.json",
                "--header", f"Authorization: Bearer {TOKEN}", "--checks", "not_a_server_error,streams_end_with_done",
                "--max-examples", str(MAX_EXAMPLES), "--seed", str(SEED), "--workers", "1", "--no-shrink",
                "--generation-database", "none", "--request-timeout", "60", "--no-color",
                "--report", "json", "--report-json-path", str(report)]
-    return subprocess.run(command, capture_output=True, text=True, timeout=900,
+    return subprocess.run(command, capture_output=True, text=True, timeout=900, cwd=report.parent,
                           env={**os.environ, "SCHEMATHESIS_HOOKS": str(HOOKS)})
 
 
