@@ -62,6 +62,18 @@ def test_validate_reports_located_errors_and_exit_2(tmp_path, manifest):
     ]
 
 
+def test_validate_locates_yaml_the_reader_refuses(tmp_path):
+    control, deep = tmp_path / "control.yaml", tmp_path / "deep.yaml"
+    control.write_text("apiVersion: deploykit/v1\n\u000e\n")
+    deep.write_text("metadata: " + "[" * 900 + "]" * 900)
+    result = deploykit("validate", str(control), str(deep))
+    assert result.returncode == 2 and "internal error" not in result.stderr
+    assert result.stderr.strip().splitlines() == [
+        f"{control}:2:1: the file holds a character YAML does not allow (U+000E) "
+        "(hint: remove it, or write it as an escape in a double-quoted string)",
+        f"{deep}:1:75: invalid YAML: the document nests deeper than 64 levels"]
+
+
 def test_validate_checks_the_model_directory_unless_schema_only(tmp_path):
     path = tmp_path / "m.yaml"
     path.write_text(MANIFEST.format(path="./nowhere"))

@@ -190,6 +190,17 @@ def test_recursive_alias_is_refused():
     assert "alias bomb" in issue.message
 
 
+@pytest.mark.parametrize("text, line, column, fragment", [
+    ("apiVersion: deploykit/v1\n\u000e\n", 2, 1, "a character YAML does not allow (U+000E)"),
+    ("apiVersion: deploykit/v1\nkind: \"a\u0007\"\n", 2, 9, "a character YAML does not allow (U+0007)"),
+    ("metadata: " + "[" * 900 + "]" * 900, 1, 75, "nests deeper than 64 levels"),
+    ("a:\n" + "".join(" " * i + "- \n" for i in range(1, 400)), 66, 66, "nests deeper than 64 levels"),
+])
+def test_yaml_the_reader_refuses_is_a_located_error(text, line, column, fragment):
+    [issue] = issues_of(text)
+    assert fragment in issue.message and (issue.line, issue.column) == (line, column)
+
+
 def test_oversized_file_is_refused():
     [issue] = issues_of(b"a: " + b"x" * (2 << 20))
     assert "at most" in issue.message

@@ -34,13 +34,15 @@ from .console import STATE_OPTION, err, handle_errors, store
               help="Seconds a request for an unloaded model waits for room before a 503.")
 @click.option("--drain-timeout", type=float, default=30.0, show_default=True,
               help="Seconds running requests get to finish on SIGTERM.")
+@click.option("--header-timeout", type=click.FloatRange(min=0, min_open=True), default=10.0, show_default=True,
+              help="Seconds a client has to send a request's headers; then 408 and the connection is closed.")
 @click.option("--log-level", type=click.Choice(["debug", "info", "warning", "error"]), default="warning",
               show_default=True, help="Least severe log lines written to stderr (loads, frees, client disconnects).")
 @STATE_OPTION
 @handle_errors
 def serve(path: str | None, host: str, port: int, api_key: str | None, control_token: str | None, prune: bool,
           devices: str | None, budget: str | None, budget_timeout: float, debounce: float, drain_timeout: float,
-          log_level: str, state_dir: str | None) -> None:
+          header_timeout: float, log_level: str, state_dir: str | None) -> None:
     """Hold every deployment in PATH (a manifest or a directory of manifests), reload them when their
     files change, and serve them: the OpenAI-compatible API (/v1/models, /v1/chat/completions,
     /v1/completions, /v1/embeddings) and /healthz, /readyz, /status, /metrics.
@@ -93,7 +95,7 @@ def serve(path: str | None, host: str, port: int, api_key: str | None, control_t
               markup=False)
     try:
         run(create_app(supervisor, api_key=api_key, control_token=token), sock, on_started=start,
-            threads=owned, drain_timeout=drain_timeout)
+            threads=owned, drain_timeout=drain_timeout, header_timeout=header_timeout)
     finally:
         if written:
             remove_server_file(states.directory, token)

@@ -17,15 +17,18 @@ import torch
 from .types import FinishReason
 from .sampling import TokenLogprobs
 
-__all__ = ["GenerationRequest", "GenerationResult", "RequestHandle"]
+__all__ = ["GenerationRequest", "GenerationResult", "RequestHandle", "MIN_TEMPERATURE"]
 _FINISH_LOCK = threading.Lock()
+# Below this a temperature is greedy: logits / 1e-38 overflow float32 to inf and sampling would fail on
+# NaN probabilities, while any temperature this small picks the most likely token anyway (vLLM's floor).
+MIN_TEMPERATURE = 1e-5
 
 
 @dataclass(frozen=True)
 class GenerationRequest:
     prompt_ids: Sequence[int]
     max_new_tokens: int = 64
-    temperature: float = 0.0  # 0 => greedy
+    temperature: float = 0.0  # 0 => greedy, as is anything below MIN_TEMPERATURE
     top_p: float = 1.0
     seed: int | None = None  # None => random
     stop_token_ids: Sequence[int] = ()  # in addition to the model's EOS ids
@@ -35,6 +38,10 @@ class GenerationRequest:
     presence_penalty: float = 0.0  # OpenAI's penalties over the tokens generated so far (sampling.py)
     frequency_penalty: float = 0.0
     logit_bias: Sequence[tuple[int, float]] = ()  # (token id, bias added to its logit)
+
+    def __post_init__(self) -> None:
+        if self.temperature < MIN_TEMPERATURE:  # every engine then reads it as greedy (0)
+            object.__setattr__(self, "temperature", 0.0)
 
     def is_plain(self) -> bool:
         """Nothing beyond greedy / temperature / top_p: what every backend can serve."""

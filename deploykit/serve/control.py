@@ -12,6 +12,10 @@ Long operations (apply, rollback, delete) answer with newline-delimited JSON eve
     {"event": "error", "kind": "manifest", "issues": [...]}   or the error; last line
     {"event": "error", "kind": "plan" | "error" | "internal", "message": "..."}
 
+A manifest that cannot be read or validated is answered at once, before any stream: HTTP 422 with the
+``manifest`` error event (its located issues). A field of a body that no operation could take (a NUL in
+a path, a revision beyond SQLite's integers) is a 400 naming it, as the /v1 API answers.
+
 The work runs on its own thread (never on the event loop) and finishes even if the client goes away:
 a change either completes or leaves the last good revision serving.
 """
@@ -25,11 +29,11 @@ import threading
 import time
 from collections.abc import AsyncIterator, Callable
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Annotated, Any
 
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, StreamingResponse
-from pydantic import BaseModel
+from pydantic import AfterValidator, BaseModel, Field
 from starlette.concurrency import run_in_threadpool
 
 from ..errors import DeploykitError, ManifestError, PlanInfeasible
@@ -44,28 +48,40 @@ HEARTBEAT = 5.0
 ADVANCE_EVERY = 0.1
 
 
+def _no_nul(text: str) -> str:
+    if "\x00" in text:
+        raise ValueError("must not contain a NUL character")
+    return text
+
+
+# Checked here, at the edge: a NUL in a path or a revision beyond SQLite's integers is a 400 naming the
+# field, not an error deep inside the filesystem or the state store.
+Text = Annotated[str, AfterValidator(_no_nul)]
+Revision = Annotated[int, Field(ge=1, le=2**63 - 1)]  # SQLite's INTEGER
+
+
 class ManifestBody(BaseModel):
-    manifest: str  # the file's text, as the CLI read it
-    source: str  # the file's absolute path: relative paths in it resolve against its directory
-    name: str  # which manifest of the file
-    devices: str | None = None  # only for dry runs and diff: the server's inventory applies otherwise
+    manifest: str  # the file's text, as the CLI read it (parsed as a manifest, with located errors)
+    source: Text  # the file's absolute path: relative paths in it resolve against its directory
+    name: Text  # which manifest of the file
+    devices: Text | None = None  # only for dry runs and diff: the server's inventory applies otherwise
     dry_run: bool = False
     force: bool = False
 
 
 class RollbackBody(BaseModel):
-    name: str
-    to_revision: int | None = None
+    name: Text
+    to_revision: Revision | None = None
 
 
 class DeleteBody(BaseModel):
-    name: str
+    name: Text
     keep_shards: bool = False
 
 
 class PruneBody(BaseModel):
-    directory: str
-    keep: list[str]
+    directory: Text
+    keep: list[Text]
 
 
 class _Events:
@@ -180,23 +196,20 @@ def _failed(exc: BaseException, loaded: LoadedManifest | None = None) -> JSONRes
     return JSONResponse(event, status_code=422 if event["kind"] == "manifest" else 400)
 
 
-@router.post("/apply")
-async def apply(request: Request, body: ManifestBody) -> StreamingResponse:
+@router.post("/apply", response_model=None)
+async def apply(request: Request, body: ManifestBody) -> StreamingResponse | JSONResponse:
     supervisor = _supervisor(request)
+    try:  # before the stream: a manifest that cannot be read is an error answer, located
+        loaded = await run_in_threadpool(_parse, body)
+    except Exception as exc:
+        return _failed(exc)
 
     def work(events: _Events) -> dict[str, Any]:
         from ..control.revisions.lifecycle import outcome_summary
 
-        loaded = _parse(body)
-        try:
-            if body.dry_run:  # the same path as an apply: ownership checked, planned once
-                outcome = supervisor.apply_manifest(loaded, dry_run=True, force=body.force, devices=body.devices)
-            else:
-                if body.devices and body.devices != supervisor.devices:
-                    raise DeploykitError("--devices applies only to --dry-run when a server holds the deployments; "
-                                         "the server plans with its own inventory (deploykit serve --devices)")
-                outcome = supervisor.apply_manifest(loaded, force=body.force, progress=events, on_step=events.step,
-                                                    on_wait=events.wait)
+        try:  # a dry run takes the same path: ownership checked, planned once (--devices: dry runs only)
+            outcome = supervisor.apply_manifest(loaded, dry_run=body.dry_run, force=body.force, devices=body.devices,
+                                                progress=events, on_step=events.step, on_wait=events.wait)
         except PlanInfeasible as exc:
             exc._loaded = loaded  # type: ignore[attr-defined]
             raise

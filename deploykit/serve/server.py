@@ -15,6 +15,7 @@ import uvicorn
 
 from ..errors import DeploykitError
 from ..threads import ThreadGroup
+from .connections import HEADER_TIMEOUT, MAX_HEADER_BYTES, bounded_h11
 
 log = logging.getLogger(__name__)
 
@@ -54,11 +55,13 @@ class _Server(uvicorn.Server):
 
 
 def run(app: Any, sock: socket.socket, *, on_started: Callable[[], None], threads: ThreadGroup,
-        drain_timeout: float = 30.0) -> None:
+        drain_timeout: float = 30.0, header_timeout: float = HEADER_TIMEOUT) -> None:
     """Serve ``app`` on ``sock`` until a signal; ``on_started`` runs on a thread of ``threads`` (the caller
-    joins it) once serving."""
+    joins it) once serving. Connections are ``connections.BoundedH11``: headers bounded in size and in
+    time (``header_timeout``)."""
     config = uvicorn.Config(app, log_level="warning", lifespan="off", timeout_graceful_shutdown=int(drain_timeout),
-                            access_log=False)
+                            access_log=False, http=bounded_h11(header_timeout),
+                            h11_max_incomplete_event_size=MAX_HEADER_BYTES)
     server = _Server(config, on_started, threads)
     # uvicorn handles SIGTERM/SIGINT while it runs, then raises them again for the handler it found:
     # make that one a no-op, so the caller goes on to free the models and exits 0.

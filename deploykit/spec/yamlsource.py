@@ -30,7 +30,21 @@ Path_ = tuple[str | int, ...]
 
 
 class _Loader(yaml.SafeLoader):
-    """SafeLoader whose implicit booleans are YAML 1.2's: ``true``/``false`` only."""
+    """SafeLoader whose implicit booleans are YAML 1.2's: ``true``/``false`` only, and whose composer stops
+    at ``MAX_DEPTH`` (PyYAML composes nested nodes by recursion: ``[[[...]]]`` 900 deep exhausted Python's
+    stack before any depth check on the composed nodes could run)."""
+
+    _depth = 0
+
+    def compose_node(self, parent: yaml.Node | None, index: Any) -> yaml.Node | None:
+        if self._depth > MAX_DEPTH:
+            raise yaml.composer.ComposerError(None, None, f"the document nests deeper than {MAX_DEPTH} levels",
+                                              self.peek_event().start_mark)
+        self._depth += 1
+        try:
+            return super().compose_node(parent, index)
+        finally:
+            self._depth -= 1
 
 
 _Loader.yaml_implicit_resolvers = {
@@ -164,6 +178,18 @@ def _syntax_issue(exc: yaml.MarkedYAMLError, source: str) -> Issue:
     return Issue(message, source, mark.line + 1 if mark else None, mark.column + 1 if mark else None)
 
 
+def _reader(text: str, source: str) -> _Loader:
+    """The loader of ``text``; a character YAML does not allow (a control character) is a located error."""
+    try:
+        return _Loader(text)
+    except yaml.reader.ReaderError as exc:
+        before = text[: exc.position]
+        line, column = before.count("\n") + 1, exc.position - (before.rfind("\n") + 1) + 1
+        raise ManifestError.single(f"the file holds a character YAML does not allow (U+{exc.character:04X})",
+                                   path=source, line=line, column=column,
+                                   hint="remove it, or write it as an escape in a double-quoted string") from None
+
+
 def load_documents(data: bytes, source: str) -> tuple[list[Document], list[Issue]]:
     """Parse every YAML document in ``data``.
 
@@ -172,7 +198,7 @@ def load_documents(data: bytes, source: str) -> tuple[list[Document], list[Issue
     ManifestError when nothing usable can be read at all.
     """
     text = _decode(data, source)
-    loader = _Loader(text)
+    loader = _reader(text, source)
     builder = _Builder(source, loader)
     documents: list[Document] = []
     try:

@@ -22,6 +22,25 @@ def _encode(vector: list[float], fmt: str) -> list[float] | str:
     return vector
 
 
+def _texts(body: EmbeddingRequest, runtime: Any) -> list[str]:
+    """The inputs as text: at least one, at most the model's limit, token ids in its vocabulary."""
+    items = body.texts()
+    if not items:
+        raise APIError(400, "input must not be empty", param="input")
+    if len(items) > runtime.limits.max_input_items:
+        raise APIError(400, f"{len(items)} inputs in one request; this model takes at most "
+                       f"{runtime.limits.max_input_items} (spec.serving.max_input_items)", param="input")
+    vocab = len(runtime.tokenizer)
+    bad = next((t for i in items if not isinstance(i, str) for t in i if not 0 <= t < vocab), None)
+    if bad is not None:
+        raise APIError(400, f"token id {bad} is not in this model's vocabulary (0 to {vocab - 1})", param="input",
+                       code="invalid_token_id")
+    texts = [i if isinstance(i, str) else str(runtime.tokenizer.decode(i)) for i in items]
+    if any(not text for text in texts):
+        raise APIError(400, "input must not contain empty strings", param="input")
+    return texts
+
+
 @router.post("/v1/embeddings", response_model=None)
 async def embeddings(body: EmbeddingRequest, request: Request) -> Any:
     state = request.app.state
@@ -30,14 +49,7 @@ async def embeddings(body: EmbeddingRequest, request: Request) -> Any:
     try:
         gen = held.gen
         runtime: Any = gen.runtime
-        items = body.texts()
-        if len(items) > runtime.limits.max_input_items:
-            raise APIError(400, f"{len(items)} inputs in one request; this model takes at most "
-                           f"{runtime.limits.max_input_items} (spec.serving.max_input_items)", param="input")
-        if any(not isinstance(i, str) for i in items):
-            items = [i if isinstance(i, str) else runtime.tokenizer.decode(i) for i in items]
-        if any(not text for text in items):
-            raise APIError(400, "input must not contain empty strings", param="input")
+        items = _texts(body, runtime)
         if body.dimensions is not None:
             raise APIError(400, "dimensions is not supported: this model's vectors have a fixed size",
                            param="dimensions", code="unsupported")

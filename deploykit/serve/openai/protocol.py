@@ -19,6 +19,7 @@ Temperature = Annotated[float, Field(ge=0.0, le=2.0)]
 TopP = Annotated[float, Field(gt=0.0, le=1.0)]
 Penalty = Annotated[float, Field(ge=-2.0, le=2.0)]
 Bias = Annotated[float, Field(ge=-100.0, le=100.0)]
+Seed = Annotated[int, Field(ge=-(2**63), le=2**63 - 1)]  # a 64-bit integer, as torch's generators take
 
 # Fields that never change the answer: accepted and ignored (docs/serving.md lists them).
 IGNORED = ("user", "metadata", "store", "service_tier", "parallel_tool_calls", "prediction", "safety_identifier",
@@ -55,7 +56,7 @@ class Sampling(_Strict):
     max_tokens: int | None = Field(None, ge=1)
     temperature: Temperature = 1.0
     top_p: TopP = 1.0
-    seed: int | None = None
+    seed: Seed | None = None
     stop: str | list[str] | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None

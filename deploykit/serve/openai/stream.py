@@ -5,6 +5,10 @@ starts, the body never runs (so a ``finally`` in it never runs either), and if i
 body is cancelled where it waits. Releasing the lease inside the body therefore leaked a pinned
 generation per early disconnect. Here the response itself ends the runs and releases the lease when it
 is done, whether the body ran to its end, stopped halfway or never started.
+
+A failure once the stream started (a generation that fails, a bug) cannot change the status any more:
+the stream then ends with an OpenAI-shaped error event and ``data: [DONE]``, as vLLM's do, rather than
+a connection cut without a word.
 """
 
 from __future__ import annotations
@@ -18,7 +22,8 @@ from fastapi.responses import StreamingResponse
 from starlette.requests import ClientDisconnect
 from starlette.types import Receive, Scope, Send
 
-from ..errors import client_gone
+from ..errors import APIError, ClientGone, client_gone, error_body
+from .common import sse
 
 if TYPE_CHECKING:
     from .common import Lease
@@ -37,8 +42,14 @@ class LeasedStream(StreamingResponse):
         super().__init__(self._tracked(), media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
 
     async def _tracked(self) -> AsyncIterator[bytes]:
-        async for chunk in self._body:
-            yield chunk
+        try:
+            async for chunk in self._body:
+                yield chunk
+        except ClientGone:
+            return  # nobody reads the rest; counted as a disconnect below
+        except Exception as exc:  # the status is sent already: say it in the stream, then end it
+            yield sse(_failure(exc, self.model))
+            yield sse("[DONE]")
         self.finished = True
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
@@ -54,6 +65,16 @@ class LeasedStream(StreamingResponse):
             self.lease.release()
             if not self.finished:
                 client_gone(scope, self.model, streamed=True)
+
+
+def _failure(exc: Exception, model: str) -> dict[str, Any]:
+    """The error event of a stream that failed after it started (logged here for the operator)."""
+    if isinstance(exc, APIError):
+        log.warning("%s: a stream failed after it started: %s", model, exc.message)
+        return error_body(exc.status, exc.message, param=exc.param, code=exc.code)
+    log.error("%s: a stream failed after it started", model, exc_info=exc)
+    return error_body(500, f"internal error ({type(exc).__name__}); the server logged the details",
+                      code="internal_error")
 
 
 async def _close(body: Any) -> None:
