@@ -9,6 +9,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 from conftest import REPO
 
 LINT = str(Path(sys.executable).with_name("lint-imports"))
@@ -35,25 +37,19 @@ def _with_extra_import(tmp_path: Path, module: str, code: str) -> subprocess.Com
     return _lint(tmp_path)
 
 
-def test_an_upward_import_breaks_the_layers(tmp_path):
-    result = _with_extra_import(tmp_path, "placement/planner.py", "from ..control.revisions import state")
+@pytest.mark.parametrize("module, code, broken", [
+    # an upward import breaks the layers
+    ("placement/planner.py", "from ..control.revisions import state",
+     "deploykit.placement.planner -> deploykit.control.revisions.state"),
+    # the light layers never import torch
+    ("spec/manifest.py", "import torch", "deploykit.spec.manifest -> torch"),
+    # the revisions and the budget never import the live deployments
+    ("control/revisions/reconciler.py", "from ..live import pool",
+     "deploykit.control.revisions.reconciler -> deploykit.control.live.pool"),
+    ("control/budget/host.py", "from ..live import deployment",
+     "deploykit.control.budget.host -> deploykit.control.live.deployment"),
+])
+def test_a_wrong_import_breaks_a_contract(tmp_path, module, code, broken):
+    result = _with_extra_import(tmp_path, module, code)
     assert result.returncode != 0
-    assert "deploykit.placement.planner -> deploykit.control.revisions.state" in result.stdout
-
-
-def test_the_light_layers_never_import_torch(tmp_path):
-    result = _with_extra_import(tmp_path, "spec/manifest.py", "import torch")
-    assert result.returncode != 0
-    assert "deploykit.spec.manifest -> torch" in result.stdout
-
-
-def test_the_revisions_never_import_the_live_deployments(tmp_path):
-    result = _with_extra_import(tmp_path, "control/revisions/reconciler.py", "from ..live import pool")
-    assert result.returncode != 0
-    assert "deploykit.control.revisions.reconciler -> deploykit.control.live.pool" in result.stdout
-
-
-def test_the_budget_never_imports_the_live_deployments(tmp_path):
-    result = _with_extra_import(tmp_path, "control/budget/host.py", "from ..live import deployment")
-    assert result.returncode != 0
-    assert "deploykit.control.budget.host -> deploykit.control.live.deployment" in result.stdout
+    assert broken in result.stdout
