@@ -88,7 +88,7 @@ def test_a_pinned_generation_is_never_unloaded_for_another(fleet):
         done.set()
 
     threading.Thread(target=ask_b, daemon=True).start()
-    wait_until(lambda: f.host.describe("b")["busy"] == 1)  # b's request waits for room
+    wait_until(lambda: f.host.describe("b").busy == 1)  # b's request waits for room
     assert f.states() == {"a": "loaded", "b": "unloaded"} and held.loaded is not None
     assert not done.is_set()
     a.pool.unpin(held)  # a's request ends: now a is idle, and b's request may have its room

@@ -47,6 +47,20 @@ LOAD_HISTORY = 256  # load durations kept for the histogram
 UNLOADED, LOADING, LOADED = "unloaded", "loading", "loaded"
 
 
+@dataclass(frozen=True)
+class BudgetView:
+    """One deployment under the budget, as ``deploykit status`` shows it."""
+
+    state: str  # unloaded | loading | loaded
+    bytes: int
+    tiers: dict[str, int]
+    priority: int
+    keep_alive: float | None
+    idle_seconds: float  # since its last request
+    keep_alive_left: float | None
+    busy: int  # requests holding or waiting for it, a load or a rollout under way
+
+
 @dataclass
 class Entry:
     """What the host knows of one deployment."""
@@ -122,7 +136,7 @@ class Host:
             entry = self._entries.get(name)
             return entry.state if entry is not None else None
 
-    def describe(self, name: str) -> dict[str, Any] | None:
+    def describe(self, name: str) -> BudgetView | None:
         """What ``deploykit status`` shows of ``name``: bytes, seconds since its last request, keep-alive left."""
         with self._cond:
             entry = self._entries.get(name)
@@ -132,9 +146,8 @@ class Host:
             busy = entry.busy()
             left = (None if entry.keep_alive is None or entry.state != LOADED
                     else entry.keep_alive if busy else max(0.0, entry.keep_alive - idle))
-            return {"state": entry.state, "bytes": sum(entry.bytes.values()), "tiers": dict(entry.bytes),
-                    "priority": entry.priority, "keep_alive": entry.keep_alive, "idle_seconds": round(idle, 1),
-                    "keep_alive_left": None if left is None else round(left, 1), "busy": busy}
+            return BudgetView(entry.state, sum(entry.bytes.values()), dict(entry.bytes), entry.priority,
+                              entry.keep_alive, round(idle, 1), None if left is None else round(left, 1), busy)
 
     def entries(self) -> list[Entry]:
         with self._cond:

@@ -14,10 +14,19 @@ from ..revisions.report import status_report
 from ..revisions.state import StateStore
 
 if TYPE_CHECKING:
-    from ..budget.host import Host
+    from ..budget.host import BudgetView, Host
     from .machine import State
     from .pool import Generation, GenerationPool
     from .reloads import ReloadLog
+
+
+@dataclass(frozen=True)
+class PlacedDevice:
+    """A device of the serving plan that holds blocks."""
+
+    device: str | int
+    blocks: list[str]
+    bytes: int
 
 
 @dataclass(frozen=True)
@@ -31,14 +40,14 @@ class LiveStatus:
     revision: int | None
     serving: bool  # a generation serves, or it loads at its next request (unloaded under a budget)
     loaded: str  # "loaded" | "unloaded" | "loading" ... as the host says
-    budget: dict[str, Any] | None
+    budget: BudgetView | None
     in_flight: int
     last_error: str | None
     manifest: str
     serialize_forward: bool
     reloads: dict[str, float]
     memory: dict[str, int | None]
-    plan: list[dict[str, Any]] | None
+    plan: list[PlacedDevice] | None
 
     def to_dict(self) -> dict[str, Any]:
         out = asdict(self)
@@ -61,8 +70,8 @@ def live_status(gen: Generation | None, state: State, *, name: str, pool: Genera
         reloads={"total": reloads.count, "failed": reloads.failures,
                  "longest_seconds": round(max((r.seconds for r in reloads.records), default=0.0), 3)},
         memory={"rss": process_rss(), "baseline_rss": pool.baseline_rss},
-        plan=[{"device": d.device, "blocks": list(d.blocks), "bytes": d.bytes}
-              for d in gen.plan.devices if d.blocks] if gen and gen.plan else None,
+        plan=[PlacedDevice(d.device, list(d.blocks), d.bytes) for d in gen.plan.devices if d.blocks]
+        if gen and gen.plan else None,
     )
 
 
@@ -79,5 +88,6 @@ def served_status(store: StateStore, name: str, live: LiveStatus | None) -> dict
     report["generation"] = live.generation if live else None
     report["in_flight"] = live.in_flight if live else 0
     report["reloads"] = live.reloads if live else None
-    report["loaded"], report["budget"] = (live.loaded, live.budget) if live else (None, None)
+    report["loaded"] = live.loaded if live else None
+    report["budget"] = asdict(live.budget) if live and live.budget else None
     return report
