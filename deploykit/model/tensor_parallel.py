@@ -40,11 +40,11 @@ def shard_dim(style: str, param: str, ndim: int) -> int | None:
 
 def resolved_plan(model: Any) -> dict[str, str]:
     """The model's tensor-parallel plan, one entry per module and parameter ({} when it has none)."""
-    from transformers.distributed import DistributedConfig
-
     resolve = getattr(model, "_resolve_parallel_plans", None)  # a private method of the mixin
     if resolve is None:  # a transformers without it (5.17, say): nothing is known split, so planning works
         return {}  # for one rank, and tensor_parallel > 1 is refused naming the model (placement.tensor_parallel)
+    from transformers.distributed import DistributedConfig
+
     try:  # the one place deploykit asks transformers to expand a plan
         tp_plan, _, _ = resolve(DistributedConfig(tp_size=2))
     except ValueError:  # "has no tp_plan"
