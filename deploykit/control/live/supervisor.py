@@ -1,8 +1,7 @@
 """The deployments of one manifest file or directory, kept in step with the files.
 
-Each deployment reloads on its own worker (``Deployment.request_reload``): a slow reload of one (a
-70B reshard) never delays another's. At start, every deployment a file declares is known before any
-loads, so readiness can say which are still loading.
+Each deployment changes on its own worker: a slow reload of one never delays another's. What serves and
+what is still loading is the ``ServedSet`` (a request for a loading name waits there).
 
 Deployments can also be handed over without a file (``apply_manifest``, ``rollback``, ``delete``: the
 control API of ``deploykit serve``). Those are recorded in the state store like any apply, and a
@@ -10,8 +9,7 @@ supervisor without a path restores every recorded deployment at start (``restore
 name, a watched file or the API (``ownership.Owners``): a file's name refuses changes through the API
 naming the file, except an apply of that very file, which reconciles it now; a file that declares a
 name the API deployed is an error on that name until ``delete`` hands the name to the file. Changes to
-one name are serialised (``on_wait`` says what a change waits for); different names never wait for
-each other.
+one name are serialised (``turns``); different names never wait for each other.
 
 Readiness means every deployment can serve: a deployment whose newest manifest is broken but whose
 last good generation serves is ready (the pending error shows in ``statuses()``, ``deploykit status``
@@ -22,10 +20,8 @@ from __future__ import annotations
 
 import logging
 import threading
-import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
-from contextlib import contextmanager
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -35,6 +31,8 @@ from ..revisions.change import Change
 from .deployment import Deployment
 from ..revisions.loading import recorded_manifest
 from .ownership import Owners
+from .served import ServedSet
+from .turns import Turns
 from ..revisions.reconciler import ApplyOptions, ApplyOutcome, apply
 from .status import served_status
 from ..revisions.state import StateStore
@@ -61,21 +59,15 @@ class Supervisor:
         self.devices = devices
         self.prune = prune
         self.debounce = debounce
-        self.deployments: dict[str, Deployment] = {}
+        self.served = ServedSet()  # what serves, what is loading, and why a declared name does not serve
         self.owners = Owners()
-        self._errors: dict[str, str] = {}  # manifest file -> why it (or a deployment in it) is not serving
-        self.loading: set[str] = set()  # names declared by a file, not yet serving
-        self._lock = threading.Lock()  # guards deployments, _errors and loading
-        self._changed = threading.Condition(self._lock)  # a deployment began serving or stopped loading
-        self._closing = False
         self.close_timeout = 120.0  # how long close waits for loads under way
         self._starting = False
         self._started = threading.Event()  # start() returned
         self._adds = ThreadGroup()  # deployments added after start (new files, a deleted name's heir)
         self.tasks = ThreadGroup()  # changes asked through the control API, each on a thread of its own
         self._watcher: ManifestWatcher | None = None
-        self._name_locks: dict[str, threading.Lock] = {}
-        self._busy: dict[str, str] = {}  # name -> the change running for it now
+        self._turns = Turns()  # one change of a name at a time
         self.host = host  # the memory budget every deployment loads under (None: each plans alone)
 
     def manifest_files(self) -> list[Path]:
@@ -100,8 +92,7 @@ class Supervisor:
             return
         files = self.manifest_files()
         declared = [(file, self._names(file)) for file in files]
-        with self._lock:
-            self.loading.update(name for _, names in declared for name in names)
+        self.served.begin_loading(name for _, names in declared for name in names)
         if len(files) > 1:
             from ...model.hf import preload
 
@@ -112,17 +103,17 @@ class Supervisor:
         self._watcher = ManifestWatcher([self.path], self._on_change, debounce=self.debounce)
         self._watcher.start()
 
+    @property
+    def deployments(self) -> dict[str, Deployment]:
+        """The deployments that serve now (a copy)."""
+        return dict(self.served.items())
+
     def problems(self) -> dict[str, str]:
         """manifest file -> why it (or a deployment it declares) does not serve."""
-        with self._lock:
-            return dict(self._errors)
+        return self.served.errors()
 
     def _set_error(self, file: Path, error: str | None) -> None:
-        with self._lock:
-            if error is None:
-                self._errors.pop(str(file), None)
-            else:
-                self._errors[str(file)] = error
+        self.served.set_error(str(file), error)
 
     def _names(self, file: Path) -> list[str]:
         try:
@@ -156,26 +147,19 @@ class Supervisor:
                 self._show_conflict(name)
             if not claim.ok or self.get(name) is not None:
                 return None
-            if self._closing:
+            if self.served.closing:
                 return None
             dep = self._hold(name, Deployment.from_manifest(file, name=name, devices=self.devices, store=self.store,
                                                             host=self.host))
         finally:
-            with self._lock:
-                self.loading.discard(name)
-                self._changed.notify_all()
+            self.served.end_loading(name)
         log.info("%s: serving %s (generation %d)", file, name, dep.generation)
         return dep
 
     def _hold(self, name: str, dep: Deployment) -> Deployment:
         """Serve ``dep`` as ``name`` (before it stops loading: a reader always finds it in one of the two
         lists); one that finished loading while the supervisor closes is closed instead."""
-        with self._changed:
-            closing = self._closing
-            if not closing:
-                self.deployments[name] = dep
-                self._changed.notify_all()
-        if closing:
+        if not self.served.hold(name, dep):
             dep.close()
             raise DeploykitError(f"{name!r} loaded while the server was stopping; not served")
         return dep
@@ -198,8 +182,7 @@ class Supervisor:
             new = [n for n in self._names(file) if self.get(n) is None or self.owners.owned_by_api(n)]
             if new:
                 unloaded = [n for n in new if self.get(n) is None]
-                with self._lock:
-                    self.loading.update(unloaded)
+                self.served.begin_loading(unloaded)
                 self._adds.start(self._add, file, new, name="deploykit-add")
 
     def _file_removed(self, file: Path, owned: list[str]) -> None:
@@ -215,8 +198,7 @@ class Supervisor:
     def _remove(self, name: str) -> None:
         from ..revisions.lifecycle import delete
 
-        with self._lock:
-            dep = self.deployments.pop(name, None)
+        dep = self.served.pop(name)
         self.owners.release(name)
         if dep is not None:
             dep.close()
@@ -231,8 +213,7 @@ class Supervisor:
         """Serve every deployment the state store records with a current revision: its recorded
         manifest, shards verified, loaded and health-checked (in parallel, one worker each)."""
         names = [n for n in self.store.names() if self.store.current(n) is not None]
-        with self._lock:
-            self.loading.update(names)
+        self.served.begin_loading(names)
         if len(names) > 1:
             from ...model.hf import preload
 
@@ -243,9 +224,9 @@ class Supervisor:
 
     def _restore_one(self, name: str) -> None:
         try:
-            with self._exclusive(name, "restore"):
+            with self._turns.exclusive(name, "restore"):
                 current = self.store.current(name)
-                if current is None or self.get(name) is not None or self._closing:
+                if current is None or self.get(name) is not None or self.served.closing:
                     return
                 dep = Deployment.from_loaded(recorded_manifest(current), devices=self.devices, store=self.store,
                                              host=self.host)
@@ -253,37 +234,14 @@ class Supervisor:
                 self._hold(name, dep)
                 log.info("restored %s (revision %s)", name, current.revision)
         except Exception as exc:
-            with self._lock:
-                self._errors[f"revision of {name}"] = f"{name}: could not be restored: {exc}"
+            self.served.set_error(f"revision of {name}", f"{name}: could not be restored: {exc}")
             log.exception("%s could not be restored", name)
         finally:
-            with self._lock:
-                self.loading.discard(name)
-                self._changed.notify_all()
+            self.served.end_loading(name)
 
     def owner(self, name: str) -> Path | None:
         """The watched file that owns ``name``, if any (it alone may change the deployment)."""
         return self.owners.file_of(name)
-
-    @contextmanager
-    def _exclusive(self, name: str, what: str, on_wait: StepSink | None = None) -> Iterator[None]:
-        """One change of ``name`` at a time; ``on_wait`` hears what a change waits for, and for how long."""
-        with self._lock:
-            lock = self._name_locks.setdefault(name, threading.Lock())
-        if not lock.acquire(blocking=False):
-            busy = self._busy.get(name, "another change")
-            started = time.monotonic()
-            if on_wait is not None:
-                on_wait(f"waiting for the {busy} to finish")
-            lock.acquire()
-            if on_wait is not None:
-                on_wait(f"waited {time.monotonic() - started:.1f}s for the {busy}")
-        self._busy[name] = f"{what} of {name!r} (started {time.strftime('%H:%M:%S')})"
-        try:
-            yield
-        finally:
-            self._busy.pop(name, None)
-            lock.release()
 
     def apply_manifest(self, loaded: LoadedManifest, *, dry_run: bool = False, force: bool = False,
                        progress: ProgressSink | None = None, on_step: StepSink | None = None,
@@ -309,25 +267,21 @@ class Supervisor:
             raise ManifestError(issues)
         if dry_run:
             return self.dry_run(change, force=force)
-        with self._exclusive(name, what, on_wait):
+        with self._turns.exclusive(name, what, on_wait):
             dep = self.get(name)
             if dep is not None:
                 result = dep.roll_to(loaded, force=force, progress=progress, on_step=on_step, change=change)
                 assert result.outcome is not None
                 return result.outcome
-            with self._lock:
-                self.loading.add(name)
+            self.served.begin_loading([name])
             try:
                 dep = Deployment.from_loaded(loaded, devices=self.devices, store=self.store, force=force,
                                              progress=progress, on_step=on_step, host=self.host, change=change)
                 self.owners.claim_for_api(name)
                 self._hold(name, dep)
-                with self._lock:
-                    self._errors.pop(f"revision of {name}", None)
+                self.served.set_error(f"revision of {name}", None)
             finally:
-                with self._lock:
-                    self.loading.discard(name)
-                    self._changed.notify_all()
+                self.served.end_loading(name)
             assert dep.last_outcome is not None
             return dep.last_outcome
 
@@ -343,11 +297,10 @@ class Supervisor:
         deployment's reloads are serialised and an unchanged manifest is a no-op)."""
         file = self.owners.file_of(name)
         assert file is not None
-        with self._exclusive(name, "apply", on_wait):
+        with self._turns.exclusive(name, "apply", on_wait):
             dep = self.get(name)
             if dep is None:  # the file's deployment never loaded: try again now
-                with self._lock:
-                    self.loading.add(name)
+                self.served.begin_loading([name])
                 dep = self._add_one(file, name)
                 if dep is None:
                     raise DeploykitError(f"{name!r} could not be deployed from {file}")
@@ -376,9 +329,8 @@ class Supervisor:
         from ..revisions.lifecycle import delete
 
         self.owners.check_api_change(name, "delete")
-        with self._exclusive(name, "delete", on_wait):
-            with self._lock:
-                dep = self.deployments.pop(name, None)
+        with self._turns.exclusive(name, "delete", on_wait):
+            dep = self.served.pop(name)
             heir = self.owners.release(name)
             if dep is None and name not in self.store.names():
                 raise DeploykitError(f"no deployment named {name!r} (known: {', '.join(self.store.names()) or 'none'})")
@@ -391,8 +343,7 @@ class Supervisor:
             log.info("deleted %s", name)
         if heir is not None:  # a watched file declares the name: it owns it now and serves it
             log.info("%s now owns %s", heir, name)
-            with self._lock:
-                self.loading.add(name)
+            self.served.begin_loading([name])
             self._adds.start(self._add, heir, [name], name="deploykit-add")
 
     def prune_directory(self, directory: Path, *, keep: set[str]) -> list[str]:
@@ -407,36 +358,20 @@ class Supervisor:
         return pruned
 
     def get(self, name: str) -> Deployment | None:
-        with self._lock:
-            return self.deployments.get(name)
+        return self.served.get(name)
 
     def loading_names(self) -> list[str]:
         """Names declared by a file or applied, still loading for the first time (never one that serves)."""
-        with self._lock:
-            return sorted(self.loading - self.deployments.keys())
+        return self.served.loading_names()
 
     def items(self) -> list[tuple[str, Deployment]]:
-        with self._lock:
-            return list(self.deployments.items())
+        return self.served.items()
 
     def wait_served(self, name: str, timeout: float) -> Deployment | None:
-        """The deployment ``name`` once it serves: at once if it does, after its first load (or restore)
-        if it is loading, None if that load failed, the server is closing, or ``timeout`` passed."""
-        deadline = time.monotonic() + timeout
-        with self._changed:
-            while name not in self.deployments and name in self.loading and not self._closing:
-                left = deadline - time.monotonic()
-                if left <= 0:
-                    break
-                self._changed.wait(left)
-            return self.deployments.get(name)
+        return self.served.wait_served(name, timeout)
 
     def why_not_served(self, name: str) -> str | None:
-        """Why a declared ``name`` does not serve (its load failed), if the supervisor knows."""
-        with self._lock:
-            if self._closing:
-                return "the server is stopping"
-            return next((e for e in self._errors.values() if e.startswith(f"{name}: ")), None)
+        return self.served.why_not_served(name)
 
     def statuses(self) -> list[dict[str, Any]]:
         out = [served_status(self.store, name, dep.state()) for name, dep in self.items()]
@@ -460,9 +395,7 @@ class Supervisor:
         return (not not_ready and bool(items)), not_ready
 
     def close(self) -> None:
-        with self._changed:
-            self._closing = True
-            self._changed.notify_all()  # requests waiting for a load are answered: the server is stopping
+        self.served.close()  # requests waiting for a load are answered: the server is stopping
         if self._watcher is not None:
             self._watcher.stop()
         if self._starting:

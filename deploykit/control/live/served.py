@@ -1,0 +1,102 @@
+"""What a supervisor serves, in one place behind one lock: the deployments that serve, the names still
+loading for the first time, and why a declared one does not serve. A request for a listed name waits
+here (``wait_served``) until its load ends; a served deployment is added before its name stops loading, so
+a reader always finds a declared name in one of the two.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Iterable
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from .deployment import Deployment
+
+
+class ServedSet:
+    """Thread-safe. ``errors`` are keyed by what failed (a manifest file, or ``revision of NAME``)."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._changed = threading.Condition(self._lock)  # a deployment began serving or stopped loading
+        self._deployments: dict[str, Deployment] = {}
+        self._loading: set[str] = set()
+        self._errors: dict[str, str] = {}
+        self._closing = False
+
+    @property
+    def closing(self) -> bool:
+        return self._closing
+
+    def begin_loading(self, names: Iterable[str]) -> None:
+        with self._lock:
+            self._loading.update(names)
+
+    def end_loading(self, name: str) -> None:
+        with self._changed:
+            self._loading.discard(name)
+            self._changed.notify_all()
+
+    def hold(self, name: str, dep: Deployment) -> bool:
+        """Serve ``dep`` as ``name``; False (nothing held) once closing."""
+        with self._changed:
+            if self._closing:
+                return False
+            self._deployments[name] = dep
+            self._changed.notify_all()
+            return True
+
+    def pop(self, name: str) -> Deployment | None:
+        with self._lock:
+            return self._deployments.pop(name, None)
+
+    def get(self, name: str) -> Deployment | None:
+        with self._lock:
+            return self._deployments.get(name)
+
+    def items(self) -> list[tuple[str, Deployment]]:
+        with self._lock:
+            return list(self._deployments.items())
+
+    def loading_names(self) -> list[str]:
+        """Names still loading for the first time (never one that serves)."""
+        with self._lock:
+            return sorted(self._loading - self._deployments.keys())
+
+    def wait_served(self, name: str, timeout: float) -> Deployment | None:
+        """The deployment ``name`` once it serves: at once if it does, after its first load (or restore)
+        if it is loading, None if that load failed, the set is closing, or ``timeout`` passed."""
+        deadline = time.monotonic() + timeout
+        with self._changed:
+            while name not in self._deployments and name in self._loading and not self._closing:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    break
+                self._changed.wait(left)
+            return self._deployments.get(name)
+
+    def why_not_served(self, name: str) -> str | None:
+        """Why a declared ``name`` does not serve (its load failed, or the server is stopping), if known."""
+        with self._lock:
+            if self._closing:
+                return "the server is stopping"
+            return next((e for e in self._errors.values() if e.startswith(f"{name}: ")), None)
+
+    def set_error(self, key: str, error: str | None) -> None:
+        with self._lock:
+            if error is None:
+                self._errors.pop(key, None)
+            else:
+                self._errors[key] = error
+
+    def errors(self) -> dict[str, str]:
+        with self._lock:
+            return dict(self._errors)
+
+    def close(self) -> None:
+        """Serve nothing more; requests waiting for a load are answered now."""
+        with self._changed:
+            self._closing = True
+            self._changed.notify_all()
