@@ -33,17 +33,17 @@ from typing import TYPE_CHECKING, Any
 from ...errors import ApplyError, DeploykitError
 from ...spec.manifest import LoadedManifest, manifest_named
 from ..budget import BudgetError
-from .budgeting import roll_budgeted, start_budgeted
 from ..revisions.change import Change
+from ..revisions.reconciler import ApplyOutcome
+from ..revisions.state import StateStore, open_store
+from .budgeting import roll_budgeted, start_budgeted
 from .embedded import EmbeddedApi
 from .machine import Event, State, StateCell, Trigger
 from .on_demand import Loads
 from .pool import Generation, GenerationPool, NotLoaded
-from ..revisions.reconciler import ApplyOutcome
 from .reloads import ReloadClock, ReloadLog, ReloadRecord, describe, store_failure
-from .status import LiveStatus, live_status
 from .rollout import Rollout, RolloutResult
-from ..revisions.state import StateStore, open_store
+from .status import LiveStatus, live_status
 from .worker import ChangeWorker
 
 if TYPE_CHECKING:

@@ -22,10 +22,10 @@ if TYPE_CHECKING:
 
     from ...artifacts.reshard import ProgressSink
     from ...spec.manifest import LoadedManifest
-    from ..revisions.change import Change
     from ..budget.host import Host
-    from .pool import GenerationPool
+    from ..revisions.change import Change
     from ..revisions.state import StateStore
+    from .pool import GenerationPool
 
 log = logging.getLogger(__name__)
 

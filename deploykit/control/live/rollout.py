@@ -22,11 +22,11 @@ from ...errors import PlanInfeasible
 from ...names import Strategy
 from ...placement.inventory import Gpu, Inventory
 from ...spec.manifest import LoadedManifest
-from .pool import Generation, GenerationPool
-from ..revisions.loading import load_revision, recorded_manifest, serving_of
 from ..revisions.change import Change
+from ..revisions.loading import load_revision, recorded_manifest, serving_of
 from ..revisions.reconciler import ApplyOptions, ApplyOutcome, apply
 from ..revisions.state import StateStore
+from .pool import Generation, GenerationPool
 
 log = logging.getLogger(__name__)
 

@@ -27,16 +27,16 @@ from typing import TYPE_CHECKING, Any
 
 from ...errors import DeploykitError
 from ...spec.manifest import LoadedManifest, load_manifests, manifest_files
+from ...threads import ThreadGroup
 from ..revisions.change import Change
-from .deployment import Deployment
 from ..revisions.loading import recorded_manifest
+from ..revisions.reconciler import ApplyOptions, ApplyOutcome, apply
+from ..revisions.state import StateStore
+from .deployment import Deployment
 from .ownership import Owners
 from .served import ServedSet
-from .turns import Turns
-from ..revisions.reconciler import ApplyOptions, ApplyOutcome, apply
 from .status import served_status
-from ..revisions.state import StateStore
-from ...threads import ThreadGroup
+from .turns import Turns
 from .watcher import ManifestWatcher
 
 if TYPE_CHECKING:

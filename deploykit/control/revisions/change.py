@@ -68,7 +68,9 @@ def deployment_inventory(loaded: LoadedManifest, devices: str | None) -> Invento
     cluster = loaded.manifest.spec.cluster
     spans_nodes = cluster is not None and loaded.manifest.spec.placement.nodes > 1
     if devices is None and not os.environ.get("DEPLOYKIT_DEVICES") and spans_nodes:
-        from ...cluster.inventory import probe_cluster  # imports ray: only for such manifests
+        from ...cluster.inventory import (
+            probe_cluster,  # imports ray: only for such manifests
+        )
 
         assert cluster is not None
         return probe_cluster(cluster.address)

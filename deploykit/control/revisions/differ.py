@@ -10,13 +10,13 @@ from typing import Any
 
 import yaml
 
-from ...model.checkpoint import open_checkpoint
-from ...model.gguf import is_gguf
-from ...errors import DeploykitError
-from ...spec.manifest import LoadedManifest
-from ...placement.keys import compress_names
 from ...artifacts.layout import fits_layout, plan_layout
 from ...artifacts.verify import read_lock
+from ...errors import DeploykitError
+from ...model.checkpoint import open_checkpoint
+from ...model.gguf import is_gguf
+from ...placement.keys import compress_names
+from ...spec.manifest import LoadedManifest
 from .state import StateStore
 
 

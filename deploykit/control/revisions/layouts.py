@@ -15,7 +15,12 @@ from dataclasses import replace
 from pathlib import Path
 
 from ...artifacts.fsutil import discard_dir
-from ...artifacts.gguf import import_dir, import_gguf, import_problem, source_fingerprint
+from ...artifacts.gguf import (
+    import_dir,
+    import_gguf,
+    import_problem,
+    source_fingerprint,
+)
 from ...artifacts.layout import fits_layout, plan_layout
 from ...artifacts.quantize import quantize_for
 from ...artifacts.reshard import ProgressSink, ReshardResult, reshard

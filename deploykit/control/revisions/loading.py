@@ -112,7 +112,10 @@ def is_tensor_parallel(loaded: LoadedManifest) -> bool:
 def _start_ranks(plan: Plan, shards: Path, serving: ServingSpec, ranks: int,
                  timer: StepTimer) -> tuple[LoadedModel, str]:
     """Start the ranks on their own rank files and check them through one forward across all of them."""
-    from ...engine.tensor_parallel.runtime import RankOptions, build_tensor_parallel_runtime
+    from ...engine.tensor_parallel.runtime import (
+        RankOptions,
+        build_tensor_parallel_runtime,
+    )
 
     gpus = tuple(d.device for d in plan.devices if isinstance(d.device, int))
     options = RankOptions(ranks=ranks, dtype=serving.load.dtype, gpus=gpus,

@@ -40,7 +40,13 @@ from ...placement.plan import Plan
 from ...spec.manifest import LoadedManifest
 from .change import Change
 from .decision import Action, Actual, Decision, Desired, decide
-from .layouts import collect_old_shards, import_source, in_place_checksums, lay_out, open_source
+from .layouts import (
+    collect_old_shards,
+    import_source,
+    in_place_checksums,
+    lay_out,
+    open_source,
+)
 from .loading import StepTimer, load_checked, shards_problem
 from .state import Revision, StateStore
 

@@ -16,7 +16,6 @@ from ...placement.plan import Plan
 from .state import Revision, StateStore
 
 
-
 def phase_of(*, progressing: bool, last_error: str | None, current: bool) -> Phase:
     """A deployment's one phase (docs/concepts.md), whoever shows it (ops ``/status``, ``deploykit
     status``, the library's ``status()``): Progressing while a change runs; Failed while the latest
