@@ -17,13 +17,13 @@ def validate(files: tuple[str, ...], schema_only: bool) -> None:
 
     Exit code 0 when every manifest is valid, 2 when any is invalid.
     """
-    from ..spec.manifest import check_on_host
+    from ..control.revisions.change import host_issues
 
     loaded = load_all(files)
     issues: list[Issue] = []
     if not schema_only:
         for item in loaded:
-            issues.extend(check_on_host(item))
+            issues.extend(host_issues(item))
     if issues:
         raise ManifestError(issues)
     for item in loaded:

@@ -18,6 +18,7 @@ from pydantic import ValidationError
 
 from ..errors import ApplyError, Issue, ManifestError
 from ..names import Task
+from .engines import LLAMA_CPP
 from .schema import ModelDeployment
 from .tensor_parallel import heads_issues
 from .validation import header_issues, validation_issues
@@ -64,6 +65,9 @@ class LoadedManifest:
         disk = data["spec"]["offload"].get("disk")
         if disk:
             disk["path"] = str(self.resolve(Path(disk["path"])).resolve())
+        engine = data["spec"].get("engine")
+        if engine and engine.get("binary"):
+            engine["binary"] = str(self.resolve(Path(engine["binary"])).resolve())
         return yaml.safe_dump(data, sort_keys=False)
 
     def locate(self, field: str) -> tuple[int, int]:
@@ -168,6 +172,11 @@ def check_on_host(loaded: LoadedManifest) -> list[Issue]:
             issues.append(loaded.issue("spec.model.path", f"{str(model_dir)!r} is a file but not a GGUF file "
                                        f"(it does not start with the bytes 'GGUF'){reason}",
                                        hint="point path at a Hugging Face checkpoint directory or a .gguf file"))
+    elif loaded.manifest.spec.engine.name == LLAMA_CPP:
+        issues.append(loaded.issue("spec.model.path", f"the llama.cpp engine serves a GGUF file; {str(model_dir)!r} "
+                                   "is not one" + (" (a directory)" if model_dir.is_dir() else " (no such file)"),
+                                   hint="point path at a .gguf file (the first file of a split set), or use "
+                                        "engine.name: transformers for a checkpoint directory"))
     elif not model_dir.is_dir():
         kind = "GGUF file" if model_dir.suffix == ".gguf" else "model directory"
         issues.append(loaded.issue("spec.model.path", f"{kind} {str(model_dir)!r} does not exist"))

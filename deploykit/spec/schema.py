@@ -298,6 +298,39 @@ class Lifecycle(_Strict):
                                          "lower (lowest first, then least recently used).")
 
 
+class Engine(_Strict):
+    """What computes the model: deploykit's own transformers engine, in process, or llama.cpp: one
+    ``llama-server`` process per generation that deploykit starts, checks, routes to and stops
+    (docs/engines.md). The llama.cpp fields are llama-server's options that change what it serves."""
+
+    name: Literal["transformers", "llama.cpp"] = Field(
+        "transformers", description="transformers (default): safetensors checkpoints and GGUF imports, in "
+                                    "process. llama.cpp: a GGUF file served by a llama-server process.")
+    binary: Path | None = Field(
+        None, description="llama.cpp: the llama-server executable (relative to the manifest). Default: "
+                          "$DEPLOYKIT_LLAMA_SERVER, else the one the deploykit[llamacpp] extra installed, else "
+                          "llama-server on PATH.")
+    slots: int = Field(4, ge=1, le=256, description="llama.cpp: requests decoded together (llama-server "
+                                                    "--parallel); more wait in deploykit's queue "
+                                                    "(spec.serving.max_queued).")
+    context: int = Field(4096, ge=64, le=1 << 20, description="llama.cpp: tokens of context per slot (prompt plus "
+                                                              "generated); the KV cache holds slots x context.")
+    threads: int | None = Field(None, ge=1, le=1024, description="llama.cpp: CPU threads for generation "
+                                                                 "(--threads); default: llama-server's choice.")
+    batch_size: int = Field(512, ge=1, le=1 << 16, description="llama.cpp: prompt tokens evaluated per step "
+                                                                "(--batch-size and --ubatch-size).")
+
+    @model_validator(mode="after")
+    def _llama_fields_need_llama(self) -> Engine:
+        if self.name == "transformers":
+            named = sorted(self.model_fields_set - {"name"})
+            if named:
+                raise PydanticCustomError(
+                    "engine_field", "{f} is an option of the llama.cpp engine; set engine.name: llama.cpp or "
+                    "remove it", {"f": named[0], "at": named[0]})
+        return self
+
+
 _RAY_ADDRESS_RE = re.compile(r"^(auto|local|(ray://)?[A-Za-z0-9._-]+:\d{1,5})$")
 
 
@@ -333,6 +366,18 @@ class Spec(_Strict):
     serving: Serving = Field(default_factory=Serving, description="Limits of the inference API.")
     lifecycle: Lifecycle = Field(default_factory=Lifecycle, description="Loading, unloading and priority "
                                                                         "under deploykit serve's budget.")
+    engine: Engine = Field(default_factory=Engine, description="What computes the model: transformers (in "
+                                                                "process) or llama.cpp (llama-server).")
+
+    @model_validator(mode="after")
+    def _what_llama_cpp_honours(self) -> Spec:
+        from .engines import llama_cpp_problem
+
+        problem = llama_cpp_problem(self)
+        if problem:
+            field, message = problem
+            raise PydanticCustomError("llama_cpp", message, {"at": field})
+        return self
 
     @model_validator(mode="after")
     def _tensor_parallel_alone(self) -> Spec:
@@ -368,6 +413,8 @@ class Spec(_Strict):
             data.pop("replicas", None)
         if self.lifecycle == Lifecycle():  # manifests that never name a lifecycle keep their digest
             data.pop("lifecycle", None)
+        if self.engine == Engine():  # manifests that never name an engine keep their digest
+            data.pop("engine", None)
         return data
 
 

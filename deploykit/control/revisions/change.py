@@ -35,9 +35,7 @@ class Change:
     def issues(self) -> list[Issue]:
         """What this host finds wrong with the manifest (``spec.manifest.check_on_host``), once."""
         if self._issues is None:
-            from ...spec.manifest import check_on_host
-
-            self._issues = check_on_host(self.loaded)
+            self._issues = host_issues(self.loaded)
         return self._issues
 
     def inventory(self) -> Inventory:
@@ -56,6 +54,25 @@ class Change:
             self.plans_made += 1
             self._plans[inv] = plan_manifest(self.loaded, inventory=inv)
         return self._plans[inv]
+
+
+def host_issues(loaded: LoadedManifest) -> list[Issue]:
+    """``spec.manifest.check_on_host``, and for llama.cpp whether a llama-server that runs is found (its
+    ``--version`` answered, with a timeout): a missing or broken binary is a located error before any apply."""
+    from ...spec.engines import LLAMA_CPP
+    from ...spec.manifest import check_on_host
+
+    issues = check_on_host(loaded)
+    engine = loaded.manifest.spec.engine
+    if engine.name == LLAMA_CPP:
+        from ...engine.llamacpp.binary import BinaryError, find_binary
+
+        try:
+            find_binary(loaded.resolve(engine.binary) if engine.binary else None)
+        except BinaryError as exc:
+            field = "spec.engine.binary" if engine.binary else "spec.engine.name"
+            issues.append(loaded.issue(field, str(exc)))
+    return issues
 
 
 def deployment_inventory(loaded: LoadedManifest, devices: str | None) -> Inventory:

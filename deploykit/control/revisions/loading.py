@@ -15,10 +15,12 @@ from typing import TYPE_CHECKING, Any
 from ...artifacts.verify import read_lock, recorded_problem, shard_problem
 from ...errors import ApplyError, CheckpointError
 from ...placement.plan import Plan
+from ...spec.engines import LLAMA_CPP
 from ...spec.manifest import LoadedManifest
 from .state import Revision, StateStore
 
 if TYPE_CHECKING:
+    from ...engine.llamacpp.process import ServerOptions
     from ...engine.loader import LoadedModel
     from ...engine.serving import ServingSpec
 
@@ -67,6 +69,9 @@ def serving_of(loaded: LoadedManifest, *, show_progress: bool = False) -> Servin
                        show_progress=show_progress)
     limits = Limits(s.context_length, s.max_tokens, s.default_max_tokens, s.max_concurrent, s.max_queued,
                     s.max_input_items, s.batching)
+    if spec.engine.name == LLAMA_CPP:  # its slots decode together; each holds engine.context tokens
+        limits = Limits(s.context_length or spec.engine.context, s.max_tokens, s.default_max_tokens, spec.engine.slots,
+                        s.max_queued, s.max_input_items, s.batching)
     return ServingSpec(loaded.name, load, limits, health_input=hc.input, health_timeout=hc.timeout)
 
 
@@ -77,6 +82,8 @@ def load_checked(loaded: LoadedManifest, plan: Plan, shards: Path, timer: StepTi
     from ...engine.health import check
 
     serving = serving_of(loaded, show_progress=show_progress)
+    if is_llama_cpp(loaded):
+        return _start_llama_server(loaded, plan, shards, serving, timer)
     cluster = loaded.manifest.spec.cluster
     if cluster is not None and is_replicated(loaded):
         return _start_replicas(plan, shards, serving, cluster.address, loaded.manifest.spec.replicas, timer)
@@ -89,6 +96,34 @@ def load_checked(loaded: LoadedManifest, plan: Plan, shards: Path, timer: StepTi
     with timer.step("health-check"):
         health = check(model, task=serving.load.task, text=serving.health_input, timeout=serving.health_timeout)
     return model, health.detail
+
+
+def is_llama_cpp(loaded: LoadedManifest) -> bool:
+    """A llama-server process serves the GGUF file in place (``spec.engine.name: llama.cpp``)."""
+    return loaded.manifest.spec.engine.name == LLAMA_CPP
+
+
+def llama_server_options(loaded: LoadedManifest, plan: Plan) -> ServerOptions:
+    """The flags of the deployment's llama-server: ``spec.engine`` and the plan's placement; the binary
+    checked with ``--version`` (``BinaryError`` when there is none that runs)."""
+    from ...engine.llamacpp.binary import find_binary
+    from ...engine.llamacpp.flags import placement_flags
+    from ...engine.llamacpp.process import ServerOptions
+
+    engine = loaded.manifest.spec.engine
+    binary = find_binary(loaded.resolve(engine.binary) if engine.binary else None)
+    return ServerOptions(binary.path, loaded.model_path.resolve(), slots=engine.slots, context=engine.context,
+                         threads=engine.threads, batch_size=engine.batch_size,
+                         placement=placement_flags(plan.device_map))
+
+
+def _start_llama_server(loaded: LoadedManifest, plan: Plan, shards: Path, serving: ServingSpec,
+                        timer: StepTimer) -> tuple[LoadedModel, str]:
+    """Start the generation's llama-server, wait for it to load, and check it with a greedy request."""
+    from ...engine.llamacpp.runtime import LlamaOptions, LlamaRuntime
+
+    options = LlamaOptions(llama_server_options(loaded, plan), serving.health_input, serving.health_timeout)
+    return _started_and_checked(lambda: LlamaRuntime(options, serving.limits), plan, shards, serving, timer)
 
 
 def is_pipeline(loaded: LoadedManifest) -> bool:

@@ -33,6 +33,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from ...artifacts.reshard import ProgressSink, ReshardResult
+from ...artifacts.verify import checksums
 from ...errors import CheckpointError, DeploykitError, ManifestError
 from ...model.checkpoint import Checkpoint
 from ...placement.inventory import Inventory
@@ -47,7 +48,7 @@ from .layouts import (
     lay_out,
     open_source,
 )
-from .loading import StepTimer, load_checked, shards_problem
+from .loading import StepTimer, is_llama_cpp, load_checked, shards_problem
 from .state import Revision, StateStore
 
 if TYPE_CHECKING:
@@ -124,9 +125,9 @@ def apply(loaded: LoadedManifest, *, store: StateStore, options: ApplyOptions = 
         if options.dry_run:
             return ApplyOutcome(loaded.name, "dry-run", None, _plan(change, options, timer), decision.actions,
                                 timer.timings)
-        if checkpoint is None:
+        if checkpoint is None and not is_llama_cpp(loaded):  # llama.cpp serves the GGUF file as it is
             checkpoint = import_source(loaded, store, fingerprint, timer)
-        return _act(change, store, checkpoint, decision, options, timer, progress)
+        return _act(change, store, checkpoint, fingerprint, decision, options, timer, progress)
 
 
 def _refuse_without_source(loaded: LoadedManifest, store: StateStore, options: ApplyOptions) -> None:
@@ -174,9 +175,10 @@ def _plan(change: Change, options: ApplyOptions, timer: StepTimer) -> Plan:
         return change.plan(options.inventory)
 
 
-def _act(change: Change, store: StateStore, checkpoint: Checkpoint, decision: Decision,
+def _act(change: Change, store: StateStore, checkpoint: Checkpoint | None, fingerprint: str, decision: Decision,
          options: ApplyOptions, timer: StepTimer, progress: ProgressSink | None) -> ApplyOutcome:
-    """Plan (nothing recorded if it does not fit), record, then do the side effects."""
+    """Plan (nothing recorded if it does not fit), record, then do the side effects. ``checkpoint`` None:
+    a GGUF file that llama.cpp reads in place (checksummed, never laid out again)."""
     from ...engine.loader import check_fits_host
 
     loaded = change.loaded
@@ -185,15 +187,14 @@ def _act(change: Change, store: StateStore, checkpoint: Checkpoint, decision: De
     source = Path(loaded.source).resolve()
     revision = store.begin_revision(
         name=loaded.name, manifest_path=str(source), manifest_text=loaded.text, manifest_digest=loaded.digest,
-        checkpoint_fingerprint=checkpoint.fingerprint, git_commit=git_commit(source))
+        checkpoint_fingerprint=fingerprint, git_commit=git_commit(source))
     if decision.actions:  # why this revision exists (a damaged shard is named here), for `deploykit history`
         store.record_event(loaded.name, "Decided", f"revision {revision}: {decision.actions[0].reason}")
     try:
         with timer.step("reshard"):
-            shards, result = lay_out(loaded, store, checkpoint, plan, progress)
-        in_place = result is None and shards == checkpoint.path
+            shards, result, sums = _files(loaded, store, checkpoint, plan, progress)
         store.set_plan(loaded.name, revision, plan_json=json.dumps(plan.to_dict()), plan_digest=plan.digest,
-                       shards_path=str(shards), checksums=in_place_checksums(checkpoint) if in_place else None)
+                       shards_path=str(shards), checksums=sums)
         if options.before_load is not None:
             with timer.step("drain"):
                 options.before_load()
@@ -209,3 +210,14 @@ def _act(change: Change, store: StateStore, checkpoint: Checkpoint, decision: De
     collect_old_shards(loaded, store)
     return ApplyOutcome(loaded.name, "applied", revision, plan, decision.actions, timer.timings, shards=shards,
                         reshard=result, loaded=model if options.keep_model else None, health=health)
+
+
+def _files(loaded: LoadedManifest, store: StateStore, checkpoint: Checkpoint | None, plan: Plan,
+           progress: ProgressSink | None) -> tuple[Path, ReshardResult | None, dict[str, dict] | None]:
+    """Where the model loads from, the reshard (if one ran), and the checksums of files used in place."""
+    if checkpoint is None:  # llama.cpp: the GGUF file in place, its checksum recorded
+        gguf = loaded.model_path.resolve()
+        return gguf.parent, None, checksums(gguf.parent, [gguf.name])
+    shards, result = lay_out(loaded, store, checkpoint, plan, progress)
+    in_place = result is None and shards == checkpoint.path
+    return shards, result, in_place_checksums(checkpoint) if in_place else None

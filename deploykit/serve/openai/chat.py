@@ -12,7 +12,8 @@ from fastapi import APIRouter, Request
 from ...engine.requests import GenerationRequest
 from ...engine.text import chat_prompt_ids, check_length
 from .choices import end, merged, start, usage
-from .common import engine_request, find, max_tokens_of, prepare, sse
+from . import relay
+from .common import engine_request, find, lease, max_tokens_of, prepared, sse
 from .generation import Outcome, Run, whole
 from .logprobs import TokenTexts, chat_content
 from .protocol import ChatCompletionRequest, new_id, now
@@ -34,7 +35,10 @@ async def chat_completions(body: ChatCompletionRequest, request: Request) -> Any
         return [engine_request(body, ids, max_tokens, runtime, choice=j, logprobs=body.top())
                 for j in range(body.n)]
 
-    held, jobs = await prepare(dep, "text", work)
+    held = await lease(dep, "text")
+    if relay.is_relayed(held):  # llama.cpp: llama-server computes the validated request
+        return await relay.chat(body, request, held, dep.name)
+    held, jobs = await prepared(held, work)
     runs = [Run(held.gen, dep.name, job, request, state.metrics) for job in jobs]
     start(runs, held)  # before the response: a full queue is a 429, not a broken stream
     texts = TokenTexts(held.runtime.tokenizer)

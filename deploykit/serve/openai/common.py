@@ -137,7 +137,11 @@ async def lease(dep: Deployment, kind: str) -> Lease:
 async def prepare(dep: Deployment, kind: str, work: Callable[[Any], T]) -> tuple[Lease, T]:
     """Pin the generation and run ``work(runtime)`` (tokenising, checking limits) off the loop. The
     caller owns the returned lease (released here if ``work`` fails)."""
-    held = await lease(dep, kind)
+    return await prepared(await lease(dep, kind), work)
+
+
+async def prepared(held: Lease, work: Callable[[Any], T]) -> tuple[Lease, T]:
+    """``prepare`` on a generation already pinned."""
     try:
         return held, await run_in_threadpool(work, held.runtime)
     except RequestError as exc:

