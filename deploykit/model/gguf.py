@@ -46,6 +46,7 @@ class GgufMetadata:
     scalars: dict[str, Any]  # scalar and string values; arrays are skipped (only their keys are kept)
     keys: tuple[str, ...]
     tensor_names: tuple[str, ...]
+    tensor_offsets: tuple[int, ...] = ()  # of each tensor's data, from the start of the data section
 
     @property
     def architecture(self) -> str:
@@ -128,11 +129,12 @@ def _parse(cur: _Cursor) -> GgufMetadata:
         keys.append(key)
         if value is not None:
             scalars[key] = value
-    names = []
+    names, offsets = [], []
     for _ in range(tensor_count):
         names.append(cur.string())
-        cur.take(8 * cur.unpack("<I") + 4 + 8)  # dims, ggml type, data offset
-    return GgufMetadata(version, tensor_count, cur.pos, scalars, tuple(keys), tuple(names))
+        cur.take(8 * cur.unpack("<I") + 4)  # dims, ggml type
+        offsets.append(cur.unpack("<Q"))
+    return GgufMetadata(version, tensor_count, cur.pos, scalars, tuple(keys), tuple(names), tuple(offsets))
 
 
 def gguf_fingerprint(path: Path) -> str:

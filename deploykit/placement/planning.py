@@ -15,13 +15,17 @@ from ..spec.manifest import LoadedManifest
 from .plan import Plan
 from .planner import plan
 from ..model.gguf import is_gguf
+from ..model.gguf_blocks import gguf_blocks
+from ..spec.engines import LLAMA_CPP
 from ..model.structure import Structure, load_structure
 
 
 def structure_for(loaded: LoadedManifest) -> Structure:
     """The manifest's model structure, from the structure cache when its config.json (or GGUF file) was
     seen before."""
-    model = loaded.manifest.spec.model
+    model, engine = loaded.manifest.spec.model, loaded.manifest.spec.engine
+    if engine.name == LLAMA_CPP and is_gguf(loaded.model_path):  # what llama-server maps and allocates
+        return gguf_blocks(loaded.model_path, kv_tokens=engine.slots * engine.context)
     if not loaded.model_path.is_dir() and not is_gguf(loaded.model_path):
         raise CheckpointError(f"{loaded.source}: spec.model.path: {str(loaded.model_path)!r} is neither a "
                               "model directory nor a GGUF file")

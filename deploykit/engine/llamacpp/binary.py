@@ -85,7 +85,7 @@ def _version(path: Path, source: str) -> str:
         if key in _checked:
             return _checked[key]
     try:
-        done = subprocess.run([str(path), "--version"], capture_output=True, text=True, timeout=VERSION_TIMEOUT,
+        done = subprocess.run([str(path), "--version"], capture_output=True, text=True, timeout=VERSION_TIMEOUT, check=False,
                               stdin=subprocess.DEVNULL)
     except subprocess.TimeoutExpired:
         raise BinaryError(f"llama-server {str(path)!r} (from {source}) did not answer --version within "

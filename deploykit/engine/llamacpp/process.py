@@ -13,7 +13,6 @@ It must never speak HTTP beyond the readiness probe (that is ``client``'s) nor k
 
 from __future__ import annotations
 
-import atexit
 import ctypes
 import logging
 import os
@@ -28,7 +27,7 @@ import time
 import urllib.error
 import urllib.request
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO, Any
 
@@ -51,7 +50,7 @@ class ServerOptions:
     context: int = 4096  # per slot; the server's context is slots x context, not shared between slots
     threads: int | None = None
     batch_size: int = 512
-    placement: PlacementFlags = PlacementFlags(0, (), (), 0)  # the plan's GPU layers (none: CPU only)
+    placement: PlacementFlags = field(default_factory=lambda: PlacementFlags(0, (), (), 0))  # the plan's GPU layers
 
     def flags(self) -> list[str]:
         """llama-server's arguments, without host, port and key."""
@@ -71,39 +70,51 @@ def free_port() -> int:
 
 
 class _Spawner:
-    """The one thread that forks llama-server processes: a child's PR_SET_PDEATHSIG fires when the thread
-    that forked it ends, so that thread must live as long as the interpreter (joined at exit)."""
+    """The thread that forks llama-server processes. A child's PR_SET_PDEATHSIG fires when the *thread* that
+    forked it ends, so this thread lives exactly as long as any process it started: it is started with the
+    first and joined when the last one is released."""
 
     def __init__(self) -> None:
-        self._jobs: queue.Queue[tuple[Callable[[], Any], queue.Queue[Any]] | None] = queue.Queue()
-        self._thread: threading.Thread | None = None
         self._lock = threading.Lock()
+        self._thread: threading.Thread | None = None
+        self._jobs: queue.Queue[tuple[Callable[[], Any], queue.Queue[Any]] | None] = queue.Queue()
+        self._live = 0
 
     def run(self, job: Callable[[], Any]) -> Any:
+        """``job()`` (a fork) on the spawner thread; the caller ``release``s it once its process ended."""
         with self._lock:
             if self._thread is None:
-                self._thread = threading.Thread(target=self._loop, name="deploykit-llama-spawner", daemon=True)
+                self._jobs = queue.Queue()
+                self._thread = threading.Thread(target=self._loop, args=(self._jobs,), daemon=True,
+                                                name="deploykit-llama-spawner")
                 self._thread.start()
-                atexit.register(self._stop)
+            jobs = self._jobs
+            self._live += 1  # reserved before the job is queued: a release meanwhile keeps the thread
         answer: queue.Queue[Any] = queue.Queue(maxsize=1)
-        self._jobs.put((job, answer))
+        jobs.put((job, answer))
         result = answer.get()
         if isinstance(result, BaseException):
+            self.release()
             raise result
         return result
 
-    def _loop(self) -> None:
-        while (item := self._jobs.get()) is not None:
+    def release(self) -> None:
+        with self._lock:
+            self._live -= 1
+            if self._live > 0 or self._thread is None:
+                return
+            thread, jobs, self._thread = self._thread, self._jobs, None
+        jobs.put(None)
+        thread.join()
+
+    @staticmethod
+    def _loop(jobs: queue.Queue[tuple[Callable[[], Any], queue.Queue[Any]] | None]) -> None:
+        while (item := jobs.get()) is not None:
             job, answer = item
             try:
                 answer.put(job())
             except BaseException as exc:  # handed to the caller
                 answer.put(exc)
-
-    def _stop(self) -> None:
-        self._jobs.put(None)
-        if self._thread is not None:
-            self._thread.join(5.0)
 
 
 _spawner = _Spawner()
@@ -131,6 +142,7 @@ class LlamaServer:
         self.port = 0
         self._proc: subprocess.Popen[bytes] | None = None
         self._log: IO[bytes] | None = None
+        self._stopped_status: int | None = None
 
     @property
     def url(self) -> str:
@@ -141,8 +153,9 @@ class LlamaServer:
         return self._proc.pid if self._proc is not None else None
 
     def exit_status(self) -> int | None:
-        """None while it runs; its exit status (negative: the signal) once it has ended."""
-        return None if self._proc is None else self._proc.poll()
+        """None while it runs; its exit status (negative: the signal) once it has ended (or was stopped)."""
+        proc = self._proc
+        return self._stopped_status if proc is None else proc.poll()
 
     def start(self) -> None:
         self.port = free_port()
@@ -197,6 +210,8 @@ class LlamaServer:
                 _signal_group(proc, signal.SIGKILL)
                 proc.wait(grace)
             log.info("llama-server pid %d stopped (status %s)", proc.pid, proc.returncode)
+            self._proc, self._stopped_status = None, proc.returncode
+            _spawner.release()
         if self._log is not None:
             self._log.close()
             self._log = None

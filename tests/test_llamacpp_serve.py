@@ -1,0 +1,157 @@
+"""The llama.cpp engine end to end: a real `deploykit serve` runs a real llama-server on the SmolLM2 GGUF.
+
+Greedy answers through deploykit equal llama-server's alone with the same flags (chat and completions,
+plain, streamed and concurrent); deploykit's own 400s come first; a llama-server killed with SIGKILL fails
+its in-flight request at once and the next request is served by a fresh, checked process; SIGTERM of
+`deploykit serve` leaves no llama-server behind, and neither does SIGKILL (PR_SET_PDEATHSIG).
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import openai
+import pytest
+from helpers import wait_until
+from llamacpp import alive, engine_pids, llama_server, manifest, smollm2_gguf
+from servers import Server, get
+
+from deploykit.engine.llamacpp.process import ServerOptions, free_port
+
+CHATS = ["What is the capital of France?", "Name three colours.", "Write one sentence about the sea."]
+PROMPTS = ["The capital of France is", "Once upon a time"]
+MAX_TOKENS = 16
+
+
+@pytest.fixture(scope="module")
+def gguf() -> Path:
+    llama_server()
+    return smollm2_gguf()
+
+
+@pytest.fixture(scope="module")
+def server(gguf: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
+    root = tmp_path_factory.mktemp("llamacpp")
+    (root / "smol.yaml").write_text(manifest(gguf))
+    with Server(root / "smol.yaml", root / "state") as served:
+        yield served
+    assert served.process is not None and served.process.returncode == 0, served.stderr
+
+
+@pytest.fixture(scope="module")
+def alone(gguf: Path) -> Iterator[str]:
+    """llama-server alone, with the flags deploykit gives it (slots 2, context 512 per slot)."""
+    options = ServerOptions(llama_server().path, gguf, slots=2, context=512)
+    port = free_port()
+    proc = subprocess.Popen([str(options.binary), "--host", "127.0.0.1", "--port", str(port), *options.flags()],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        wait_until(lambda: _ok(f"{url}/health"), 120, "llama-server alone loaded")
+        yield url
+    finally:
+        proc.terminate()
+        proc.wait(10)
+
+
+def _ok(url: str) -> bool:
+    try:
+        return get(url)[0] == 200
+    except OSError:
+        return False
+
+
+def _client(url: str) -> openai.OpenAI:
+    return openai.OpenAI(base_url=f"{url}/v1", api_key="none", max_retries=0, timeout=180)
+
+
+def _chat(client: openai.OpenAI, model: str, text: str, *, stream: bool = False) -> str:
+    messages = [{"role": "user", "content": text}]
+    if not stream:
+        answer = client.chat.completions.create(model=model, messages=messages, max_tokens=MAX_TOKENS, temperature=0)
+        return answer.choices[0].message.content or ""
+    chunks = client.chat.completions.create(model=model, messages=messages, max_tokens=MAX_TOKENS, temperature=0,
+                                            stream=True)
+    return "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+
+
+def test_greedy_answers_equal_llama_server_alone(server, alone):
+    ours, theirs = _client(server.url), _client(alone)
+    expected = {text: _chat(theirs, "x", text) for text in CHATS}
+    assert all(expected.values())
+    for text in CHATS:
+        assert _chat(ours, "smol", text) == expected[text]
+        assert _chat(ours, "smol", text, stream=True) == expected[text]
+    answers: dict[int, str] = {}
+    threads = [threading.Thread(target=lambda i=i: answers.__setitem__(i, _chat(ours, "smol", CHATS[i % 3],
+                                                                                 stream=i % 2 == 0)))
+               for i in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(120)
+    assert [answers[i] for i in range(4)] == [expected[CHATS[i % 3]] for i in range(4)]
+    for prompt in PROMPTS:
+        mine = ours.completions.create(model="smol", prompt=prompt, max_tokens=MAX_TOKENS, temperature=0)
+        alone_answer = theirs.completions.create(model="x", prompt=prompt, max_tokens=MAX_TOKENS, temperature=0)
+        assert mine.choices[0].text == alone_answer.choices[0].text and mine.model == "smol"
+        assert mine.usage is not None and mine.usage.completion_tokens == MAX_TOKENS
+
+
+def test_deploykit_refuses_first_with_its_own_400s(server):
+    client = _client(server.url)
+    cases = [({"tools": [{"type": "function", "function": {"name": "f"}}]}, "tools"),
+             ({"max_tokens": 65}, "max_tokens"), ({"top_logprobs": 2}, "top_logprobs")]
+    for extra, param in cases:
+        with pytest.raises(openai.BadRequestError) as err:
+            client.chat.completions.create(model="smol", messages=[{"role": "user", "content": "hi"}], **extra)
+        assert err.value.body["param"] == param, err.value.body  # type: ignore[index]
+    with pytest.raises(openai.BadRequestError) as err:
+        client.completions.create(model="smol", prompt="hi", echo=True, max_tokens=2)
+    assert err.value.body["param"] == "echo"  # type: ignore[index]
+    seeded = client.chat.completions.create(model="smol", messages=[{"role": "user", "content": "hi"}], max_tokens=8,
+                                            temperature=0.9, seed=7, logprobs=True, top_logprobs=2, n=2,
+                                            presence_penalty=0.5, stop=["\n\n"])
+    assert len(seeded.choices) == 2 and seeded.choices[0].logprobs is not None
+
+
+def test_a_killed_engine_fails_its_request_at_once_and_the_next_one_gets_a_fresh_process(server):
+    assert server.process is not None
+    [pid] = engine_pids(server.process.pid)
+    client = _client(server.url)
+    stream = client.chat.completions.create(model="smol", messages=[{"role": "user", "content": "Tell a long story."}],
+                                            max_tokens=64, temperature=0, stream=True)
+    next(iter(stream))  # generating now
+    os.kill(pid, signal.SIGKILL)
+    started = time.monotonic()
+    with pytest.raises(openai.APIError):
+        for _ in stream:
+            pass
+    assert time.monotonic() - started < 5
+    assert _chat(client, "smol", CHATS[0])  # a fresh process, health-checked first
+    [fresh] = engine_pids(server.process.pid)
+    assert fresh != pid and not alive(pid)
+
+
+def test_sigterm_and_sigkill_of_deploykit_leave_no_llama_server(gguf, tmp_path):
+    (tmp_path / "smol.yaml").write_text(manifest(gguf))
+    server = Server(tmp_path / "smol.yaml", tmp_path / "state")
+    with server:
+        assert server.process is not None
+        pids = wait_until(lambda: engine_pids(server.process.pid), 30, "llama-server started")  # type: ignore[union-attr]
+    assert server.process.returncode == 0, server.stderr
+    assert "threads still running" not in server.stderr
+    assert not any(alive(p) for p in pids)
+
+    killed = Server(tmp_path / "smol.yaml", tmp_path / "state")
+    with killed:
+        assert killed.process is not None
+        pids = wait_until(lambda: engine_pids(killed.process.pid), 30, "llama-server started")  # type: ignore[union-attr]
+        killed.process.kill()
+        wait_until(lambda: not any(alive(p) for p in pids), 10, "llama-server ended with its parent")
