@@ -31,6 +31,8 @@ def test_a_manifest_without_an_engine_keeps_its_digest(tmp_path):
     assert plain.text == ("apiVersion: deploykit/v1\nkind: ModelDeployment\nmetadata:\n  name: q\n  labels: {}\nspec:\n"
                           + plain.text.split("spec:\n", 1)[1])
     assert llama.digest != plain.digest and "name: llama.cpp" in llama.text
+    # a revision records the normalised text (every default named) and loads it again: still valid, same digest
+    assert parsed(llama.text, tmp_path).digest == llama.digest
 
 
 @pytest.mark.parametrize("extra, field, words", [

@@ -4,6 +4,8 @@ llama.cpp serves a GGUF file as it is: its own tensor types, its own batching of
 KV cache of ``slots x context``, one process on one host. A manifest field that would change what deploykit's
 transformers engine does but that llama-server cannot do (quantizing again, tensor parallelism, pipeline
 stages, Ray replicas, another task, deploykit's batch loop) is refused here, at that field, never ignored.
+Fields that only the transformers engine reads are refused when they differ from their defaults (a recorded
+manifest names every default, so their presence alone cannot be the test).
 No torch, no transformers.
 """
 
@@ -32,7 +34,7 @@ def _model_problem(spec: Any) -> tuple[str, str] | None:
     if model.quantization != "none":
         return ("model.quantization", f"quantization {model.quantization} is deploykit's own (transformers engine); "
                 "llama.cpp serves the GGUF's tensor types as they are: remove it, or pick a GGUF quantized as you want")
-    if "dtype" in model.model_fields_set:
+    if model.dtype != type(model).model_fields["dtype"].default:  # (recorded manifests name the default)
         return ("model.dtype", "llama.cpp computes with the GGUF's own tensor types; dtype applies to the "
                 "transformers engine only: remove it")
     if model.trust_remote_code or model.allow_pickle:
@@ -58,17 +60,17 @@ def _placement_problem(spec: Any) -> tuple[str, str] | None:
     if spec.offload.disk is not None:
         return ("offload.disk", "llama.cpp memory-maps the GGUF file itself; it has no disk tier: "
                 "remove offload.disk")
-    if spec.sharding.model_fields_set:
+    if spec.sharding != type(spec.sharding)():
         return "sharding", "llama.cpp reads the GGUF file in place, nothing is resharded: remove sharding"
     return None
 
 
 def _serving_problem(spec: Any) -> tuple[str, str] | None:
     serving, engine = spec.serving, spec.engine
-    if "batching" in serving.model_fields_set:
+    if serving.batching != "padded":
         return ("serving.batching", "llama-server batches its slots itself (continuous batching); batching "
                 "chooses deploykit's own loop: remove it")
-    if "max_concurrent" in serving.model_fields_set:
+    if serving.max_concurrent != type(serving).model_fields["max_concurrent"].default:
         return ("serving.max_concurrent", "with llama.cpp, the requests decoded together are its slots: "
                 "set spec.engine.slots instead")
     if serving.context_length is not None and serving.context_length > engine.context:
