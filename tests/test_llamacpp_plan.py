@@ -1,0 +1,61 @@
+"""A llama.cpp plan: bytes exact from the GGUF's tensor table (checked against the `gguf` package's own reader)
+plus the KV cache of slots x context, and the plan's per-GPU layers as llama-server flags, shown by
+`deploykit plan --devices 4x24GiB` and given by `-o json`. Pure planning: no server runs."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+from deploykit.engine.llamacpp.flags import placement_flags
+from llamacpp import manifest, smollm2_gguf
+
+SLOTS, CONTEXT = 2, 512
+
+
+def _reference_bytes(gguf_file: Path) -> tuple[int, int]:
+    """(bytes of all tensors, KV bytes per token and layer), read with the gguf package."""
+    from gguf import GGUFReader
+
+    reader = GGUFReader(gguf_file)
+    tensors = sum(int(t.n_bytes) for t in reader.tensors)
+    field = reader.fields
+    heads = int(field["llama.attention.head_count"].parts[-1][0])
+    kv_heads = int(field["llama.attention.head_count_kv"].parts[-1][0])
+    width = int(field["llama.embedding_length"].parts[-1][0])
+    return tensors, 2 * (width // heads) * kv_heads * 2
+
+
+def _plan(path: Path, *args: str) -> subprocess.CompletedProcess[str]:
+    env = {**os.environ, "DEPLOYKIT_LLAMA_SERVER": "/bin/true"}  # planning runs no binary
+    return subprocess.run([sys.executable, "-m", "deploykit.cli", "plan", str(path), *args], capture_output=True,
+                          text=True, env=env, timeout=120)
+
+
+def test_plan_bytes_and_flags_from_the_gguf(tmp_path):
+    gguf_file = smollm2_gguf()
+    (tmp_path / "smol.yaml").write_text(manifest(gguf_file, extra="  placement: {gpus: all}\n"))
+    result = _plan(tmp_path / "smol.yaml", "--devices", "4x24GiB", "-o", "json")
+    assert result.returncode == 0, result.stderr
+    plan = json.loads(result.stdout)
+    tensors, kv_per_token = _reference_bytes(gguf_file)
+    layers = 30  # SmolLM2-135M
+    # exact: this file's tensors need no alignment padding (sizes come from the table's offsets)
+    assert plan["total_bytes"] == tensors + layers * kv_per_token * SLOTS * CONTEXT
+    flags = plan["llama_server"]
+    assert flags["gpu_layers"] == layers + 1 and sum(flags["tensor_split"]) == layers and flags["cpu_layers"] == 0
+    assert flags["flags"][:4] == ["--n-gpu-layers", "31", "--device", "CUDA0,CUDA1,CUDA2,CUDA3"]
+    assert plan["device_map"]["token_embd"] == 0 and plan["device_map"]["output"] == 3  # embeddings on the first GPU
+    shown = _plan(tmp_path / "smol.yaml", "--devices", "4x24GiB")
+    assert "llama-server flags: --n-gpu-layers 31" in shown.stdout and "--tensor-split" in shown.stdout
+
+
+def test_layers_the_plan_leaves_on_the_cpu_stay_there():
+    device_map = {"token_embd": 0, **{f"blk.{i}": 0 for i in range(3)}, **{f"blk.{i}": 1 for i in range(3, 5)},
+                  **{f"blk.{i}": "cpu" for i in range(5, 8)}, "output": "cpu"}
+    flags = placement_flags(device_map)
+    assert (flags.gpu_layers, flags.tensor_split, flags.devices, flags.cpu_layers) == (5, (3, 2), (0, 1), 3)
+    assert placement_flags({"token_embd": "cpu", "blk.0": "cpu", "output": "cpu"}).as_args() == ["--n-gpu-layers", "0"]
