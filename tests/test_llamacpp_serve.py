@@ -137,6 +137,9 @@ def test_a_killed_engine_fails_its_request_at_once_and_the_next_one_gets_a_fresh
     assert _chat(client, "smol", CHATS[0])  # a fresh process, health-checked first
     [fresh] = engine_pids(server.process.pid)
     assert fresh != pid and not alive(pid)
+    [status] = [d for d in get(f"{server.url}/status")[1] if d["name"] == "smol"]
+    process = status["engine_process"]  # the death is reported
+    assert process["pid"] == fresh and process["crashes"] == 1 and "status -9" in process["last_crash"], process
 
 
 def test_sigterm_and_sigkill_of_deploykit_leave_no_llama_server(gguf, tmp_path):

@@ -30,6 +30,25 @@ class PlacedDevice:
 
 
 @dataclass(frozen=True)
+class EngineProcess:
+    """The process computing a llama.cpp generation: its pid now, and the deaths it recovered from (each
+    replaced by a fresh, checked process at the next request)."""
+
+    pid: int | None
+    crashes: int
+    last_crash: str | None
+
+
+def engine_process(gen: Generation | None) -> EngineProcess | None:
+    from ...engine.llamacpp.runtime import LlamaRuntime
+
+    runtime: Any = gen.runtime if gen is not None else None
+    if not isinstance(runtime, LlamaRuntime):
+        return None
+    return EngineProcess(runtime.pid, runtime.crashes, runtime.last_crash)
+
+
+@dataclass(frozen=True)
 class LiveStatus:
     """What a live ``Deployment`` is now (``Deployment.state()``; ``status()`` is its ``to_dict``)."""
 
@@ -48,6 +67,7 @@ class LiveStatus:
     reloads: dict[str, float]
     memory: dict[str, int | None]
     plan: list[PlacedDevice] | None
+    engine_process: EngineProcess | None = None  # llama.cpp: its llama-server
 
     def to_dict(self) -> dict[str, Any]:
         out = asdict(self)
@@ -72,6 +92,7 @@ def live_status(gen: Generation | None, state: State, *, name: str, pool: Genera
         memory={"rss": process_rss(), "baseline_rss": pool.baseline_rss},
         plan=[PlacedDevice(d.device, list(d.blocks), d.bytes) for d in gen.plan.devices if d.blocks]
         if gen and gen.plan else None,
+        engine_process=engine_process(gen),
     )
 
 
@@ -90,4 +111,6 @@ def served_status(store: StateStore, name: str, live: LiveStatus | None) -> dict
     report["reloads"] = live.reloads if live else None
     report["loaded"] = live.loaded if live else None
     report["budget"] = asdict(live.budget) if live and live.budget else None
+    if live is not None and live.engine_process is not None:  # llama.cpp: its process, and deaths recovered from
+        report["engine_process"] = asdict(live.engine_process)
     return report

@@ -157,6 +157,17 @@ class LlamaServer:
         proc = self._proc
         return self._stopped_status if proc is None else proc.poll()
 
+    def wait_exit(self, timeout: float) -> int | None:
+        """The exit status once the process has ended, waiting up to ``timeout`` (None: it still runs). A
+        connection broken by a dying process is seen before the process can be reaped."""
+        proc = self._proc
+        if proc is None:
+            return self._stopped_status
+        try:
+            return proc.wait(timeout)
+        except subprocess.TimeoutExpired:
+            return None
+
     def start(self) -> None:
         self.port = free_port()
         self._log = tempfile.TemporaryFile(prefix="deploykit-llama-")

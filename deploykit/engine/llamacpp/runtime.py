@@ -29,6 +29,7 @@ from .process import LlamaServer, ServerOptions
 
 log = logging.getLogger(__name__)
 HEALTH_TOKENS = 4
+SUSPECT_WAIT_SECONDS = 2.0
 
 
 @dataclass(frozen=True)
@@ -87,6 +88,7 @@ class LlamaRuntime:
         self.last_crash: str | None = None
         self._lock = threading.Lock()  # one restart at a time
         self._closed = False
+        self._suspect = False  # a request's connection broke: is the process gone?
         self._server, self._client = self._started()
 
     @property
@@ -132,7 +134,8 @@ class LlamaRuntime:
         with self._lock:
             if self._closed:
                 raise ApplyError("this llama.cpp generation is closed")
-            status = self._server.exit_status()
+            status = self._server.wait_exit(SUSPECT_WAIT_SECONDS) if self._suspect else self._server.exit_status()
+            self._suspect = False
             if status is None:
                 return self._client
             self.crashes += 1
@@ -145,7 +148,14 @@ class LlamaRuntime:
 
     def live_client(self) -> RelayClient | None:
         """The client while the process runs (a cheap, non-blocking check); None: call ``connection``."""
-        return self._client if not self._closed and self._server.exit_status() is None else None
+        if self._closed or self._suspect or self._server.exit_status() is not None:
+            return None
+        return self._client
+
+    def connection_broke(self) -> None:
+        """A request's connection to llama-server broke: the next request checks (waiting briefly for it to
+        end) whether the process died before using it again."""
+        self._suspect = True
 
     def describe(self) -> str:
         return f"llama-server pid {self.pid} on {self._server.url}"

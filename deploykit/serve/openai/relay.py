@@ -110,7 +110,7 @@ async def _relay(path: str, upstream: dict[str, Any], body: ChatCompletionReques
     meta = {"id": new_id(prefix), "created": now(), "model": name}
     if body.stream:
         wants_usage = bool(body.stream_options and body.stream_options.include_usage)
-        events = _events(client, path, upstream, meta, wants_usage, metrics, labels)
+        events = _events(held, client, path, upstream, meta, wants_usage, metrics, labels)
         return LeasedStream(events, lease=held, runs=[ticket], model=name)  # type: ignore[list-item]
     try:
         started = time.monotonic()
@@ -119,7 +119,7 @@ async def _relay(path: str, upstream: dict[str, Any], body: ChatCompletionReques
         answer.pop("timings", None)
         return {**answer, **meta}
     except (UpstreamError, EngineGone) as exc:
-        raise _api_error(exc) from None
+        raise _api_error(exc, held) from None
     finally:
         ticket.cancel()
         held.release()
@@ -138,7 +138,7 @@ async def _connection(held: Lease) -> RelayClient:
                        headers={"Retry-After": "5"}) from None
 
 
-async def _events(client: RelayClient, path: str, upstream: dict[str, Any], meta: dict[str, Any], wants_usage: bool,
+async def _events(held: Lease, client: RelayClient, path: str, upstream: dict[str, Any], meta: dict[str, Any], wants_usage: bool,
                   metrics: ServingMetrics, labels: tuple[str, str]) -> AsyncIterator[bytes]:
     started = time.monotonic()
     first = True
@@ -159,7 +159,7 @@ async def _events(client: RelayClient, path: str, upstream: dict[str, Any], meta
             event.update(meta)
             yield sse(event)
     except (UpstreamError, EngineGone) as exc:
-        raise _api_error(exc) from None
+        raise _api_error(exc, held) from None
     finally:
         await stream.aclose()  # closes the upstream connection when the client left early
     yield sse("[DONE]")
@@ -193,10 +193,11 @@ def _count(metrics: ServingMetrics, labels: tuple[str, str], usage: dict[str, An
     metrics.request_latency.labels(*labels).observe(time.monotonic() - started)
 
 
-def _api_error(exc: UpstreamError | EngineGone) -> APIError:
+def _api_error(exc: UpstreamError | EngineGone, held: Lease) -> APIError:
     if isinstance(exc, UpstreamError):
         status = exc.status if 400 <= exc.status < 600 else 500
         return APIError(status, f"llama.cpp: {exc.message}", code="engine_refused" if status < 500 else "engine_error")
+    held.runtime.connection_broke()  # the next request checks the process before using it
     return APIError(500, f"generation failed: the llama.cpp engine process ended during the request ({exc})",
                     code="generation_failed")
 

