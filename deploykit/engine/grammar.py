@@ -14,7 +14,8 @@ coverage was then probed keyword by keyword (below). The price: a new schema's f
 
 What xgrammar does not enforce is refused here, never served unfollowed: measured on xgrammar 0.2.8,
 it accepts and then silently ignores ``oneOf`` (treated as anyOf), ``allOf``, ``not``, ``uniqueItems``,
-``dependentRequired`` and unknown ``format`` values, and mishandles ``patternProperties``,
+``dependentRequired``, unknown ``format`` values and ``minLength``/``maxLength`` beside a ``pattern`` or
+``format`` (put the length in the pattern: ``^[a-z]{1,8}$``), and mishandles ``patternProperties``,
 ``propertyNames``, ``contains``, ``maxProperties``, ``if``/``then`` and ``dependentSchemas``. So a schema
 may use only the keywords in ``ENFORCED`` (each checked by tests/test_grammar.py: a valid instance is
 accepted, a violating one refused) and the annotations in ``ANNOTATIONS``; anything else is a
@@ -61,6 +62,9 @@ def unenforced(schema: Any, path: str = "") -> tuple[str, str] | None:
                 return key, where
             if key == "format" and value not in FORMATS:
                 return f"format: {value}", where
+        lengths = [k for k in ("minLength", "maxLength") if k in node]
+        if lengths and ("pattern" in node or "format" in node):  # xgrammar then follows the pattern alone
+            return f"{lengths[0]} with {'pattern' if 'pattern' in node else 'format'}", where
     return None
 
 
