@@ -13,8 +13,8 @@ from typing import Any
 import jsonschema
 import pytest
 import torch
-
 from chatmodel import build_chat_model
+
 from deploykit.engine.batching import Engine, GenerationRequest
 from deploykit.engine.grammar import ENFORCED, Grammars
 from deploykit.engine.text import RequestError

@@ -13,11 +13,11 @@ from typing import Any
 
 import openai
 import pytest
-
 from chatmodel import build_chat_model
-from deploykit.serve.openai.structured import hermes_calls
 from servers import Server
 from test_serve import chat_manifest
+
+from deploykit.serve.openai.structured import hermes_calls
 
 TEMPLATE = (Path(__file__).parent / "data" / "qwen2.5-instruct.jinja").read_text()
 WEATHER = {"type": "function", "function": {"name": "get_weather", "description": "Weather in a city", "parameters": {

@@ -101,8 +101,9 @@ class TextRuntime:
         an engine without grammars, or a schema it cannot enforce."""
         grammars = getattr(self.engine, "grammars", None)
         if grammars is None:
-            raise RequestError(f"{constraint.param} needs grammar-constrained decoding, which this model's engine "
-                               "does not do (spec.serving.batching: continuous); use batching: padded",
+            raise RequestError(f"{constraint.param} needs grammar-constrained decoding, which this deployment's engine "
+                               "does not do (spec.serving.batching: continuous, or spec.replicas); use batching: "
+                               "padded in one process, pipeline stages or tensor-parallel ranks",
                                param=constraint.param, code="unsupported")
         grammars.compile(constraint)
 

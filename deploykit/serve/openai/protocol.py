@@ -266,6 +266,15 @@ class EmbeddingRequest(_Request):
     encoding_format: Literal["float", "base64"] = "float"
     dimensions: int | None = Field(None, ge=1)
 
+    @model_validator(mode="before")
+    @classmethod
+    def _no_structure(cls, body: Any) -> Any:
+        """A vector has no structure to constrain: these chat fields are refused, not ignored."""
+        for name in ("response_format", "tools", "tool_choice", "parallel_tool_calls"):
+            if isinstance(body, dict) and name in body:
+                raise FieldRefused(name, f"{name} is a chat field; embeddings have no output to shape")
+        return body
+
     def texts(self) -> list[str | list[int]]:
         if isinstance(self.input, str):
             return [self.input]
