@@ -21,9 +21,10 @@ from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).parent))
-from common import PY, WORK
-from serve import free_port, smollm2_dir
-from serve_clients import Server
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # deploykit from this checkout
+from common import PY, WORK  # noqa: E402
+from serve import free_port, smollm2_dir  # noqa: E402
+from serve_clients import Server  # noqa: E402
 
 SCHEMA = {"type": "object", "properties": {
     "name": {"type": "string", "maxLength": 24}, "age": {"type": "integer", "minimum": 0, "maximum": 120},

@@ -110,7 +110,7 @@ class Engine:
 
 def grammars_for(model: Any, tokenizer: Any, eos_ids: set[int]) -> Grammars:
     """The grammar compiler of a model's tokenizer, its masks as wide as the model's logits."""
-    vocab = max(int(model.config.get_text_config().vocab_size), len(tokenizer))
+    vocab = int(getattr(model.config.get_text_config(), "vocab_size", 0) or 0)
     return Grammars(tokenizer, vocab_size=vocab, stop_ids=sorted(eos_ids))
 
 

@@ -29,6 +29,7 @@ code that does not decode (xgrammar is imported on first use).
 from __future__ import annotations
 
 import json
+import re
 import threading
 from collections.abc import Iterator, Sequence
 from typing import Any
@@ -38,6 +39,11 @@ from .types import Constraint
 
 COMPILER_CACHE_BYTES = 64 << 20  # compiled grammars kept (xgrammar's compiler cache, least recently used out)
 SEPARATORS = (", ", ": ")
+# Lengths and counts above this are refused: xgrammar takes seconds to compile maxLength 10**9, and no
+# answer of a server whose requests are bounded by max_tokens comes near it.
+MAX_BOUND = 100_000
+_BOUNDS = ("minLength", "maxLength", "minItems", "maxItems")
+_LOG_PREFIX = re.compile(r"^\[[\d:]+\] \S+: ")  # xgrammar's "[18:56:13] /project/cpp/file.cc:123: "
 
 # The keywords xgrammar enforces (tests/test_grammar.py proves each), and the formats it knows.
 ENFORCED = frozenset({
@@ -60,8 +66,11 @@ def unenforced(schema: Any, path: str = "") -> tuple[str, str] | None:
                 continue
             if key not in ENFORCED:
                 return key, where
-            if key == "format" and value not in FORMATS:
+            if key == "format" and (not isinstance(value, str) or value not in FORMATS):
                 return f"format: {value}", where
+        big = [k for k in _BOUNDS if isinstance(node.get(k), int | float) and node[k] > MAX_BOUND]
+        if big:
+            return f"{big[0]} above {MAX_BOUND}", where
         lengths = [k for k in ("minLength", "maxLength") if k in node]
         if lengths and ("pattern" in node or "format" in node):  # xgrammar then follows the pattern alone
             return f"{lengths[0]} with {'pattern' if 'pattern' in node else 'format'}", where
@@ -84,9 +93,10 @@ def _subschemas(node: Any, where: str) -> Iterator[tuple[str, dict[str, Any]]]:
 
 class Grammars:
     """Compiles constraints for one tokenizer and hands out per-request matchers; safe from any thread.
-    The tokenizer's xgrammar description is built on first use (~0.1 s), not when the model loads."""
+    The tokenizer's xgrammar description is built on first use (~0.1 s), not when the model loads; masks
+    are ``vocab_size`` wide (the model's logits), or the tokenizer's length when that is larger."""
 
-    def __init__(self, tokenizer: Any, *, vocab_size: int, stop_ids: Sequence[int]) -> None:
+    def __init__(self, tokenizer: Any, *, vocab_size: int = 0, stop_ids: Sequence[int]) -> None:
         self.tokenizer, self.vocab_size, self.stop_ids = tokenizer, vocab_size, sorted(stop_ids)
         self._lock = threading.Lock()
         self._compiler: Any = None
@@ -96,6 +106,7 @@ class Grammars:
             if self._compiler is None:
                 import xgrammar as xgr
 
+                self.vocab_size = max(self.vocab_size, len(self.tokenizer))
                 info = xgr.TokenizerInfo.from_huggingface(self.tokenizer, vocab_size=self.vocab_size,
                                                           stop_token_ids=self.stop_ids)
                 self._compiler = xgr.GrammarCompiler(info, max_threads=1, cache_limit_bytes=COMPILER_CACHE_BYTES)
@@ -115,12 +126,14 @@ class Grammars:
             return self._compiler_now().compile_json_schema(
                 constraint.schema, any_whitespace=False, separators=SEPARATORS, strict_mode=constraint.strict)
         except Exception as exc:  # xgrammar's own refusal of a schema (contradictory bounds, bad $ref...)
-            message = str(exc).strip().splitlines()[-1] if str(exc).strip() else type(exc).__name__
+            lines = str(exc).strip().splitlines()
+            message = _LOG_PREFIX.sub("", lines[0]) if lines else type(exc).__name__
             raise RequestError(f"{constraint.param}: the schema cannot be compiled: {message}",
                                param=constraint.param, code="invalid_schema") from None
 
     def matcher(self, constraint: Constraint) -> RowGrammar:
-        return RowGrammar(self.compile(constraint), self.vocab_size)
+        compiled = self.compile(constraint)  # sets vocab_size on first use
+        return RowGrammar(compiled, self.vocab_size)
 
 
 class RowGrammar:

@@ -44,7 +44,7 @@ class SteppedEngine:
         self.pipeline, self.tokenizer, self.eos_ids = pipeline, tokenizer, set(eos_ids)
         self.max_batch_size, self.max_queued = max_batch_size, max_queued
         self._queue = Admission(max_queued=max_queued)
-        self.grammars = Grammars(tokenizer, vocab_size=len(tokenizer), stop_ids=sorted(self.eos_ids))
+        self.grammars = Grammars(tokenizer, stop_ids=sorted(self.eos_ids))  # as wide as the tokenizer
         self._thread = threading.Thread(target=self._loop, name=f"deploykit-{name}-engine", daemon=True)
         self._thread.start()
 
