@@ -155,3 +155,37 @@ def test_sampled_constrained_answers_validate_with_penalties(engine: Any) -> Non
         result = h.result(60)
         assert result.finish_reason == "stop"
         jsonschema.validate(json.loads(engine.tokenizer.decode(result.token_ids, skip_special_tokens=True)), SCHEMA)
+
+
+class ModelStepper:
+    """A ``Stepper`` over the model in this process (what pipeline stages and tensor-parallel ranks do
+    across processes): one KV cache per request group."""
+
+    def __init__(self, model: Any) -> None:
+        self.model, self.caches = model, {}
+
+    def step(self, group: str, ids: Any, mask: Any, positions: Any) -> Any:
+        out = self.model(input_ids=ids, attention_mask=mask, position_ids=positions,
+                         past_key_values=self.caches.get(group), use_cache=True)
+        self.caches[group] = out.past_key_values
+        return out.logits[:, -1]
+
+    def release(self, group: str) -> None:
+        self.caches.pop(group, None)
+
+    def close(self) -> None:
+        self.caches.clear()
+
+
+def test_the_stepped_engine_constrains_like_the_padded_one(engine: Any) -> None:
+    from deploykit.engine.stepped import SteppedEngine
+
+    stepped = SteppedEngine(ModelStepper(engine.model), engine.tokenizer, engine.eos_ids, max_batch_size=4)
+    try:
+        prompts = [[60, 61, 62], [70, 71, 72, 73]]
+        for prompt in prompts:
+            got = stepped.submit(constrained(prompt)).result(60)
+            assert got.token_ids == engine.submit(constrained(prompt)).result(60).token_ids
+            assert got.finish_reason == "stop"
+    finally:
+        stepped.close(30)
