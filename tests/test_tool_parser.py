@@ -79,6 +79,9 @@ def test_auto_renders_the_tools_and_history_through_the_template(client: openai.
     assert auto.usage and bare.usage  # a byte-level tokenizer: one token per byte of the tools' JSON, at least
     assert auto.usage.prompt_tokens - bare.usage.prompt_tokens >= len(json.dumps(WEATHER["function"]))
     assert auto.choices[0].finish_reason in ("stop", "length") and not auto.choices[0].message.tool_calls
+    streamed = list(client.chat.completions.create(model="qwen", messages=ask, tools=[WEATHER], max_tokens=8,
+                                                   temperature=0, stream=True))
+    assert "".join(c.choices[0].delta.content or "" for c in streamed if c.choices) == auto.choices[0].message.content
     none = client.chat.completions.create(model="qwen", messages=ask, tools=[WEATHER], tool_choice="none",
                                           max_tokens=8, temperature=0)
     assert none.usage and none.usage.prompt_tokens == bare.usage.prompt_tokens  # "none": tools left out
@@ -93,3 +96,25 @@ def test_auto_without_a_parser_is_refused(client: openai.OpenAI) -> None:
     with pytest.raises(openai.BadRequestError) as refused:
         client.chat.completions.create(model="plain", messages=[{"role": "user", "content": "hi"}], tools=[WEATHER])
     assert refused.value.body["param"] == "tool_choice" and "tool_call_parser" in refused.value.body["message"]
+
+
+def test_a_streamed_auto_answer_sends_content_then_the_same_calls(qwen_dir: Path) -> None:
+    from transformers import AutoTokenizer
+
+    from deploykit.serve.openai.structured import HermesStream
+
+    tokenizer = AutoTokenizer.from_pretrained(qwen_dir)
+    calls = [{"type": "function", "function": {"name": "get_weather", "arguments": {"city": "Paris"}}}]
+    rendered = tokenizer.apply_chat_template([{"role": "user", "content": "hi"},
+                                              {"role": "assistant", "content": "Let me check.", "tool_calls": calls}],
+                                             tools=[WEATHER], tokenize=False)
+    answer = rendered.split("<|im_start|>assistant\n")[-1].split("<|im_end|>")[0]
+    for size in (1, 3, 7):  # deltas of every size, cut anywhere in the tag
+        stream = HermesStream({"get_weather"})
+        sent = "".join(stream.push(answer[i:i + size]) for i in range(0, len(answer), size))
+        rest, got = stream.finish()
+        assert (sent + rest).strip() == "Let me check." and "<tool" not in sent
+        assert [json.loads(c["function"]["arguments"]) for c in got] == [{"city": "Paris"}]
+    plain = HermesStream({"get_weather"})
+    assert plain.push("no call <tool") == "no call " and plain.push("s here") == "<tools here"
+    assert plain.finish() == ("", [])

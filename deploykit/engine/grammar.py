@@ -136,27 +136,39 @@ class Grammars:
         return RowGrammar(compiled, self.vocab_size)
 
 
+def torch_pad(allowed: Any, extra: int) -> Any:
+    """``allowed`` followed by ``extra`` forbidden ids."""
+    import torch
+
+    return torch.cat([allowed, torch.zeros(extra, dtype=torch.bool)])
+
+
 class RowGrammar:
     """One request row's matcher: ``mask`` rules out the tokens the grammar forbids next, ``accept``
     advances it by the token chosen; ``terminated`` once it accepted its end (the model's EOS)."""
 
     def __init__(self, compiled: Any, vocab_size: int) -> None:
+        import torch
         import xgrammar as xgr
 
-        self._xgr = xgr
         self.matcher = xgr.GrammarMatcher(compiled)
         self.vocab_size = vocab_size
         self.bitmask = xgr.allocate_token_bitmask(1, vocab_size)
+        self._bits = torch.arange(32, dtype=torch.int32)
 
     def mask(self, logits: Any) -> Any:
         """``logits`` (one row) with every token the grammar forbids next at -inf (a new tensor); ids past
-        the tokenizer's vocabulary (a padded embedding) are forbidden too."""
+        the tokenizer's vocabulary (a padded embedding) are forbidden too.
+
+        The bitmask is xgrammar's; it is unpacked here with two torch ops rather than with xgrammar's
+        ``apply_token_bitmask_inplace``, whose CPU path took ~4 ms per row and token on SmolLM2's
+        vocabulary against ~40 us for this (16 constrained rows paid 64 ms a step for it)."""
         self.matcher.fill_next_token_bitmask(self.bitmask)
-        out = logits.clone().unsqueeze(0)
-        if out.shape[-1] > self.vocab_size:
-            out[:, self.vocab_size:] = float("-inf")
-        self._xgr.apply_token_bitmask_inplace(out, self.bitmask, vocab_size=min(out.shape[-1], self.vocab_size))
-        return out[0]
+        allowed = ((self.bitmask[0].unsqueeze(-1) >> self._bits) & 1).bool().flatten()[:self.vocab_size]
+        width = logits.shape[-1]
+        if width > self.vocab_size:  # logits wider than the vocabulary: the extra ids are not tokens
+            allowed = torch_pad(allowed, width - self.vocab_size)
+        return logits.masked_fill(~allowed[:width], float("-inf"))
 
     def accept(self, token: int) -> None:
         if not self.matcher.accept_token(token):

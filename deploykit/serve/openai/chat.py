@@ -6,7 +6,8 @@ Tool calls are answered as ``message.tool_calls`` with finish_reason ``"tool_cal
 ``tool_choice: "required"`` and ``"auto"``, and ``"stop"`` for a named function (as OpenAI answers it); a
 cut answer (``max_tokens``) ends with ``"length"`` whatever it held. Streamed, a named function's
 arguments come as they are generated (OpenAI's tool-call deltas); the calls of ``"required"`` and
-``"auto"`` come whole once the answer ended (they are read from the whole answer).
+``"auto"`` come whole once the answer ended (they are read from the whole answer), ``"auto"``'s content
+as it comes up to the first call.
 """
 
 from __future__ import annotations
@@ -25,7 +26,7 @@ from .generation import Outcome, Run, whole
 from .logprobs import TokenTexts, chat_content
 from .protocol import ChatCompletionRequest, new_id, now
 from .stream import LeasedStream
-from .structured import Structured, check_auto, new_call, plan_of, tool_calls_of
+from .structured import HermesStream, Structured, check_auto, new_call, plan_of, tool_calls_of
 
 router = APIRouter()
 
@@ -101,6 +102,7 @@ async def _stream(runs: list[Run], meta: dict[str, Any], include_usage: bool, n:
         return sse({**chunk, "choices": [{"index": index, "delta": content, "logprobs": logprobs,
                                           "finish_reason": finish}]})
 
+    autos = [HermesStream({t["function"]["name"] for t in plan.tools}) for _ in runs]
     for index in range(len(runs)):
         if plan.mode == "named":  # the call first; its arguments stream as they are generated
             assert plan.function is not None
@@ -114,12 +116,14 @@ async def _stream(runs: list[Run], meta: dict[str, Any], include_usage: bool, n:
             yield choice(index, {"tool_calls": [{"index": 0, "function": {"arguments": delta.text}}]}, lps)
         elif delta is not None and plan.mode == "none":
             yield choice(index, {"content": delta.text}, lps)
+        elif delta is not None and plan.mode == "auto":
+            yield choice(index, {"content": autos[index].push(delta.text)}, lps)
         elif delta is not None:
-            continue  # "required" / "auto": the calls are read from the whole answer below
+            continue  # "required": the calls are read from the whole answer below
         else:
             outcome = runs[index].outcome
             assert outcome is not None
-            for part in _ending(outcome, plan):
+            for part in _ending(outcome, plan, autos[index]):
                 yield choice(index, part)
             yield choice(index, {}, finish=_message(outcome, plan)["finish_reason"])
     if include_usage:
@@ -128,10 +132,10 @@ async def _stream(runs: list[Run], meta: dict[str, Any], include_usage: bool, n:
     yield sse("[DONE]")
 
 
-def _ending(outcome: Outcome, plan: Structured) -> list[dict[str, Any]]:
-    """The deltas of a "required" / "auto" answer, sent once it ended: its content, then each call."""
+def _ending(outcome: Outcome, plan: Structured, auto: HermesStream) -> list[dict[str, Any]]:
+    """What a "required" / "auto" answer sends once it ended: its content not sent yet, then each call."""
     if plan.mode in ("none", "named"):
         return []
-    content, calls = _calls(outcome, plan)
+    content, calls = auto.finish() if plan.mode == "auto" else _calls(outcome, plan)
     parts: list[dict[str, Any]] = [{"content": content}] if content else []
     return parts + [{"tool_calls": [{"index": i, **call}]} for i, call in enumerate(calls)]

@@ -136,3 +136,43 @@ def hermes_calls(text: str, names: set[str]) -> tuple[str | None, list[dict[str,
     kept.append(text[last:])
     content = "".join(kept).strip() if calls else text
     return (content or None), calls
+
+
+class HermesStream:
+    """A streamed ``"auto"`` answer: its content goes out as it comes, up to the first ``<tool_call>``;
+    from there on the text is held and read for calls once the answer ended (``finish``). A tail that
+    may be the start of the tag is held back until it cannot be. The content sent before a call keeps
+    its whitespace (the whole answer's content is stripped around calls)."""
+
+    TAG = "<tool_call>"
+
+    def __init__(self, names: set[str]) -> None:
+        self.names = names
+        self.text = ""
+        self.sent = 0  # characters of ``text`` already sent as content
+        self.calling = False
+
+    def push(self, delta: str) -> str:
+        """Content that can be sent now ("" when none)."""
+        self.text += delta
+        if self.calling:
+            return ""
+        at = self.text.find(self.TAG, max(0, self.sent - len(self.TAG)))
+        if at >= 0:
+            self.calling = True
+            return self._take(at)
+        held = next((k for k in range(len(self.TAG) - 1, 0, -1) if self.text.endswith(self.TAG[:k])), 0)
+        return self._take(len(self.text) - held)
+
+    def finish(self) -> tuple[str, list[dict[str, Any]]]:
+        """The content not sent yet and the calls of the whole answer."""
+        rest = self.text[self.sent:]
+        content, calls = hermes_calls(rest, self.names)
+        if not calls:
+            return rest, []
+        return content or "", calls
+
+    def _take(self, upto: int) -> str:
+        out = self.text[self.sent:upto]
+        self.sent = max(self.sent, upto)
+        return out
