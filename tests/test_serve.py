@@ -211,6 +211,8 @@ def test_embeddings_equal_plain_transformers_mean_pooling(client):
     (lambda c: c.chat.completions.create(model="minilm", messages=[{"role": "user", "content": "hi"}]),
      400, "model"),
     (lambda c: c.embeddings.create(model="tiny-chat", input="hi"), 400, "model"),
+    (lambda c: c.embeddings.create(model="minilm", input="hi", extra_body={"response_format": {"type": "json_object"}}),
+     400, "response_format"),
     (lambda c: c.chat.completions.create(model="tiny-chat", messages=[{"role": "user", "content": "hi"}],
                                          temperature=5), 400, "temperature"),
     (lambda c: c.chat.completions.create(model="tiny-chat", messages=[{"role": "user", "content": "hi"}], n=9),

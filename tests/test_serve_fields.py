@@ -200,10 +200,13 @@ TOOL = {"type": "function", "function": {"name": "f", "parameters": {"type": "ob
 
 
 @pytest.mark.parametrize("call, param", [
-    (chat(tools=[TOOL]), "tools"),
-    (chat(tool_choice="required"), "tool_choice"),
+    (chat(tools=[TOOL]), "tool_choice"),  # auto: this template renders no tools, and no parser is named
+    (chat(tool_choice="required"), "tool_choice"),  # no tools
+    (chat(tools=[TOOL], tool_choice={"type": "function", "function": {"name": "g"}}), "tool_choice"),
     (chat(extra_body={"functions": [TOOL["function"]]}), "functions"),
-    (chat(response_format={"type": "json_object"}), "response_format.type"),
+    (chat(response_format={"type": "xml"}), "response_format.type"),
+    (chat(response_format={"type": "json_schema", "json_schema": {"name": "x", "schema": {"not": {}}}}),
+     "response_format"),
     (chat(logprobs=True, top_logprobs=21), "top_logprobs"),
     (chat(top_logprobs=2), "top_logprobs"),
     (chat(n=9), "n"),

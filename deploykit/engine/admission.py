@@ -105,9 +105,12 @@ class Admission:
 
 
 def stop_reason(handle: RequestHandle, token: int, *, eos_ids: set[int], tokenizer: Any) -> FinishReason | None:
-    """Why ``handle`` ends after ``token`` ("stop": EOS, a stop id or a stop string; "length"), or None."""
+    """Why ``handle`` ends after ``token`` ("stop": EOS, a stop id, a stop string or the end of its grammar;
+    "length"), or None."""
     r = handle.request  # for stop strings, decode only a tail long enough to hold any of them
     tail = _tail(tokenizer, handle.tokens, r.stop_strings)
+    if handle.grammar is not None and handle.grammar.terminated:
+        return "stop"
     if token in eos_ids or token in r.stop_token_ids or any(s in tail for s in r.stop_strings):
         return "stop"
     return "length" if len(handle.tokens) >= r.max_new_tokens else None

@@ -7,7 +7,8 @@ Two backends, one interface (``submit`` -> ``RequestHandle``, ``cancel``, ``clos
   every request chooses its tokens on its own (why deploykit has its own loop, its measured figures and
   its limits are there).
 - ``"continuous"`` (``continuous.py``): transformers' ``ContinuousBatchingManager`` (paged KV cache),
-  sized explicitly from ``kv_cache_bytes`` and started with one token before it serves. Plain greedy only.
+  sized explicitly from ``kv_cache_bytes`` and started with one token before it serves. Plain greedy only:
+  no grammar either (``grammars`` is None there, and the API refuses ``response_format``/``tools``).
 
 Greedy outputs of both equal ``generate`` token for token (tests).
 
@@ -27,6 +28,7 @@ from typing import Any, Literal, Protocol
 from .admission import Admission, FinishReason, QueueFull
 from .types import eos_set
 from .continuous import ContinuousBackend
+from .grammar import Grammars
 from .padded import PaddedBackend
 from .requests import GenerationRequest, GenerationResult, RequestHandle
 from .sampling import TokenLogprobs, request_generator
@@ -63,6 +65,7 @@ class Engine:
         self.kv_bytes_per_token = _kv_bytes_per_token(model)
         self._queue = Admission(max_queued=max_queued)  # request ids and closing; padded: the waiting requests
         self._batcher: Backend = self._start_backend(backend, forward_lock, cb_page_size)
+        self.grammars = None if backend == "continuous" else grammars_for(model, tokenizer, self.eos_ids)
         self._thread = threading.Thread(target=self._batcher.run, name=f"deploykit-engine-{backend}", daemon=True)
         self._thread.start()
 
@@ -80,7 +83,14 @@ class Engine:
                listener: Callable[[int | GenerationResult], None] | None = None) -> RequestHandle:
         """Queue ``request``; QueueFull when ``max_queued`` already wait. ``listener`` gets every token
         id, then the result."""
-        h = RequestHandle(request, self._queue.check(request), rng=request_generator(request), listener=listener)
+        grammar = None
+        if request.grammar is not None:
+            if self.grammars is None:
+                raise ValueError("the continuous batching backend does not enforce response_format or tools; "
+                                 "use spec.serving.batching: padded")
+            grammar = self.grammars.matcher(request.grammar)
+        h = RequestHandle(request, self._queue.check(request), rng=request_generator(request), listener=listener,
+                          grammar=grammar)
         return self._batcher.submit(h)
 
     def cancel(self, handle: RequestHandle) -> None:
@@ -96,6 +106,12 @@ class Engine:
         self._queue.close()
         self._batcher.stop(timeout)
         self._thread.join(timeout)
+
+
+def grammars_for(model: Any, tokenizer: Any, eos_ids: set[int]) -> Grammars:
+    """The grammar compiler of a model's tokenizer, its masks as wide as the model's logits."""
+    vocab = int(getattr(model.config.get_text_config(), "vocab_size", 0) or 0)
+    return Grammars(tokenizer, vocab_size=vocab, stop_ids=sorted(eos_ids))
 
 
 def _eos_ids(model: Any) -> set[int]:

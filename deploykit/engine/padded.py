@@ -4,8 +4,8 @@ worker thread.
 Waiting requests join the running batch at step boundaries (left-padded prefill, then their KV cache is
 appended to the batch's; it grows in place, ``kvcache.py``), finished or cancelled rows leave it at once
 and free their cache, and every request chooses its tokens on its own (``sampling.py``: greedy,
-temperature, top_p, a private seeded ``torch.Generator``, penalties, logit_bias, logprobs; one argmax for
-all the plain greedy rows). A request that fails its prefill, a decode step or its sampling fails alone:
+temperature, top_p, a private seeded ``torch.Generator``, penalties, logit_bias, logprobs, a grammar's
+mask; one argmax for all the plain greedy rows). A request that fails its prefill, a decode step or its sampling fails alone:
 a failed step is run again for each row alone (only a failure pays for that); never the engine.
 
 Why deploykit has its own loop at all: in transformers 5.23 continuous batching reads ``do_sample``
@@ -188,7 +188,7 @@ class PaddedBackend:
                 if greedy and is_plain_greedy(h.request):
                     tok, lp = greedy[i], None
                 else:
-                    tok, lp = next_token(logits[i], h.request, h.tokens, h.rng)
+                    tok, lp = next_token(logits[i], h.request, h.tokens, h.rng, h.grammar)
                 h.push(tok, lp)
                 if reason := self._stop_hit(h, tok):
                     h.finish(reason)

@@ -11,11 +11,15 @@ import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
 
-from .types import FinishReason
+from .types import Constraint, FinishReason
 from .sampling import TokenLogprobs
+
+if TYPE_CHECKING:
+    from .grammar import RowGrammar
 
 __all__ = ["GenerationRequest", "GenerationResult", "RequestHandle", "MIN_TEMPERATURE"]
 _FINISH_LOCK = threading.Lock()
@@ -38,6 +42,7 @@ class GenerationRequest:
     presence_penalty: float = 0.0  # OpenAI's penalties over the tokens generated so far (sampling.py)
     frequency_penalty: float = 0.0
     logit_bias: Sequence[tuple[int, float]] = ()  # (token id, bias added to its logit)
+    grammar: Constraint | None = None  # what the output must follow (grammar.py); None: free text
 
     def __post_init__(self) -> None:
         if self.temperature < MIN_TEMPERATURE:  # every engine then reads it as greedy (0)
@@ -46,7 +51,7 @@ class GenerationRequest:
     def is_plain(self) -> bool:
         """Nothing beyond greedy / temperature / top_p: what every backend can serve."""
         return (self.logprobs is None and self.prompt_logprobs is None and not self.presence_penalty
-                and not self.frequency_penalty and not self.logit_bias)
+                and not self.frequency_penalty and not self.logit_bias and self.grammar is None)
 
 
 @dataclass(frozen=True)
@@ -68,6 +73,7 @@ class RequestHandle:
     request: GenerationRequest
     id: str
     rng: torch.Generator | None = None  # private sampling RNG (padded backend)
+    grammar: RowGrammar | None = None  # this request's own matcher, when it has a constraint
     submitted: float = field(default_factory=time.monotonic)
     first_token_at: float | None = None
     tokens: list[int] = field(default_factory=list)  # written by the engine thread only

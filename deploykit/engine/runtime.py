@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING, Any
 from ..names import Task
 from .embeddings import Pooling, embed, pooling_of
 from .text import RequestError, TextStream, check_length
-from .types import Limits, eos_set
+from .types import Constraint, Limits, eos_set
 
 if TYPE_CHECKING:
     from .loader import LoadedModel
@@ -95,6 +95,17 @@ class TextRuntime:
                         backend="continuous" if limits.batching == "continuous" else "padded")
         return cls(engine, loaded.tokenizer, limits, context_length=context_length(loaded.model.config, limits),
                    loaded=loaded)
+
+    def check_grammar(self, constraint: Constraint) -> None:
+        """Compile ``constraint`` now (off the engine's thread; cached for its requests), or RequestError:
+        an engine without grammars, or a schema it cannot enforce."""
+        grammars = getattr(self.engine, "grammars", None)
+        if grammars is None:
+            raise RequestError(f"{constraint.param} needs grammar-constrained decoding, which this deployment's engine "
+                               "does not do (spec.serving.batching: continuous, or spec.replicas); use batching: "
+                               "padded in one process, pipeline stages or tensor-parallel ranks",
+                               param=constraint.param, code="unsupported")
+        grammars.compile(constraint)
 
     @property
     def eos_ids(self) -> set[int]:

@@ -1,9 +1,11 @@
 """How one request turns the model's next-token logits into a token: OpenAI's presence and frequency
 penalties and ``logit_bias``, then greedy or temperature + top_p sampling with the request's own RNG;
-and the log-probabilities a request asked for.
+and the log-probabilities a request asked for. A request with a grammar (``grammar.RowGrammar``) has its
+row masked to the tokens the grammar allows after penalties and bias, and the grammar accepts the token.
 
 Log-probabilities are the log-softmax of the model's own logits, before penalties, bias and temperature
-(what a client computing a likelihood needs). The penalties follow OpenAI's formula, over the tokens
+(what a client computing a likelihood needs), also under a grammar: the raw logprobs, not the masked
+ones (as vLLM reports by default); a token the grammar forced can thus show a low logprob. The penalties follow OpenAI's formula, over the tokens
 generated so far in this request: ``logit[t] -= presence * (count[t] > 0) + frequency * count[t]``.
 
 Written here rather than with transformers' ``LogitsProcessor`` classes: transformers has no
@@ -17,7 +19,7 @@ from __future__ import annotations
 import random
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Any, Protocol
 
 import torch
 
@@ -39,6 +41,8 @@ class SamplingRequest(Protocol):
     def frequency_penalty(self) -> float: ...
     @property
     def logit_bias(self) -> Sequence[tuple[int, float]]: ...
+    @property
+    def grammar(self) -> Any: ...
 
 
 @dataclass(frozen=True)
@@ -59,7 +63,7 @@ def request_generator(r: SamplingRequest) -> torch.Generator | None:
 def is_plain_greedy(r: SamplingRequest) -> bool:
     """Greedy with nothing that changes or reports the logits: argmax of the batch is enough."""
     return (r.temperature <= 0 and r.logprobs is None and not r.logit_bias and not r.presence_penalty
-            and not r.frequency_penalty)
+            and not r.frequency_penalty and r.grammar is None)
 
 
 def adjusted(logits: torch.Tensor, r: SamplingRequest, generated: Sequence[int]) -> torch.Tensor:
@@ -98,9 +102,15 @@ def _of(logp: torch.Tensor, token: int, top: int) -> TokenLogprobs:
 
 
 def next_token(logits: torch.Tensor, r: SamplingRequest, generated: Sequence[int],
-               gen: torch.Generator | None) -> tuple[int, TokenLogprobs | None]:
-    """The request's next token after ``generated``, and its logprobs when the request asked for them."""
-    token = sample_token(adjusted(logits, r, generated), r, gen)
+               gen: torch.Generator | None, grammar: Any = None) -> tuple[int, TokenLogprobs | None]:
+    """The request's next token after ``generated``, and its logprobs when the request asked for them;
+    ``grammar`` (the request's ``RowGrammar``) masks the row first and accepts the token chosen."""
+    chosen = adjusted(logits, r, generated)
+    if grammar is not None:
+        chosen = grammar.mask(chosen)
+    token = sample_token(chosen, r, gen)
+    if grammar is not None:
+        grammar.accept(token)
     return token, token_logprobs(logits, token, r.logprobs) if r.logprobs is not None else None
 
 

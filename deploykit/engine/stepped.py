@@ -8,7 +8,7 @@ The engine batches *statically*: waiting requests (up to ``max_concurrent``) sta
 left-padded batch and run until all of them finish or are cancelled; requests arriving meanwhile wait
 for the next batch. Each batch is one request group on the stepper: its KV caches are freed when the
 batch ends, whether it finished, was cancelled or failed. Sampling is per request (greedy, temperature,
-top_p, seed, penalties, logit_bias, logprobs), with the in-process engine's sampler (``sampling.py``);
+top_p, seed, penalties, logit_bias, logprobs, grammars), with the in-process engine's sampler (``sampling.py``);
 admission is the shared ``Admission``.
 """
 
@@ -21,6 +21,7 @@ from typing import Any, Callable, Protocol
 
 from ..errors import ApplyError
 from .admission import Admission, stop_reason
+from .grammar import Grammars
 from .requests import GenerationRequest, GenerationResult, RequestHandle
 from .sampling import next_token, request_generator
 from .health import HealthResult, within
@@ -43,6 +44,7 @@ class SteppedEngine:
         self.pipeline, self.tokenizer, self.eos_ids = pipeline, tokenizer, set(eos_ids)
         self.max_batch_size, self.max_queued = max_batch_size, max_queued
         self._queue = Admission(max_queued=max_queued)
+        self.grammars = Grammars(tokenizer, stop_ids=sorted(self.eos_ids))  # as wide as the tokenizer
         self._thread = threading.Thread(target=self._loop, name=f"deploykit-{name}-engine", daemon=True)
         self._thread.start()
 
@@ -51,7 +53,9 @@ class SteppedEngine:
         if request.prompt_logprobs is not None or request.max_new_tokens < 1:
             raise ValueError("echo's prompt logprobs and max_tokens 0 are not served by this engine "
                              "(pipeline stages, tensor-parallel ranks)")
-        h = RequestHandle(request, self._queue.check(request), rng=request_generator(request), listener=listener)
+        grammar = self.grammars.matcher(request.grammar) if request.grammar is not None else None
+        h = RequestHandle(request, self._queue.check(request), rng=request_generator(request), listener=listener,
+                          grammar=grammar)
         idle = self._queue.running == 0  # the next static batch starts at once only when none runs
         self._queue.put(h, free_slots=self.max_batch_size if idle else 0)
         return h
@@ -94,7 +98,7 @@ class SteppedEngine:
                         if h.done:
                             last.append(h.tokens[-1] if h.tokens else 0)
                             continue
-                        tok, lp = next_token(logits[i].float(), h.request, h.tokens, h.rng)
+                        tok, lp = next_token(logits[i].float(), h.request, h.tokens, h.rng, h.grammar)
                         h.push(tok, lp)
                         last.append(tok)
                         if reason := stop_reason(h, tok, eos_ids=self.eos_ids, tokenizer=self.tokenizer):

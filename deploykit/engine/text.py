@@ -28,13 +28,22 @@ class RequestError(DeploykitError):
         self.code = code
 
 
-def chat_prompt_ids(tokenizer: Any, messages: Sequence[dict[str, Any]]) -> list[int]:
-    """The prompt of a chat, through the model's chat template."""
+def template_takes_tools(tokenizer: Any) -> bool:
+    """Whether the model's chat template renders ``tools`` (it reads the variable at all)."""
+    template = getattr(tokenizer, "chat_template", None)
+    texts = template.values() if isinstance(template, dict) else [template or ""]
+    return any("tools" in text for text in texts)
+
+
+def chat_prompt_ids(tokenizer: Any, messages: Sequence[dict[str, Any]],
+                    tools: Sequence[dict[str, Any]] | None = None) -> list[int]:
+    """The prompt of a chat, through the model's chat template (which renders ``tools`` when given)."""
     if getattr(tokenizer, "chat_template", None) is None:
         raise RequestError("this model has no chat template; use /v1/completions with a prompt",
                            param="messages", code="no_chat_template")
     try:
-        ids = tokenizer.apply_chat_template(list(messages), add_generation_prompt=True, tokenize=True)
+        ids = tokenizer.apply_chat_template(list(messages), tools=list(tools) if tools else None,
+                                            add_generation_prompt=True, tokenize=True)
     except Exception as exc:  # a template that rejects these messages (roles out of order, say)
         raise RequestError(f"the chat template rejected the messages: {exc}", param="messages") from None
     if isinstance(ids, dict) or hasattr(ids, "keys"):  # transformers 5 may return a BatchEncoding

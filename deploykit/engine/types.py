@@ -1,6 +1,6 @@
 """Plain data every engine module shares, below all behaviour (so no two engine modules import each
 other for a type): why a request finished, the serving limits of a generation, and end-of-sequence ids
-as a set. No torch."""
+as a set, and what a request's output must follow (``Constraint``). No torch."""
 
 from __future__ import annotations
 
@@ -21,6 +21,18 @@ class Limits:
     max_queued: int = 64
     max_input_items: int = 256
     batching: str = "padded"
+    tool_call_parser: str | None = None  # how tool calls are read from an answer (``tool_choice: auto``)
+
+
+@dataclass(frozen=True)
+class Constraint:
+    """What a request's output must follow: a JSON schema (as JSON text, so it hashes and caches), from
+    the request field ``param`` ("response_format" or "tools"). ``strict``: properties the schema does not
+    name are not allowed (how a json_schema is enforced); False for ``json_object`` (any object)."""
+
+    schema: str
+    param: str = "response_format"
+    strict: bool = True
 
 
 def eos_set(value: Any) -> set[int]:

@@ -275,6 +275,10 @@ class Serving(_Strict):
     batching: Literal["padded", "continuous"] = Field(
         "padded", description="padded: deploykit's batch loop (per-request sampling); continuous: "
                               "transformers' continuous batching (greedy requests only).")
+    tool_call_parser: Literal["hermes"] | None = Field(
+        None, description="How this model family writes tool calls, read from answers to tool_choice 'auto' "
+                          "(hermes: <tool_call>{json}</tool_call>, Hermes and Qwen2/2.5/3); unset: 'auto' is "
+                          "refused (400) and only forced calls (required, a named function) are served.")
 
     @field_validator("max_tokens")
     @classmethod

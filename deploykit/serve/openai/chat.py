@@ -1,5 +1,14 @@
 """``POST /v1/chat/completions``: messages through the model's chat template, streamed or not; ``n``
-choices, logprobs, penalties and logit_bias as OpenAI's API defines them."""
+choices, logprobs, penalties and logit_bias as OpenAI's API defines them; ``response_format`` and
+``tools`` (``structured.py``: what they ask; the engine enforces the schema).
+
+Tool calls are answered as ``message.tool_calls`` with finish_reason ``"tool_calls"`` for
+``tool_choice: "required"`` and ``"auto"``, and ``"stop"`` for a named function (as OpenAI answers it); a
+cut answer (``max_tokens``) ends with ``"length"`` whatever it held. Streamed, a named function's
+arguments come as they are generated (OpenAI's tool-call deltas); the calls of ``"required"`` and
+``"auto"`` come whole once the answer ended (they are read from the whole answer), ``"auto"``'s content
+as it comes up to the first call.
+"""
 
 from __future__ import annotations
 
@@ -10,7 +19,7 @@ from typing import Any
 from fastapi import APIRouter, Request
 
 from ...engine.requests import GenerationRequest
-from ...engine.text import chat_prompt_ids, check_length
+from ...engine.text import chat_prompt_ids, check_length, template_takes_tools
 from .choices import end, merged, start, usage
 from . import relay
 from .common import engine_request, find, lease, max_tokens_of, prepared, sse
@@ -18,6 +27,7 @@ from .generation import Outcome, Run, whole
 from .logprobs import TokenTexts, chat_content
 from .protocol import ChatCompletionRequest, new_id, now
 from .stream import LeasedStream
+from .structured import HermesStream, Structured, check_auto, new_call, plan_of, tool_calls_of
 
 router = APIRouter()
 
@@ -26,14 +36,22 @@ router = APIRouter()
 async def chat_completions(body: ChatCompletionRequest, request: Request) -> Any:
     state = request.app.state
     dep = await find(state.registry, body.model)
+    plans: list[Structured] = []
 
     def work(runtime: Any) -> list[GenerationRequest]:
-        ids = chat_prompt_ids(runtime.tokenizer, [m.as_template_message() for m in body.messages])
+        plan = plan_of(body)
+        takes_tools = template_takes_tools(runtime.tokenizer)
+        check_auto(plan, parser=runtime.limits.tool_call_parser, template_takes_tools=takes_tools)
+        if plan.constraint is not None:
+            runtime.check_grammar(plan.constraint)  # compiled (cached) off the loop, or a 400 naming the keyword
+        tools = plan.tools if takes_tools else None
+        ids = chat_prompt_ids(runtime.tokenizer, [m.as_template_message() for m in body.messages], tools)
         max_tokens = max_tokens_of(body.requested_max_tokens(), runtime)
         check_length(len(ids), max_tokens, context_length=runtime.context_length,
                      limit=runtime.limits.max_tokens, prompt_param="messages")
-        return [engine_request(body, ids, max_tokens, runtime, choice=j, logprobs=body.top())
-                for j in range(body.n)]
+        plans.append(plan)
+        return [engine_request(body, ids, max_tokens, runtime, choice=j, logprobs=body.top(),
+                               grammar=plan.constraint) for j in range(body.n)]
 
     held = await lease(dep, "text")
     if relay.is_relayed(held):  # llama.cpp: llama-server computes the validated request
@@ -45,17 +63,35 @@ async def chat_completions(body: ChatCompletionRequest, request: Request) -> Any
     meta = {"id": new_id("chatcmpl"), "created": now(), "model": dep.name}
     if body.stream:
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
-        return LeasedStream(_stream(runs, meta, include_usage, body.n, texts), lease=held, runs=runs,
+        return LeasedStream(_stream(runs, meta, include_usage, body.n, texts, plans[0]), lease=held, runs=runs,
                             model=dep.name)
     try:
         outcomes = await asyncio.gather(*(whole(run) for run in runs))
     finally:
         end(runs, held)
     return {**meta, "object": "chat.completion",
-            "choices": [{"index": i, "message": {"role": "assistant", "content": o.text},
-                         "logprobs": _logprobs(o.logprobs, texts), "finish_reason": o.finish_reason}
+            "choices": [{"index": i, **_message(o, plans[0]), "logprobs": _logprobs(o.logprobs, texts)}
                         for i, o in enumerate(outcomes)],
             "usage": usage(outcomes, body.n)}
+
+
+def _message(outcome: Outcome, plan: Structured) -> dict[str, Any]:
+    """A choice's message and finish_reason: its text, or the tool calls read from it."""
+    message: dict[str, Any] = {"role": "assistant", "content": outcome.text}
+    content, calls = _calls(outcome, plan)
+    if not calls:
+        return {"message": message, "finish_reason": outcome.finish_reason}
+    finish = outcome.finish_reason if outcome.finish_reason == "length" or plan.mode == "named" else "tool_calls"
+    return {"message": {**message, "content": content, "tool_calls": calls}, "finish_reason": finish}
+
+
+def _calls(outcome: Outcome, plan: Structured) -> tuple[str | None, list[dict[str, Any]]]:
+    if plan.mode == "none":
+        return outcome.text, []
+    try:
+        return tool_calls_of(plan, outcome.text)
+    except (ValueError, KeyError, TypeError):  # a cut answer ("length") is not a whole JSON array
+        return outcome.text, []
 
 
 def _logprobs(lps: Any, texts: TokenTexts) -> dict[str, Any] | None:
@@ -63,24 +99,47 @@ def _logprobs(lps: Any, texts: TokenTexts) -> dict[str, Any] | None:
 
 
 async def _stream(runs: list[Run], meta: dict[str, Any], include_usage: bool, n: int,
-                  texts: TokenTexts) -> AsyncIterator[bytes]:
+                  texts: TokenTexts, plan: Structured) -> AsyncIterator[bytes]:
     chunk = {**meta, "object": "chat.completion.chunk"}
 
-    def choice(index: int, content: dict[str, str], logprobs: Any = None, finish: str | None = None) -> bytes:
+    def choice(index: int, content: dict[str, Any], logprobs: Any = None, finish: str | None = None) -> bytes:
         return sse({**chunk, "choices": [{"index": index, "delta": content, "logprobs": logprobs,
                                           "finish_reason": finish}]})
 
+    autos = [HermesStream({t["function"]["name"] for t in plan.tools}) for _ in runs]
     for index in range(len(runs)):
-        yield choice(index, {"role": "assistant", "content": ""})
+        if plan.mode == "named":  # the call first; its arguments stream as they are generated
+            assert plan.function is not None
+            call = {"index": 0, **new_call(plan.function, "")}
+            yield choice(index, {"role": "assistant", "content": None, "tool_calls": [call]})
+        else:
+            yield choice(index, {"role": "assistant", "content": ""})
     async for index, delta in merged(runs):
-        if delta is not None:
-            wants = runs[index].request.logprobs is not None
-            yield choice(index, {"content": delta.text}, _logprobs(delta.logprobs, texts) if wants else None)
+        lps = _logprobs(delta.logprobs, texts) if delta and runs[index].request.logprobs is not None else None
+        if delta is not None and plan.mode == "named":
+            yield choice(index, {"tool_calls": [{"index": 0, "function": {"arguments": delta.text}}]}, lps)
+        elif delta is not None and plan.mode == "none":
+            yield choice(index, {"content": delta.text}, lps)
+        elif delta is not None and plan.mode == "auto":
+            yield choice(index, {"content": autos[index].push(delta.text)}, lps)
+        elif delta is not None:
+            continue  # "required": the calls are read from the whole answer below
         else:
             outcome = runs[index].outcome
             assert outcome is not None
-            yield choice(index, {}, finish=outcome.finish_reason)
+            for part in _ending(outcome, plan, autos[index]):
+                yield choice(index, part)
+            yield choice(index, {}, finish=_message(outcome, plan)["finish_reason"])
     if include_usage:
         outcomes: list[Outcome] = [r.outcome for r in runs if r.outcome]
         yield sse({**chunk, "choices": [], "usage": usage(outcomes, n)})
     yield sse("[DONE]")
+
+
+def _ending(outcome: Outcome, plan: Structured, auto: HermesStream) -> list[dict[str, Any]]:
+    """What a "required" / "auto" answer sends once it ended: its content not sent yet, then each call."""
+    if plan.mode in ("none", "named"):
+        return []
+    content, calls = auto.finish() if plan.mode == "auto" else _calls(outcome, plan)
+    parts: list[dict[str, Any]] = [{"content": content}] if content else []
+    return parts + [{"tool_calls": [{"index": i, **call}]} for i, call in enumerate(calls)]

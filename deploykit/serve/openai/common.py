@@ -22,6 +22,7 @@ from ...control.budget import BudgetError
 from ...engine.admission import QueueFull
 from ...engine.requests import GenerationRequest, GenerationResult
 from ...engine.text import RequestError
+from ...engine.types import Constraint
 from ...errors import DeploykitError
 from ..errors import APIError
 from .protocol import Sampling
@@ -157,8 +158,8 @@ def as_api_error(exc: RequestError) -> APIError:
 
 
 def engine_request(body: Sampling, prompt_ids: list[int], max_tokens: int, runtime: TextRuntime, *,
-                   choice: int = 0, logprobs: int | None = None,
-                   prompt_logprobs: int | None = None) -> GenerationRequest:
+                   choice: int = 0, logprobs: int | None = None, prompt_logprobs: int | None = None,
+                   grammar: Constraint | None = None) -> GenerationRequest:
     """The engine request of choice ``choice`` (0..n-1): choice j samples with ``seed + j``, so that a
     seeded request repeats and its n choices still differ."""
     vocab = len(runtime.tokenizer)
@@ -170,7 +171,8 @@ def engine_request(body: Sampling, prompt_ids: list[int], max_tokens: int, runti
                              top_p=body.top_p, seed=None if body.seed is None else body.seed + choice,
                              stop_strings=tuple(body.stop_strings()), logprobs=logprobs,
                              prompt_logprobs=prompt_logprobs, presence_penalty=body.presence_penalty,
-                             frequency_penalty=body.frequency_penalty, logit_bias=body.bias_pairs())
+                             frequency_penalty=body.frequency_penalty, logit_bias=body.bias_pairs(),
+                             grammar=grammar)
 
 
 def max_tokens_of(requested: int | None, runtime: TextRuntime) -> int:

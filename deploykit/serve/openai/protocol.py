@@ -2,13 +2,15 @@
 
 Every field a request may carry is declared here: the ones deploykit implements, with OpenAI's limits;
 the ones that cannot change the answer (``user``, ``metadata``, ``store``...: ``IGNORED``), accepted
-and ignored; and the ones it cannot honour (``tools``, a ``response_format`` other than text...),
-refused. Any other field is refused too: a 400 whose ``param`` names it, never an answer to a
+and ignored; and the ones it cannot honour (``functions``, a schema keyword the engine cannot enforce...),
+refused. ``response_format`` and ``tools`` are parsed and checked here (shapes, names); what they ask of the
+engine is ``structured.py``'s. Any other field is refused too: a 400 whose ``param`` names it, never an answer to a
 different question.
 """
 
 from __future__ import annotations
 
+import json
 import time
 import uuid
 from typing import Annotated, Any, Literal
@@ -22,8 +24,7 @@ Bias = Annotated[float, Field(ge=-100.0, le=100.0)]
 Seed = Annotated[int, Field(ge=-(2**63), le=2**63 - 1)]  # a 64-bit integer, as torch's generators take
 
 # Fields that never change the answer: accepted and ignored (docs/serving.md lists them).
-IGNORED = ("user", "metadata", "store", "service_tier", "parallel_tool_calls", "prediction", "safety_identifier",
-           "prompt_cache_key")
+IGNORED = ("user", "metadata", "store", "service_tier", "prediction", "safety_identifier", "prompt_cache_key")
 
 
 class _Request(BaseModel):
@@ -39,7 +40,6 @@ class _Strict(BaseModel):
     metadata: Any = None
     store: Any = None
     service_tier: Any = None
-    parallel_tool_calls: Any = None
     prediction: Any = None
     safety_identifier: Any = None
     prompt_cache_key: Any = None
@@ -91,28 +91,88 @@ class TextPart(_Request):
     text: str
 
 
+class CalledFunction(_Request):
+    name: str
+    arguments: str = "{}"
+
+
+class ToolCall(_Request):
+    """An assistant message's earlier call, in the history."""
+
+    id: str
+    type: Literal["function"] = "function"
+    function: CalledFunction
+
+
 class ChatMessage(_Request):
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[TextPart] | None = None
     name: str | None = None
+    tool_calls: list[ToolCall] | None = None  # an assistant's calls
+    tool_call_id: str | None = None  # a tool message answers this call
 
     def as_template_message(self) -> dict[str, Any]:
+        """The message as chat templates take it (tool calls with their arguments as an object, as
+        transformers' templates expect)."""
         content = self.content
         if isinstance(content, list):
             content = "".join(part.text for part in content)
         role = "system" if self.role == "developer" else self.role
-        return {"role": role, "content": content or ""}
+        message: dict[str, Any] = {"role": role, "content": content or ""}
+        if self.tool_calls:
+            message["tool_calls"] = [{"id": c.id, "type": "function", "function": {
+                "name": c.function.name, "arguments": _arguments(c.function.arguments)}} for c in self.tool_calls]
+        if self.tool_call_id is not None:
+            message["tool_call_id"] = self.tool_call_id
+        if self.name is not None and role == "tool":
+            message["name"] = self.name
+        return message
+
+
+def _arguments(text: str) -> Any:
+    try:
+        return json.loads(text)
+    except ValueError:
+        return text  # not JSON: the template gets it as the client sent it
+
+
+class JsonSchemaFormat(_Request):
+    name: str = Field(min_length=1, max_length=64, pattern=r"^[A-Za-z0-9_-]+$")
+    description: str | None = None
+    schema_: dict[str, Any] | None = Field(None, alias="schema")
+    strict: bool | None = None
 
 
 class ResponseFormat(_Request):
-    type: str
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
 
-    @field_validator("type")
-    @classmethod
-    def _text_only(cls, kind: str) -> str:
-        if kind != "text":
-            raise ValueError(f"{kind!r} is not supported, only 'text': deploykit has no constrained decoding")
-        return kind
+    @model_validator(mode="after")
+    def _schema_given(self) -> ResponseFormat:
+        if self.type == "json_schema" and self.json_schema is None:
+            raise ValueError("type 'json_schema' needs json_schema: {name, schema}")
+        return self
+
+
+class FunctionDefinition(_Request):
+    name: str = Field(min_length=1, max_length=64, pattern=r"^[A-Za-z0-9_-]+$")
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+    strict: bool | None = None
+
+
+class Tool(_Request):
+    type: Literal["function"]
+    function: FunctionDefinition
+
+
+class NamedFunction(_Request):
+    name: str
+
+
+class NamedToolChoice(_Request):
+    type: Literal["function"]
+    function: NamedFunction
 
 
 class ChatCompletionRequest(Sampling):
@@ -121,22 +181,34 @@ class ChatCompletionRequest(Sampling):
     logprobs: bool = False
     top_logprobs: int | None = Field(None, ge=0, le=20)
     response_format: ResponseFormat | None = None
-    tools: Any = None  # refused unless empty: deploykit does not call tools
-    tool_choice: Any = None  # refused unless "none"
-    functions: Any = None
+    tools: list[Tool] | None = Field(None, max_length=128)
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    parallel_tool_calls: bool | None = None
+    functions: Any = None  # the deprecated function-calling fields: refused, use tools
     function_call: Any = None
 
     @model_validator(mode="after")
     def _refused(self) -> ChatCompletionRequest:
         if self.top_logprobs is not None and not self.logprobs:
             raise FieldRefused("top_logprobs", "top_logprobs needs logprobs: true")
-        for name in ("tools", "functions"):
-            if getattr(self, name):
-                raise FieldRefused(name, f"{name} are not supported: deploykit does not call tools")
-        for name in ("tool_choice", "function_call"):
-            if getattr(self, name) not in (None, "none"):
-                raise FieldRefused(name, f"{name} is not supported: deploykit does not call tools")
+        for name in ("functions", "function_call"):
+            if getattr(self, name) not in (None, "none", []):
+                raise FieldRefused(name, f"{name} is deprecated and not supported: use tools and tool_choice")
+        names = [t.function.name for t in self.tools or []]
+        if len(set(names)) != len(names):
+            raise FieldRefused("tools", "two tools have the same function name")
+        if self.tool_choice not in (None, "none") and not names:
+            raise FieldRefused("tool_choice", "tool_choice needs tools")
+        if isinstance(self.tool_choice, NamedToolChoice) and self.tool_choice.function.name not in names:
+            raise FieldRefused("tool_choice", f"tool_choice names {self.tool_choice.function.name!r}, which is not "
+                                              "among the tools")
         return self
+
+    def tool_mode(self) -> Literal["none", "auto", "required", "named"]:
+        """How tools are used: OpenAI's default is "auto" when tools are given, "none" without."""
+        if isinstance(self.tool_choice, NamedToolChoice):
+            return "named"
+        return self.tool_choice or ("auto" if self.tools else "none")
 
     def top(self) -> int | None:
         """How many alternatives each token's logprobs list; None when logprobs are off."""
@@ -193,6 +265,15 @@ class EmbeddingRequest(_Request):
     input: str | list[str] | list[int] | list[list[int]]
     encoding_format: Literal["float", "base64"] = "float"
     dimensions: int | None = Field(None, ge=1)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _no_structure(cls, body: Any) -> Any:
+        """A vector has no structure to constrain: these chat fields are refused, not ignored."""
+        for name in ("response_format", "tools", "tool_choice", "parallel_tool_calls"):
+            if isinstance(body, dict) and name in body:
+                raise FieldRefused(name, f"{name} is a chat field; embeddings have no output to shape")
+        return body
 
     def texts(self) -> list[str | list[int]]:
         if isinstance(self.input, str):

@@ -1,0 +1,178 @@
+"""What a chat request's ``response_format``, ``tools`` and ``tool_choice`` ask, apart from any engine:
+``plan_of`` turns them into a ``Structured`` (the JSON schema the answer must follow, if any, as an
+engine ``Constraint``, and how tool calls are read from the answer); ``tool_calls_of`` reads them.
+Which schema keywords an engine can enforce is the engine's to say (``TextRuntime.check_grammar``), so an
+engine with its own grammar support (llama.cpp) can take the same ``Constraint``.
+
+Forced calls (as vLLM does): ``tool_choice`` naming a function constrains the answer to that function's
+``parameters``, and the whole answer is its ``arguments``; ``"required"`` constrains it to a JSON array of
+``{"name", "arguments"}`` objects, one per call (at most one when ``parallel_tool_calls`` is false).
+``"auto"`` leaves the answer free and reads the calls the model wrote in its family's format, named by
+``spec.serving.tool_call_parser`` (``hermes``: ``<tool_call>{"name": ..., "arguments": ...}</tool_call>``,
+Hermes and Qwen2/2.5/3).
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import uuid
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+from ...engine.text import RequestError
+from ...engine.types import Constraint
+from .protocol import ChatCompletionRequest
+
+ToolMode = Literal["none", "auto", "required", "named"]
+PARSERS = ("hermes",)
+_HERMES = re.compile(r"<tool_call>\s*(.*?)\s*</tool_call>", re.DOTALL)
+
+
+@dataclass(frozen=True)
+class Structured:
+    constraint: Constraint | None = None
+    mode: ToolMode = "none"
+    function: str | None = None  # the named function ("named")
+    tools: list[dict[str, Any]] = field(default_factory=list)  # for the chat template ("auto", forced)
+
+
+def plan_of(body: ChatCompletionRequest) -> Structured:
+    """What ``body`` asks of the answer (RequestError with ``param`` when it asks two things at once)."""
+    mode = body.tool_mode()
+    tools = [t.model_dump(exclude_none=True) for t in body.tools or []] if mode != "none" else []
+    fmt = body.response_format
+    if mode != "none" and fmt is not None and fmt.type != "text":
+        raise RequestError("response_format and tools cannot both shape one answer: use tool_choice 'none' or "
+                           "drop response_format", param="response_format")
+    if mode == "named":
+        assert not isinstance(body.tool_choice, str) and body.tool_choice is not None
+        name = body.tool_choice.function.name
+        return Structured(Constraint(json.dumps(_parameters(body, name)), param="tools"), mode, name, tools)
+    if mode == "required":
+        return Structured(Constraint(json.dumps(_calls_schema(body)), param="tools"), mode, None, tools)
+    if mode == "auto":
+        if body.parallel_tool_calls is False:
+            raise RequestError("parallel_tool_calls: false cannot be enforced with tool_choice 'auto' (the model "
+                               "writes its calls freely); use tool_choice 'required' or a named function",
+                               param="parallel_tool_calls")
+        return Structured(None, mode, None, tools)
+    return Structured(_format_constraint(body), "none")
+
+
+def _format_constraint(body: ChatCompletionRequest) -> Constraint | None:
+    fmt = body.response_format
+    if fmt is None or fmt.type == "text":
+        return None
+    if fmt.type == "json_object":
+        return Constraint(json.dumps({"type": "object"}), strict=False)
+    assert fmt.json_schema is not None
+    return Constraint(json.dumps(fmt.json_schema.schema_ or {"type": "object"}))
+
+
+def _parameters(body: ChatCompletionRequest, name: str) -> dict[str, Any]:
+    [tool] = [t for t in body.tools or [] if t.function.name == name]
+    return tool.function.parameters or {"type": "object", "properties": {}}
+
+
+def _calls_schema(body: ChatCompletionRequest) -> dict[str, Any]:
+    """A JSON array of calls, each ``{"name": one of the tools, "arguments": that tool's parameters}``."""
+    one = [{"type": "object", "properties": {"name": {"const": t.function.name},
+                                             "arguments": _parameters(body, t.function.name)},
+            "required": ["name", "arguments"]} for t in body.tools or []]
+    schema: dict[str, Any] = {"type": "array", "items": {"anyOf": one}, "minItems": 1}
+    if body.parallel_tool_calls is False:
+        schema["maxItems"] = 1
+    return schema
+
+
+def check_auto(plan: Structured, *, parser: str | None, template_takes_tools: bool) -> None:
+    """``tool_choice: auto`` needs a template that renders tools and a parser for the model's calls."""
+    if plan.mode != "auto":
+        return
+    if not template_takes_tools:
+        raise RequestError("tool_choice 'auto' needs a chat template that renders tools, and this model's has no "
+                           "tool support; use tool_choice 'required' or a named function (deploykit then "
+                           "constrains the answer to the call)", param="tool_choice", code="no_tool_template")
+    if parser is None:
+        raise RequestError("tool_choice 'auto' needs spec.serving.tool_call_parser (how this model family writes "
+                           "tool calls, e.g. hermes) in the deployment's manifest; use tool_choice 'required' or a "
+                           "named function meanwhile", param="tool_choice", code="no_tool_call_parser")
+
+
+def new_call(name: str, arguments: str) -> dict[str, Any]:
+    return {"id": f"call_{uuid.uuid4().hex[:24]}", "type": "function",
+            "function": {"name": name, "arguments": arguments}}
+
+
+def tool_calls_of(plan: Structured, text: str) -> tuple[str | None, list[dict[str, Any]]]:
+    """The answer's content (None when it is all calls) and its tool calls."""
+    if plan.mode == "named":
+        assert plan.function is not None
+        return None, [new_call(plan.function, text)]
+    if plan.mode == "required":
+        calls = json.loads(text)
+        return None, [new_call(c["name"], json.dumps(c["arguments"])) for c in calls]
+    if plan.mode == "auto":
+        return hermes_calls(text, {t["function"]["name"] for t in plan.tools})
+    return text, []
+
+
+def hermes_calls(text: str, names: set[str]) -> tuple[str | None, list[dict[str, Any]]]:
+    """Calls in the Hermes/Qwen form, ``<tool_call>{"name": ..., "arguments": {...}}</tool_call>``; a block
+    that is not such a call of a known function stays in the content (as vLLM's hermes parser does)."""
+    calls, kept, last = [], [], 0
+    for match in _HERMES.finditer(text):
+        try:
+            call = json.loads(match.group(1))
+            name, arguments = call["name"], call.get("arguments", call.get("parameters", {}))
+        except (ValueError, KeyError, TypeError):
+            continue
+        if name not in names:
+            continue
+        kept.append(text[last:match.start()])
+        last = match.end()
+        calls.append(new_call(name, arguments if isinstance(arguments, str) else json.dumps(arguments)))
+    kept.append(text[last:])
+    content = "".join(kept).strip() if calls else text
+    return (content or None), calls
+
+
+class HermesStream:
+    """A streamed ``"auto"`` answer: its content goes out as it comes, up to the first ``<tool_call>``;
+    from there on the text is held and read for calls once the answer ended (``finish``). A tail that
+    may be the start of the tag is held back until it cannot be. The content sent before a call keeps
+    its whitespace (the whole answer's content is stripped around calls)."""
+
+    TAG = "<tool_call>"
+
+    def __init__(self, names: set[str]) -> None:
+        self.names = names
+        self.text = ""
+        self.sent = 0  # characters of ``text`` already sent as content
+        self.calling = False
+
+    def push(self, delta: str) -> str:
+        """Content that can be sent now ("" when none)."""
+        self.text += delta
+        if self.calling:
+            return ""
+        at = self.text.find(self.TAG, max(0, self.sent - len(self.TAG)))
+        if at >= 0:
+            self.calling = True
+            return self._take(at)
+        held = next((k for k in range(len(self.TAG) - 1, 0, -1) if self.text.endswith(self.TAG[:k])), 0)
+        return self._take(len(self.text) - held)
+
+    def finish(self) -> tuple[str, list[dict[str, Any]]]:
+        """The content not sent yet and the calls of the whole answer."""
+        rest = self.text[self.sent:]
+        content, calls = hermes_calls(rest, self.names)
+        if not calls:
+            return rest, []
+        return content or "", calls
+
+    def _take(self, upto: int) -> str:
+        out = self.text[self.sent:upto]
+        self.sent = max(self.sent, upto)
+        return out
