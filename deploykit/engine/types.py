@@ -21,6 +21,8 @@ class Limits:
     max_queued: int = 64
     max_input_items: int = 256
     batching: str = "padded"
+    prefix_cache_bytes: int = 0  # spec.serving.prefix_cache: 0 = none
+    prefill_chunk: int = 256  # prompt tokens read per step while other requests decode
 
 
 def eos_set(value: Any) -> set[int]:
