@@ -44,7 +44,7 @@ def test_cached_tokens_reported_and_released_on_reload(tmp_path: Path) -> None:
         assert cached == 0 and prompt_tokens > 200
         again, _, cached = ask(client, "Is it sunny?")
         assert again == first and cached >= prompt_tokens - 32  # all but the last partial block
-        other, _, cached = ask(client, "Will it rain?")
+        _, _, cached = ask(client, "Will it rain?")
         assert cached >= len(SYSTEM) - 32  # the shared system prompt (one token per byte)
         assert server.metric("deploykit_prefix_cache_hits_total", model_name="chat", generation="1") == 2
         assert server.metric("deploykit_prefix_cache_tokens_reused_total", model_name="chat") >= 2 * len(SYSTEM) - 64
