@@ -174,3 +174,20 @@ def test_chunked_prefill_keeps_a_running_stream_flowing(long_llama: Any) -> None
     assert whole_during <= 1  # read whole: the stream waits for all of it (one gap, the whole read)
     assert chunked_during >= 5, (chunked_during, chunked_gap, whole_gap)
     assert chunked_gap < whole_gap / 3, (chunked_gap, whole_gap)
+
+
+@pytest.mark.parametrize(("serving", "held"), [("", 256 << 20), ("serving: {prefix_cache: {max_bytes: 8MiB}}", 8 << 20),
+                                               ("serving: {prefix_cache: {enabled: false}}", 0),
+                                               ("serving: {batching: continuous, prefix_cache: {enabled: false}}", 0)])
+def test_the_plan_and_the_budget_count_the_prefix_cache(model: Any, tmp_path: Any, serving: str, held: int) -> None:
+    from deploykit.control.budget import plan_tiers
+    from deploykit.placement.planning import plan_manifest
+    from deploykit.spec.manifest import load_manifests
+    from manifests import manifest_text
+
+    (tmp_path / "m.yaml").write_text(manifest_text(model) + (f"  {serving}\n" if serving else ""))
+    [loaded] = load_manifests(tmp_path / "m.yaml")
+    plan = plan_manifest(loaded, devices="cpu=8GiB")
+    assert plan.prefix_cache_bytes == held
+    assert plan_tiers(plan)["cpu"] == plan.total_bytes + held
+    assert ("prefix_cache_bytes" in plan.to_dict()) == bool(held)  # plans without one keep their former shape

@@ -13,8 +13,12 @@ and the seed once per manager, so greedy and sampled requests (or two seeds) can
 OpenAI-compatible server must allow; and on this CPU it is slower (SmolLM2-135M fp32 through
 ``deploykit serve``, 16 streaming clients, 64 new tokens each, 2 cores: 160.7 tok/s against 188.9-195.6 for
 the padded loop and 152-155 for ``transformers serve``; docs/benchmarks.md).
-Limits of the padded loop: it pads to the longest prompt, a long new prompt stalls the batch for one
-step (no chunked prefill), and it needs a full-attention cache (no sliding window).
+Prompts whose beginning the prefix cache holds (``prefixcache.py``), and prompts longer than
+``prefill_chunk``, are read alone in chunks that alternate with the decode steps (``prefill.py``): running
+rows keep producing tokens meanwhile, and such a prompt joins the batch only once it is read. Limits of
+the padded loop: rows pad to the longest row while they run together (the padding goes when it leaves),
+short new prompts still join in one padded prefill step, and it needs a full-attention cache (no sliding
+window; the prefix cache is then off).
 """
 
 from __future__ import annotations

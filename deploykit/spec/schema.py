@@ -264,7 +264,7 @@ class PrefixCache(_Strict):
 
     enabled: bool = Field(True, description="Keep and reuse prompt prefixes (padded batching of a causal LM "
                                             "in one process or Ray Serve replica; others keep none).")
-    max_bytes: Size = Field(64 * 2**20, description="Most bytes the kept KV may hold, on the device of the "
+    max_bytes: Size = Field(256 * 2**20, description="Most bytes the kept KV may hold, on the device of the "
                                                     "input embeddings; least recently used evicted first. "
                                                     "Part of the plan's bytes (and of the host budget).")
 
