@@ -1,5 +1,6 @@
 """Many models on one host: a real `deploykit serve --budget` with tiny real chat models, through the
-official `openai` client. Each tiny model's plan is 428,864 bytes (float32), so ``cpu=900KB`` holds two.
+official `openai` client. Each tiny model's plan is 428,864 bytes (float32; no prefix cache), so ``cpu=900KB``
+holds two.
 """
 
 from __future__ import annotations
@@ -26,7 +27,7 @@ def manifest(model: Path, name: str, *, load: str = "on-demand", priority: int =
              max_tokens: int = 64) -> str:
     return (f"apiVersion: deploykit/v1\nkind: ModelDeployment\nmetadata: {{name: {name}}}\nspec:\n"
             f"  model: {{path: {model}, task: causal-lm, dtype: float32}}\n  placement: {{gpus: []}}\n"
-            f"  serving: {{max_tokens: {max_tokens}, default_max_tokens: 4}}\n"
+            f"  serving: {{max_tokens: {max_tokens}, default_max_tokens: 4, prefix_cache: {{enabled: false}}}}\n"
             f"  lifecycle: {{load: {load}, priority: {priority}, keep_alive: {keep_alive}}}\n")
 
 

@@ -102,7 +102,9 @@ def test_chat_logprobs_are_the_models_own_streamed_or_not(client, ref, chat_mode
     chunks = list(client.chat.completions.create(model="tiny-chat", messages=MESSAGES, max_tokens=16, temperature=0,
                                                  logprobs=True, top_logprobs=5, stream=True))
     streamed = [item for c in chunks if c.choices and c.choices[0].logprobs for item in c.choices[0].logprobs.content]
-    assert [s.model_dump() for s in streamed] == [w.model_dump() for w in whole.choices[0].logprobs.content]
+    # the second request reads the prompt's KV from the prefix cache: the same tokens, logprobs within TOL
+    assert [s.token for s in streamed] == [w.token for w in whole.choices[0].logprobs.content]
+    check_chat_logprobs(streamed, ref, prompt, new, 5)
     plain = client.chat.completions.create(model="tiny-chat", messages=MESSAGES, max_tokens=4, temperature=0)
     assert plain.choices[0].logprobs is None
     zero = client.chat.completions.create(model="tiny-chat", messages=MESSAGES, max_tokens=4, temperature=0,

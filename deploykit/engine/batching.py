@@ -56,13 +56,15 @@ class Engine:
 
     def __init__(self, model: Any, tokenizer: Any, *, backend: Literal["padded", "continuous"] = "padded",
                  max_batch_size: int = 16, max_queued: int = 64, kv_cache_bytes: int = 256 << 20,
-                 forward_lock: threading.Lock | None = None, cb_page_size: int = 64) -> None:
+                 forward_lock: threading.Lock | None = None, cb_page_size: int = 64, prefix_cache_bytes: int = 0,
+                 prefill_chunk: int = 256) -> None:
         if forward_lock is not None:
             backend = "padded"  # offload hooks: deploykit's loop takes the lock around each forward
         self.model, self.tokenizer, self.backend = model.eval(), tokenizer, backend
         self.max_batch_size, self.max_queued, self.kv_cache_bytes = max_batch_size, max_queued, kv_cache_bytes
         self.eos_ids: set[int] = _eos_ids(model)
         self.kv_bytes_per_token = _kv_bytes_per_token(model)
+        self.prefix_cache_bytes, self.prefill_chunk = prefix_cache_bytes, prefill_chunk
         self._queue = Admission(max_queued=max_queued)  # request ids and closing; padded: the waiting requests
         self._batcher: Backend = self._start_backend(backend, forward_lock, cb_page_size)
         self.grammars = None if backend == "continuous" else grammars_for(model, tokenizer, self.eos_ids)
@@ -77,7 +79,8 @@ class Engine:
                                      page_size=cb_page_size)
         return PaddedBackend(self.model, self.tokenizer, self._queue, eos_ids=self.eos_ids,
                              max_batch_size=self.max_batch_size, kv_cache_bytes=self.kv_cache_bytes,
-                             kv_bytes_per_token=self.kv_bytes_per_token, forward_lock=forward_lock)
+                             kv_bytes_per_token=self.kv_bytes_per_token, forward_lock=forward_lock,
+                             prefix_cache_bytes=self.prefix_cache_bytes, prefill_chunk=self.prefill_chunk)
 
     def submit(self, request: GenerationRequest,
                listener: Callable[[int | GenerationResult], None] | None = None) -> RequestHandle:
@@ -98,7 +101,7 @@ class Engine:
         self._batcher.cancel(handle)
 
     def stats(self) -> dict[str, int]:
-        """Requests being decoded and waiting for a slot, now."""
+        """Requests being decoded and waiting for a slot, now; the prefix cache's counters when it has one."""
         return self._batcher.stats()
 
     def close(self, timeout: float | None = None) -> None:

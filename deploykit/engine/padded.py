@@ -13,8 +13,12 @@ and the seed once per manager, so greedy and sampled requests (or two seeds) can
 OpenAI-compatible server must allow; and on this CPU it is slower (SmolLM2-135M fp32 through
 ``deploykit serve``, 16 streaming clients, 64 new tokens each, 2 cores: 160.7 tok/s against 188.9-195.6 for
 the padded loop and 152-155 for ``transformers serve``; docs/benchmarks.md).
-Limits of the padded loop: it pads to the longest prompt, a long new prompt stalls the batch for one
-step (no chunked prefill), and it needs a full-attention cache (no sliding window).
+Prompts whose beginning the prefix cache holds (``prefixcache.py``), and prompts longer than
+``prefill_chunk``, are read alone in chunks that alternate with the decode steps (``prefill.py``): running
+rows keep producing tokens meanwhile, and such a prompt joins the batch only once it is read. Limits of
+the padded loop: rows pad to the longest row while they run together (the padding goes when it leaves),
+short new prompts still join in one padded prefill step, and it needs a full-attention cache (no sliding
+window; the prefix cache is then off).
 """
 
 from __future__ import annotations
@@ -28,7 +32,9 @@ import torch
 import torch.nn.functional as F
 
 from .admission import Admission, FinishReason, stop_reason
-from .kvcache import growing_cache
+from .kvcache import GrowingLayer, growing_cache
+from .prefill import Prefill
+from .prefixcache import PrefixCache
 from .requests import GenerationRequest, RequestHandle
 from .sampling import TokenLogprobs, is_plain_greedy, next_token, prompt_logprobs
 
@@ -38,12 +44,16 @@ class PaddedBackend:
     thread. Batch row i is ``rows[i]``; ``mask`` is [rows, cached tokens], 0 for left padding."""
 
     def __init__(self, model: Any, tokenizer: Any, queue: Admission, *, eos_ids: set[int], max_batch_size: int,
-                 kv_cache_bytes: int, kv_bytes_per_token: int, forward_lock: threading.Lock | None) -> None:
+                 kv_cache_bytes: int, kv_bytes_per_token: int, forward_lock: threading.Lock | None,
+                 prefix_cache_bytes: int = 0, prefill_chunk: int = 256) -> None:
         self.model, self.tokenizer, self.eos_ids = model, tokenizer, eos_ids
         self._queue = queue  # the waiting requests
         self._forward_lock: AbstractContextManager[Any] = forward_lock or nullcontext()
         self.max_batch_size, self.kv_cache_bytes = max_batch_size, kv_cache_bytes
         self.kv_bytes_per_token = kv_bytes_per_token
+        self.prefill_chunk = prefill_chunk
+        full = all(type(layer) is GrowingLayer for layer in growing_cache(model.config).layers)
+        self.prefix = PrefixCache(prefix_cache_bytes) if prefix_cache_bytes > 0 and full else None
 
     def submit(self, h: RequestHandle) -> RequestHandle:
         # requests that a free batch slot takes at the next step are not queued: count only the rest
@@ -54,47 +64,93 @@ class PaddedBackend:
         handle.finish("cancelled")  # the loop drops the row at its next step
 
     def stats(self) -> dict[str, int]:
-        return self._queue.stats()
+        return {**self._queue.stats(), **(self.prefix.stats() if self.prefix is not None else {})}
 
     def stop(self, timeout: float | None = None) -> None:
         """Nothing to stop: the loop returns once the closed queue is empty and its rows ended."""
 
     @torch.inference_mode()
     def run(self) -> None:
-        """The worker thread: admit, prefill new rows or decode the running ones, choose their tokens."""
+        """The worker thread: admit, then one unit of work per step: join short new prompts to the batch,
+        or read one chunk of a prompt prefilled alone, or decode the running rows (chunks and decode steps
+        alternate while both wait), and choose the tokens of the rows that got logits."""
         rows: list[RequestHandle] = []
         cache: Any = None
         mask = torch.zeros(0, 0, dtype=torch.long)  # 0 = left padding
-        while True:
-            rows, cache, mask = _drop_done(rows, cache, mask)
-            new = self._admit(rows, mask.shape[1])
-            self._queue.running = len(rows) + len(new)
-            if not rows and not new:
-                if not self._queue.wait_for_work(0.5):  # idle: sleep until a submit or close
-                    return
-                continue
-            new = self._start(new)
-            try:
-                if new:  # join step: only the new rows get a token (old rows advance next step)
-                    logits, cache, mask, new = self._join(new, cache, mask)
-                    step_rows, rows = new, rows + new
+        reading: list[Prefill] = []  # prompts prefilled alone, oldest first
+        chunk_next = True
+        try:
+            while True:
+                rows, cache, mask = self._drop_done(rows, cache, mask)
+                reading = [p for p in reading if not p.handle.done]
+                new = self._admit(rows + [p.handle for p in reading], mask.shape[1])
+                self._queue.running = len(rows) + len(reading) + len(new)
+                if not rows and not new and not reading:
+                    if not self._queue.wait_for_work(0.5):  # idle: sleep until a submit or close
+                        return
+                    continue
+                short, alone = self._route(self._start(new))
+                reading += alone
+                if short:  # join step: only the new rows get a token (old rows advance next step)
+                    logits, cache, mask, short = self._join(short, cache, mask)
+                    step_rows, rows = short, rows + short
+                elif reading and (chunk_next or not rows):
+                    logits, cache, mask, step_rows = self._read(reading[0], cache, mask)
+                    rows, chunk_next = rows + step_rows, False
+                    if reading[0].handle.done or step_rows:
+                        reading.pop(0)
                 elif rows:
-                    logits, cache, mask = self._decode(rows, cache, mask)
-                    step_rows = rows
+                    rows, logits, cache, mask = self._decode_rows(rows, cache, mask)
+                    step_rows, chunk_next = rows, True
                 else:
                     continue
-            except Exception:
-                try:  # a join retries its rows alone itself; a lone row's failure is its own
-                    if new or len(rows) < 2:
-                        raise
-                    rows, logits, cache, mask = self._decode_apart(rows, cache, mask)
-                except Exception as again:  # the rows decoded together fail, never the engine
-                    for h in rows + new:
-                        h.finish("error", repr(again))
-                    rows, cache, mask = [], None, mask[:0, :0]
-                    continue
-                step_rows = rows
-            self._choose(step_rows, logits)
+                self._choose(step_rows, logits)
+        finally:
+            if self.prefix is not None:  # the generation is going: its kept prefixes go with it
+                self.prefix.clear()
+
+    def _decode_rows(self, rows: list[RequestHandle], cache: Any, mask: torch.Tensor
+                     ) -> tuple[list[RequestHandle], torch.Tensor | None, Any, torch.Tensor]:
+        """A decode step of the running rows; when it fails, each row alone; the rows decoded together
+        fail only when that fails too, never the engine."""
+        try:
+            return (rows, *self._decode(rows, cache, mask))
+        except Exception:
+            try:
+                if len(rows) < 2:  # a lone row's failure is its own
+                    raise
+                return self._decode_apart(rows, cache, mask)
+            except Exception as again:
+                for h in rows:
+                    h.finish("error", repr(again))
+                return [], None, None, mask[:0, :0]
+
+    def _route(self, new: list[RequestHandle]) -> tuple[list[RequestHandle], list[Prefill]]:
+        """Which new requests join the batch in one padded prefill (short prompts, nothing cached), and
+        which are prefilled alone (``prefill.py``): a prompt whose beginning is cached, or a long one."""
+        short, alone = [], []
+        for h in new:
+            prompt = h.request.prompt_ids
+            hit = self.prefix.lookup(prompt) if self.prefix is not None else None
+            if hit is None and len(prompt) <= self.prefill_chunk:
+                short.append(h)
+            else:
+                alone.append(Prefill(h, self.model.config, hit))
+        return short, alone
+
+    def _read(self, p: Prefill, cache: Any, mask: torch.Tensor
+              ) -> tuple[torch.Tensor | None, Any, torch.Tensor, list[RequestHandle]]:
+        """One chunk of ``p``'s prompt; once it is all read, its cache joins the batch's and its row
+        gets logits. A prompt the model cannot run fails alone."""
+        try:
+            logits = p.step(self.model, self._forward_lock, self.prefill_chunk)
+        except Exception as exc:
+            p.handle.finish("error", repr(exc))
+            return None, cache, mask, []
+        if logits is None:
+            return None, cache, mask, []
+        cache, mask = _merged(cache, mask, p.cache, torch.ones(1, p.done, dtype=torch.long))
+        return logits, cache, mask, [p.handle]
 
     def _decode(self, rows: list[RequestHandle], cache: Any, mask: torch.Tensor
                 ) -> tuple[torch.Tensor, Any, torch.Tensor]:
@@ -220,13 +276,36 @@ class PaddedBackend:
         with self._forward_lock:
             out = self.model(input_ids=ids, attention_mask=nmask, position_ids=pos, use_cache=True,
                              past_key_values=growing_cache(self.model.config), logits_to_keep=1)
-        if cache is None:
-            return out.logits[:, -1].float(), out.past_key_values, nmask
-        width = max(mask.shape[1], t)  # RoPE is already applied to cached keys: padding is safe
-        for old, add in zip(cache.layers, out.past_key_values.layers):
-            old.keys = torch.cat([_lpad(old.keys, width, 2), _lpad(add.keys, width, 2)])
-            old.values = torch.cat([_lpad(old.values, width, 2), _lpad(add.values, width, 2)])
-        return out.logits[:, -1].float(), cache, torch.cat([_lpad(mask, width), _lpad(nmask, width)])
+        return (out.logits[:, -1].float(), *_merged(cache, mask, out.past_key_values, nmask))
+
+    def _drop_done(self, rows: list[RequestHandle], cache: Any, mask: torch.Tensor
+                   ) -> tuple[list[RequestHandle], Any, torch.Tensor]:
+        """The batch without its finished or cancelled rows, their KV kept in the prefix cache (unless
+        they failed) and freed from the batch."""
+        if self.prefix is not None and cache is not None:
+            for i, h in enumerate(rows):
+                if h.finished.is_set() and h.result().finish_reason != "error":
+                    self._keep(h, cache, int(mask[i].sum()), i)
+        return _drop_done(rows, cache, mask)
+
+    def _keep(self, h: RequestHandle, cache: Any, cached: int, row: int) -> None:
+        """Row ``row``'s sequence (prompt, then the generated tokens the cache holds) into the prefix cache."""
+        assert self.prefix is not None
+        ids = (list(h.request.prompt_ids) + h.tokens)[:cached]
+        self.prefix.insert(ids, [layer.keys[row:row + 1, :, -cached:] for layer in cache.layers],
+                           [layer.values[row:row + 1, :, -cached:] for layer in cache.layers])
+
+
+def _merged(cache: Any, mask: torch.Tensor, add: Any, add_mask: torch.Tensor) -> tuple[Any, torch.Tensor]:
+    """The batch's cache and mask with the rows of ``add`` appended below, both left-padded to one width
+    (RoPE is already applied to cached keys: padding is safe)."""
+    if cache is None:
+        return add, add_mask
+    width = max(mask.shape[1], add_mask.shape[1])
+    for old, new in zip(cache.layers, add.layers):
+        old.keys = torch.cat([_lpad(old.keys, width, 2), _lpad(new.keys, width, 2)])
+        old.values = torch.cat([_lpad(old.values, width, 2), _lpad(new.values, width, 2)])
+    return cache, torch.cat([_lpad(mask, width), _lpad(add_mask, width)])
 
 
 def _drop_done(rows: list[RequestHandle], cache: Any, mask: torch.Tensor

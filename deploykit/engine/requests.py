@@ -64,6 +64,7 @@ class GenerationResult:
     error: str | None = None
     logprobs: list[TokenLogprobs] | None = None  # one per token id, when the request asked for them
     prompt_logprobs: list[TokenLogprobs] | None = None  # one per prompt token after the first
+    cached_tokens: int = 0  # prompt tokens whose KV came from the prefix cache
 
 
 @dataclass(eq=False)
@@ -79,6 +80,7 @@ class RequestHandle:
     tokens: list[int] = field(default_factory=list)  # written by the engine thread only
     logprobs: list[TokenLogprobs] = field(default_factory=list)  # one per token when requested
     prompt_logprobs: list[TokenLogprobs] | None = None  # set before the first token is pushed
+    cached_tokens: int = 0  # prompt tokens read from the prefix cache (set before the first token)
     done: bool = False  # set (under _FINISH_LOCK) just before the final result
     finished: threading.Event = field(default_factory=threading.Event)
     listener: Callable[[int | GenerationResult], None] | None = None  # called from the engine's thread
@@ -103,7 +105,8 @@ class RequestHandle:
         ttft = None if self.first_token_at is None else self.first_token_at - self.submitted
         n, m = len(self.request.prompt_ids), len(self.tokens)
         lps = list(self.logprobs) if self.request.logprobs is not None else None
-        self._final = GenerationResult(list(self.tokens), reason, n, m, ttft, error, lps, self.prompt_logprobs)
+        self._final = GenerationResult(list(self.tokens), reason, n, m, ttft, error, lps, self.prompt_logprobs,
+                                       cached_tokens=self.cached_tokens)
         self.finished.set()
         self._q.put(self._final)
         if self.listener is not None:

@@ -70,6 +70,7 @@ class Plan:
     nodes: tuple[NodePlan, ...] = ()
     device_nodes: tuple[int, ...] = ()  # the node of each entry of ``devices``
     quantization: str = "none"  # spec.model.quantization: block sizes are the quantized bytes
+    prefix_cache_bytes: int = 0  # spec.serving.prefix_cache, held beside the input embeddings
 
     @property
     def is_quantized(self) -> bool:
@@ -83,6 +84,8 @@ class Plan:
             d["blocks"] = list(d["blocks"])
         if not self.is_quantized:  # unquantized plans keep their exact former shape
             data.pop("quantization")
+        if not self.prefix_cache_bytes:
+            data.pop("prefix_cache_bytes")
         if not self.nodes:  # one-node plans keep their exact former shape
             for key in ("node_map", "nodes", "device_nodes"):
                 data.pop(key)

@@ -9,9 +9,12 @@ has not seen before (its structure cache, in memory and on disk, answers the res
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 from ..errors import CheckpointError
 from .inventory import Inventory, resolve
 from ..spec.manifest import LoadedManifest
+from ..spec.schema import Spec
 from .plan import Plan
 from .planner import plan
 from ..model.gguf import is_gguf
@@ -42,9 +45,21 @@ def plan_manifest(loaded: LoadedManifest, *, devices: str | None = None,
                   inventory: Inventory | None = None) -> Plan:
     """Plan one manifest against ``inventory``, or ``devices`` (a simulated spec), or this host."""
     inv = inventory if inventory is not None else inventory_for(loaded, devices)
-    if loaded.manifest.spec.placement.tensor_parallel > 1:
+    spec = loaded.manifest.spec
+    if spec.placement.tensor_parallel > 1:
         return _plan_tensor_parallel(loaded, inv)
-    return plan(structure_for(loaded), loaded.manifest.spec, inv, name=loaded.name)
+    return replace(plan(structure_for(loaded), spec, inv, name=loaded.name),
+                   prefix_cache_bytes=prefix_cache_bytes(spec))
+
+
+def prefix_cache_bytes(spec: Spec) -> int:
+    """Bytes ``spec.serving.prefix_cache`` may hold: 0 where it is off or where nothing keeps prefixes (an
+    embedding model, pipeline stages, tensor-parallel ranks, the llama.cpp engine, which keeps its slots' own
+    prompts; continuous batching refuses it)."""
+    cache = spec.serving.prefix_cache
+    keeps = (spec.model.task == "causal-lm" and spec.serving.batching == "padded" and spec.placement.nodes == 1
+             and spec.placement.tensor_parallel == 1 and spec.engine.name == "transformers")
+    return cache.max_bytes if cache.enabled and keeps else 0
 
 
 def _plan_tensor_parallel(loaded: LoadedManifest, inventory: Inventory) -> Plan:

@@ -70,6 +70,7 @@ class DeploymentCollector:
                                     "rolled out and the last good generation serves", labels=["deployment"])
         device_bytes = GaugeMetricFamily("deploykit_device_bytes", "Bytes placed per device by the serving "
                                          "plan", labels=["deployment", "device"])
+        prefix = _prefix_families()
         for name, dep in self.registry.items():
             status = dep.status()
             gen = dep.pool.current
@@ -78,6 +79,9 @@ class DeploymentCollector:
                 stats = engine.stats()
                 running.add_metric([name, str(gen.number)], stats["running"])
                 waiting.add_metric([name, str(gen.number)], stats["waiting"])
+                for key, family in prefix.items():
+                    if key in stats:
+                        family.add_metric([name, str(gen.number)], stats[key])
             reloads.add_metric([name], status["reloads"]["total"])
             failed.add_metric([name], status["reloads"]["failed"])
             records = list(dep.reload_log.records)
@@ -90,9 +94,28 @@ class DeploymentCollector:
             for device in status["plan"] or []:
                 device_bytes.add_metric([name, str(device["device"])], device["bytes"])
         yield from (running, waiting, reloads, failed, duration, generation, in_flight, pending, device_bytes)
+        yield from prefix.values()
         host = getattr(self.registry, "host", None)
         if host is not None:
             yield from budget_metrics(host, [name for name, _ in self.registry.items()])
+
+
+def _prefix_families() -> dict[str, Any]:
+    """The prefix cache of each serving generation (``engine.prefixcache``), by the engine's stats keys."""
+    labels = list(_LABELS)
+    return {
+        "prefix_cache_bytes": GaugeMetricFamily("deploykit_prefix_cache_bytes", "Bytes of KV the prefix cache "
+                                                "holds now", labels=labels),
+        "prefix_cache_lookups": CounterMetricFamily("deploykit_prefix_cache_lookups", "Prompts looked up in the "
+                                                    "prefix cache", labels=labels),
+        "prefix_cache_hits": CounterMetricFamily("deploykit_prefix_cache_hits", "Prompts whose beginning the "
+                                                 "prefix cache held", labels=labels),
+        "prefix_cache_tokens_reused": CounterMetricFamily("deploykit_prefix_cache_tokens_reused", "Prompt tokens "
+                                                          "read from the prefix cache instead of computed",
+                                                          labels=labels),
+        "prefix_cache_evictions": CounterMetricFamily("deploykit_prefix_cache_evictions", "Prefixes evicted to "
+                                                      "stay within prefix_cache.max_bytes", labels=labels),
+    }
 
 
 def budget_metrics(host: Host, names: list[str]) -> Iterator[Any]:

@@ -258,6 +258,17 @@ class Rollout(_Strict):
                                       description="Run before a new model serves.")
 
 
+class PrefixCache(_Strict):
+    """The KV cache of finished requests' token sequences, kept to serve later requests that share their
+    beginning (a shared system prompt, a conversation's earlier turns, a document sent again)."""
+
+    enabled: bool = Field(True, description="Keep and reuse prompt prefixes (padded batching of a causal LM "
+                                            "in one process or Ray Serve replica; others keep none).")
+    max_bytes: Size = Field(256 * 2**20, description="Most bytes the kept KV may hold, on the device of the "
+                                                    "input embeddings; least recently used evicted first. "
+                                                    "Part of the plan's bytes (and of the host budget).")
+
+
 class Serving(_Strict):
     """Limits of the inference API for this model (``deploykit serve``, ``Deployment.generate``)."""
 
@@ -279,6 +290,32 @@ class Serving(_Strict):
         None, description="How this model family writes tool calls, read from answers to tool_choice 'auto' "
                           "(hermes: <tool_call>{json}</tool_call>, Hermes and Qwen2/2.5/3); unset: 'auto' is "
                           "refused (400) and only forced calls (required, a named function) are served.")
+    prefix_cache: PrefixCache = Field(default_factory=PrefixCache,
+                                      description="Reuse of prompt prefixes across requests (padded batching).")
+    prefill_chunk: int = Field(256, ge=16, le=65536,
+                               description="Prompt tokens read per step while other requests decode (padded "
+                                           "batching): a longer prompt is read in chunks of this many "
+                                           "between their decode steps.")
+
+    @field_validator("prefix_cache")
+    @classmethod
+    def _padded_only(cls, cache: PrefixCache, info: ValidationInfo) -> PrefixCache:
+        if cache.enabled and info.data.get("batching") == "continuous":
+            raise PydanticCustomError(
+                "prefix_cache_continuous", "the prefix cache needs batching: padded (transformers' continuous "
+                                           "batching keeps no prefixes here); set prefix_cache.enabled: false", {})
+        return cache
+
+    @model_serializer(mode="wrap")
+    def _omit_defaults(self, handler: SerializerFunctionWrapHandler) -> dict[str, Any]:
+        data: dict[str, Any] = handler(self)
+        if self.prefix_cache == PrefixCache():  # manifests that never name them keep their digest
+            data.pop("prefix_cache", None)
+        if self.prefill_chunk == 256:
+            data.pop("prefill_chunk", None)
+        if self.tool_call_parser is None:
+            data.pop("tool_call_parser", None)
+        return data
 
     @field_validator("max_tokens")
     @classmethod

@@ -56,15 +56,16 @@ class Generation:
 
 
 def kv_cache_budget(plan: Plan | None) -> int:
-    """Bytes the KV cache may take: what the input device's tier has left after the weights (the
-    plan knows both), else 1 GiB. Sizing it here keeps a batching engine from guessing from host RAM."""
+    """Bytes the KV cache may take: what the input device's tier has left after the weights and the
+    prefix cache (the plan knows them), else 1 GiB. Sizing it here keeps a batching engine from guessing
+    from host RAM."""
     default = 1 << 30
     if plan is None:
         return default
     first = next((d for d in plan.devices if d.blocks), None)
     if first is None or first.budget is None:
         return default
-    return max(64 << 20, first.budget - first.bytes)
+    return max(64 << 20, first.budget - first.bytes - plan.prefix_cache_bytes)
 
 
 def new_generation(number: int, loaded: LoadedModel, plan: Plan | None, revision: int, strategy: str,

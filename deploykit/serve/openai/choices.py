@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import AsyncIterator, Sequence
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from .generation import Delta, Outcome, Run
 
@@ -58,8 +58,11 @@ async def merged(runs: Sequence[Run]) -> AsyncIterator[tuple[int, Delta | None]]
         await asyncio.gather(*tasks, return_exceptions=True)
 
 
-def usage(outcomes: Sequence[Outcome], n: int) -> dict[str, int]:
-    """Outcomes in choice order, ``n`` per prompt: each prompt counted once, every choice's tokens."""
+def usage(outcomes: Sequence[Outcome], n: int) -> dict[str, Any]:
+    """Outcomes in choice order, ``n`` per prompt: each prompt counted once, every choice's tokens; the
+    prompt tokens read from the prefix cache as OpenAI reports them (``prompt_tokens_details``)."""
     prompt = sum(o.prompt_tokens for o in outcomes[::n])
     completion = sum(o.completion_tokens for o in outcomes)
-    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
+    cached = sum(o.cached_tokens for o in outcomes[::n])
+    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion,
+            "prompt_tokens_details": {"cached_tokens": cached}}

@@ -33,6 +33,7 @@ class Outcome:
     prompt_tokens: int
     completion_tokens: int
     unsent: str = ""  # the end of ``text`` known only once generation ended
+    cached_tokens: int = 0  # prompt tokens read from the prefix cache
     logprobs: list[TokenLogprobs] | None = None  # the tokens of ``text`` (EOS excluded), when asked for
     prompt_logprobs: list[TokenLogprobs] | None = None
 
@@ -145,4 +146,5 @@ def _finish(text: TextStream, parts: list[str], result: GenerationResult | None,
     metrics.prompt_tokens.labels(*labels).inc(result.prompt_tokens)
     metrics.generation_tokens.labels(*labels).inc(completion)
     metrics.request_latency.labels(*labels).observe(time.monotonic() - started)
-    return Outcome("".join(parts), reason, result.prompt_tokens, completion, unsent=rest)
+    return Outcome("".join(parts), reason, result.prompt_tokens, completion, unsent=rest,
+                   cached_tokens=result.cached_tokens)

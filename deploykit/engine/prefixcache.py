@@ -1,0 +1,127 @@
+"""The prefix cache of one generation: the KV cache of token sequences that finished, kept so that a later
+request sharing a prefix with one of them (a shared system prompt, a conversation's earlier turns, the same
+document again) prefills only what follows it.
+
+Keyed by token ids in blocks of ``BLOCK`` tokens (vLLM's automatic prefix caching keys blocks the same way:
+the hash of a block chains the hash of every block before it), so a lookup finds the longest block-aligned
+prefix any kept sequence shares with a prompt. An entry holds one sequence's keys and values for every
+layer (``[1, kv heads, tokens, head dim]``, its own contiguous copy); it serves any block prefix of itself
+as a view. Entries are bounded by ``max_bytes`` and evicted least recently used; a sequence that extends a
+kept one replaces it. Written by hand rather than taken from a library: transformers has no prefix cache
+outside its continuous-batching manager's paged cache, which deploykit's padded loop does not use.
+
+Owned by the engine's one worker thread; ``stats`` may be read from any thread (plain ints).
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Sequence
+from dataclasses import dataclass
+from itertools import count
+
+import torch
+
+BLOCK = 16  # tokens per key block: a hit reuses a multiple of this
+
+
+@dataclass(frozen=True)
+class Hit:
+    """The first ``tokens`` positions of a prompt, found cached: per layer, keys and values (views)."""
+
+    tokens: int
+    keys: list[torch.Tensor]
+    values: list[torch.Tensor]
+
+
+@dataclass
+class _Entry:
+    ids: tuple[int, ...]
+    keys: list[torch.Tensor]
+    values: list[torch.Tensor]
+    hashes: list[int]  # of each block prefix, in order
+    nbytes: int
+
+
+class PrefixCache:
+    """KV of finished sequences, looked up by the longest shared block prefix (see the module docstring)."""
+
+    def __init__(self, max_bytes: int) -> None:
+        self.max_bytes = max_bytes
+        self.bytes = 0
+        self.hits = self.lookups = self.tokens_reused = self.evictions = 0
+        self._entries: OrderedDict[int, _Entry] = OrderedDict()  # least recently used first
+        self._index: dict[int, dict[int, None]] = {}  # block-prefix hash -> entries holding that prefix
+        self._ids = count()
+
+    def lookup(self, prompt: Sequence[int]) -> Hit | None:
+        """The longest cached block prefix of ``prompt`` that leaves at least one token to prefill (the
+        model must see the last prompt token to give the first new one)."""
+        self.lookups += 1
+        hashes = _block_hashes(prompt, (len(prompt) - 1) // BLOCK)
+        for k in range(len(hashes), 0, -1):
+            for eid in reversed(self._index.get(hashes[k - 1], {})):
+                entry, n = self._entries[eid], k * BLOCK
+                if entry.ids[:n] == tuple(prompt[:n]):  # a hash collision never serves wrong keys
+                    self._entries.move_to_end(eid)
+                    self.hits += 1
+                    self.tokens_reused += n
+                    return Hit(n, [t[:, :, :n] for t in entry.keys], [t[:, :, :n] for t in entry.values])
+        return None
+
+    def insert(self, ids: Sequence[int], keys: list[torch.Tensor], values: list[torch.Tensor]) -> None:
+        """Keep the KV of ``ids`` (per layer ``[1, heads, len(ids), dim]``; cut to whole blocks and copied)."""
+        n = len(ids) // BLOCK * BLOCK
+        nbytes = n * sum(k.shape[1] * k.shape[3] * k.element_size() * 2 for k in keys)
+        if n == 0 or nbytes > self.max_bytes:
+            return
+        hashes = _block_hashes(ids, n // BLOCK)
+        head = tuple(ids[:n])
+        for eid in list(self._index.get(hashes[-1], {})):  # already kept (or a longer one holds it)
+            if self._entries[eid].ids[:n] == head:
+                self._entries.move_to_end(eid)
+                return
+        for k, h in enumerate(hashes):  # kept sequences that this one extends are no longer needed
+            for eid in list(self._index.get(h, {})):
+                entry = self._entries[eid]
+                if len(entry.ids) == (k + 1) * BLOCK and entry.ids == head[:len(entry.ids)]:
+                    self._remove(eid)
+        while self._entries and self.bytes + nbytes > self.max_bytes:
+            self._remove(next(iter(self._entries)))
+            self.evictions += 1
+        eid = next(self._ids)
+        self._entries[eid] = _Entry(head, [k[:, :, :n].contiguous().clone() for k in keys],
+                                    [v[:, :, :n].contiguous().clone() for v in values], hashes, nbytes)
+        for h in hashes:
+            self._index.setdefault(h, {})[eid] = None
+        self.bytes += nbytes
+
+    def clear(self) -> None:
+        """Drop every entry (the generation is being freed)."""
+        self._entries.clear()
+        self._index.clear()
+        self.bytes = 0
+
+    def stats(self) -> dict[str, int]:
+        return {"prefix_cache_bytes": self.bytes, "prefix_cache_hits": self.hits,
+                "prefix_cache_lookups": self.lookups, "prefix_cache_tokens_reused": self.tokens_reused,
+                "prefix_cache_evictions": self.evictions}
+
+    def _remove(self, eid: int) -> None:
+        entry = self._entries.pop(eid)
+        for h in entry.hashes:
+            holders = self._index.get(h)
+            if holders is not None:
+                holders.pop(eid, None)
+                if not holders:
+                    del self._index[h]
+        self.bytes -= entry.nbytes
+
+
+def _block_hashes(ids: Sequence[int], blocks: int) -> list[int]:
+    """The chained hash of each of the first ``blocks`` block prefixes of ``ids``."""
+    out, h = [], 0
+    for b in range(blocks):
+        h = hash((h, tuple(ids[b * BLOCK:(b + 1) * BLOCK])))
+        out.append(h)
+    return out

@@ -1,0 +1,193 @@
+"""The prefix cache and chunked prefill of the padded loop (deploykit.engine.prefixcache, prefill), on real
+tiny models: answers with and without the cache are the same (greedy tokens, logprobs within 1e-4, seeded
+sampling and penalties), a conversation's next turn and a shared system prompt are read from it, it stays
+within its bytes and lets them go when the engine closes, and a long prompt read in chunks lets a running
+stream keep producing tokens where reading it whole stalls it.
+"""
+
+from __future__ import annotations
+
+import statistics
+import threading
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import Any
+
+import pytest
+import torch
+
+from deploykit.engine.batching import Engine, GenerationRequest, GenerationResult
+from deploykit.engine.prefixcache import BLOCK, PrefixCache
+from helpers import wait_until
+
+SYSTEM = [7 + i % 200 for i in range(3 * BLOCK + 5)]  # a shared "system prompt": 3 whole blocks and a part
+
+
+@pytest.fixture(scope="module")
+def llama(tiny_model: Any) -> Any:
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(tiny_model("llama"), dtype=torch.float32).eval()
+
+
+@contextmanager
+def engine(model: Any, **kwargs: Any) -> Iterator[Engine]:
+    e = Engine(model, None, **kwargs)
+    try:
+        yield e
+    finally:
+        e.close(timeout=30)
+
+
+def run(e: Engine, prompt: list[int], **kwargs: Any) -> GenerationResult:
+    return e.submit(GenerationRequest(prompt_ids=prompt, **kwargs)).result(timeout=60)
+
+
+def test_cached_answers_equal_uncached(llama: Any) -> None:
+    """The same requests, one at a time, through an engine with the cache and one without."""
+    first = SYSTEM + [30, 31, 32]
+    asks = [dict(max_new_tokens=12, logprobs=3),
+            dict(max_new_tokens=12, temperature=0.9, top_p=0.8, seed=5, logprobs=2),
+            dict(max_new_tokens=12, temperature=1.3, seed=11, presence_penalty=0.7, frequency_penalty=0.4,
+                 logit_bias=[(40, 3.0)], logprobs=1)]
+    with engine(llama, prefix_cache_bytes=8 << 20) as cached, engine(llama) as plain:
+        run(cached, first, max_new_tokens=4)  # keeps the system prompt and its answer
+        for i, ask in enumerate(asks):
+            prompt = SYSTEM + [60 + i, 61, 62, 63]
+            a, b = run(cached, prompt, **ask), run(plain, prompt, **ask)
+            assert a.cached_tokens == 3 * BLOCK and b.cached_tokens == 0
+            assert a.token_ids == b.token_ids
+            assert a.logprobs is not None and b.logprobs is not None
+            for x, y in zip(a.logprobs, b.logprobs):
+                assert abs(x.logprob - y.logprob) < 1e-4
+                assert [t for t, _ in x.top] == [t for t, _ in y.top]
+        assert cached.stats()["prefix_cache_hits"] == 3
+
+
+def test_a_conversation_reads_its_earlier_turns(llama: Any) -> None:
+    """Turn 2 re-sends turn 1's prompt and answer: everything but the last partial block is cached."""
+    turn1 = SYSTEM + [90, 91, 92]
+    with engine(llama, prefix_cache_bytes=8 << 20) as cached, engine(llama) as plain:
+        answer = run(cached, turn1, max_new_tokens=20).token_ids
+        turn2 = turn1 + answer + [93, 94, 95]
+        a, b = run(cached, turn2, max_new_tokens=8), run(plain, turn2, max_new_tokens=8)
+        assert a.token_ids == b.token_ids
+        assert a.cached_tokens == (len(turn1) + len(answer) - 1) // BLOCK * BLOCK  # the last token had no KV yet
+        assert a.cached_tokens >= len(turn1) - BLOCK
+
+
+def test_concurrent_requests_sharing_a_prefix(llama: Any) -> None:
+    """Hits and misses admitted together, greedy and sampled, still answer as alone."""
+    with engine(llama, prefix_cache_bytes=8 << 20) as cached, engine(llama) as plain:
+        run(cached, SYSTEM + [1], max_new_tokens=2)
+        prompts = [SYSTEM + [70 + i] * (i + 1) for i in range(4)] + [[5, 6, 7], [8] * 20]
+        asks = [dict(max_new_tokens=10, temperature=0.7 * (i % 2), seed=i) for i in range(len(prompts))]
+        handles = [cached.submit(GenerationRequest(prompt_ids=p, **k)) for p, k in zip(prompts, asks)]
+        got = [h.result(timeout=60) for h in handles]
+        want = [run(plain, p, **k) for p, k in zip(prompts, asks)]
+        assert [g.token_ids for g in got] == [w.token_ids for w in want]
+        assert [g.cached_tokens for g in got] == [3 * BLOCK] * 4 + [0, 0]
+
+
+def test_the_cache_stays_within_its_bytes_and_is_freed_on_close(llama: Any) -> None:
+    per_token = 2 * 4 * 2 * 16 * 4  # K and V, 4 layers, 2 KV heads of 16, float32
+    room = 5 * BLOCK * per_token  # five blocks: two sequences of two blocks, not three
+    with engine(llama, prefix_cache_bytes=room) as cached:
+        for i in range(4):
+            run(cached, [100 + i] * (2 * BLOCK + 3), max_new_tokens=2)
+        stats = wait_stats(cached, lambda s: s["prefix_cache_evictions"] >= 1)
+        assert 0 < stats["prefix_cache_bytes"] <= room
+    assert cached.stats()["prefix_cache_bytes"] == 0  # closed: the kept KV went with the engine
+
+
+def wait_stats(e: Engine, ready: Any, timeout: float = 10.0) -> dict[str, int]:
+    """The engine's stats once ``ready`` holds (a finished row is kept when it leaves the batch, at the
+    engine's next step)."""
+    wait_until(lambda: ready(e.stats()), timeout=timeout)
+    return e.stats()
+
+
+def test_prefix_cache_unit_lru_and_extension() -> None:
+    """A sequence that extends a kept one replaces it; the least recently used goes first."""
+    def kv(n: int) -> list[torch.Tensor]:
+        return [torch.randn(1, 2, n, 4)]
+
+    per_token = 2 * 2 * 4 * 4
+    cache = PrefixCache(max_bytes=4 * BLOCK * per_token)
+    a = list(range(2 * BLOCK))
+    cache.insert(a, kv(len(a)), kv(len(a)))
+    cache.insert(a + [1] * BLOCK, kv(3 * BLOCK), kv(3 * BLOCK))  # extends a: a is dropped
+    assert cache.bytes == 3 * BLOCK * per_token
+    hit = cache.lookup(a + [9])
+    assert hit is not None and hit.tokens == 2 * BLOCK
+    assert cache.lookup(a[:BLOCK]) is None  # nothing left to prefill would remain: no hit on a whole prompt
+    b = [500] * (2 * BLOCK)
+    cache.insert(b, kv(len(b)), kv(len(b)))  # over max_bytes: the older entry goes
+    assert cache.evictions == 1 and cache.bytes == 2 * BLOCK * per_token
+    assert cache.lookup(a + [9]) is None and cache.lookup(b + [1]) is not None
+
+
+@pytest.fixture(scope="module")
+def long_llama() -> Any:
+    """A tiny random Llama with room for prompts of thousands of tokens."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    config = LlamaConfig(hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=4,
+                         num_key_value_heads=2, vocab_size=256, max_position_embeddings=4096, eos_token_id=None)
+    return LlamaForCausalLM(config).eval()
+
+
+def stream_during_long_prompt(model: Any, chunk: int) -> tuple[list[int], int, float]:
+    """A stream runs while a 3,000-token prompt arrives: (its tokens, how many it produced while the
+    prompt was read, its median gap between two tokens then: the median, so that one stall of this busy
+    machine does not decide)."""
+    times: list[float] = []
+    started = threading.Event()
+
+    def listen(event: int | GenerationResult) -> None:
+        if isinstance(event, int):
+            times.append(time.monotonic())
+            if len(times) == 5:
+                started.set()
+
+    with engine(model, prefill_chunk=chunk) as e:
+        stream = e.submit(GenerationRequest(prompt_ids=[3, 4, 5], max_new_tokens=400), listener=listen)
+        assert started.wait(30)
+        long = e.submit(GenerationRequest(prompt_ids=[(7 * i) % 250 + 3 for i in range(3000)], max_new_tokens=1))
+        result = long.result(timeout=120)
+        assert result.finish_reason == "length"
+        read_from, read_until = long.submitted, long.submitted + (result.time_to_first_token or 0)
+        e.cancel(stream)
+        tokens = stream.result(timeout=30).token_ids
+    during = [t for t in times if read_from <= t <= read_until]
+    window = [read_from] + during + [next((t for t in times if t > read_until), read_until)]
+    return tokens, len(during), statistics.median(b - a for a, b in zip(window, window[1:]))
+
+
+def test_chunked_prefill_keeps_a_running_stream_flowing(long_llama: Any) -> None:
+    whole_tokens, whole_during, whole_gap = stream_during_long_prompt(long_llama, chunk=100_000)
+    chunked_tokens, chunked_during, chunked_gap = stream_during_long_prompt(long_llama, chunk=128)
+    shared = min(len(whole_tokens), len(chunked_tokens))
+    assert chunked_tokens[:shared] == whole_tokens[:shared]  # the stream's answer does not change
+    assert whole_during <= 1  # read whole: the stream waits for all of it (one gap, the whole read)
+    assert chunked_during >= 5, (chunked_during, chunked_gap, whole_gap)
+    assert chunked_gap < whole_gap / 3, (chunked_gap, whole_gap)
+
+
+@pytest.mark.parametrize(("serving", "held"), [("", 256 << 20), ("serving: {prefix_cache: {max_bytes: 8MiB}}", 8 << 20),
+                                               ("serving: {prefix_cache: {enabled: false}}", 0),
+                                               ("serving: {batching: continuous, prefix_cache: {enabled: false}}", 0)])
+def test_the_plan_and_the_budget_count_the_prefix_cache(model: Any, tmp_path: Any, serving: str, held: int) -> None:
+    from deploykit.control.budget import plan_tiers
+    from deploykit.placement.planning import plan_manifest
+    from deploykit.spec.manifest import load_manifests
+    from manifests import manifest_text
+
+    (tmp_path / "m.yaml").write_text(manifest_text(model) + (f"  {serving}\n" if serving else ""))
+    [loaded] = load_manifests(tmp_path / "m.yaml")
+    plan = plan_manifest(loaded, devices="cpu=8GiB")
+    assert plan.prefix_cache_bytes == held
+    assert plan_tiers(plan)["cpu"] == plan.total_bytes + held
+    assert ("prefix_cache_bytes" in plan.to_dict()) == bool(held)  # plans without one keep their former shape
