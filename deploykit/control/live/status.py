@@ -15,6 +15,7 @@ from ..revisions.state import StateStore
 
 if TYPE_CHECKING:
     from ..budget.host import BudgetView, Host
+    from .canary import CanaryProgress
     from .machine import State
     from .pool import Generation, GenerationPool
     from .reloads import ReloadLog
@@ -48,15 +49,17 @@ class LiveStatus:
     reloads: dict[str, float]
     memory: dict[str, int | None]
     plan: list[PlacedDevice] | None
+    rollout: CanaryProgress | None = None  # the latest gated rollout: in progress, promoted or rolled back
 
     def to_dict(self) -> dict[str, Any]:
         out = asdict(self)
         out["phase"] = self.phase.value
+        out["rollout"] = self.rollout.to_dict() if self.rollout is not None else None
         return out
 
 
 def live_status(gen: Generation | None, state: State, *, name: str, pool: GenerationPool, host: Host | None,
-                manifest: Path, reloads: ReloadLog) -> LiveStatus:
+                manifest: Path, reloads: ReloadLog, rollout: CanaryProgress | None = None) -> LiveStatus:
     """``gen`` (its pool's current generation, read first) and ``state`` (the deployment's one state) as
     one status, with its budget under ``host`` (if any) and its reloads."""
     return LiveStatus(
@@ -72,6 +75,7 @@ def live_status(gen: Generation | None, state: State, *, name: str, pool: Genera
         memory={"rss": process_rss(), "baseline_rss": pool.baseline_rss},
         plan=[PlacedDevice(d.device, list(d.blocks), d.bytes) for d in gen.plan.devices if d.blocks]
         if gen and gen.plan else None,
+        rollout=rollout,
     )
 
 
@@ -90,4 +94,5 @@ def served_status(store: StateStore, name: str, live: LiveStatus | None) -> dict
     report["reloads"] = live.reloads if live else None
     report["loaded"] = live.loaded if live else None
     report["budget"] = asdict(live.budget) if live and live.budget else None
+    report["rollout"] = live.rollout.to_dict() if live and live.rollout else None
     return report

@@ -16,6 +16,7 @@ from .common import engine_request, find, max_tokens_of, prepare, sse
 from .generation import Outcome, Run, whole
 from .logprobs import TokenTexts, chat_content
 from .protocol import ChatCompletionRequest, new_id, now
+from ..served_by import mark
 from .stream import LeasedStream
 
 router = APIRouter()
@@ -35,6 +36,7 @@ async def chat_completions(body: ChatCompletionRequest, request: Request) -> Any
                 for j in range(body.n)]
 
     held, jobs = await prepare(dep, "text", work)
+    mark(request, held.gen)
     runs = [Run(held.gen, dep.name, job, request, state.metrics) for job in jobs]
     start(runs, held)  # before the response: a full queue is a 429, not a broken stream
     texts = TokenTexts(held.runtime.tokenizer)

@@ -18,6 +18,7 @@ from .common import engine_request, find, max_tokens_of, prepare, sse
 from .generation import Outcome, Run, whole
 from .logprobs import LegacyLogprobs, TokenTexts
 from .protocol import CompletionRequest, new_id, now
+from ..served_by import mark
 from .stream import LeasedStream
 
 router = APIRouter()
@@ -55,6 +56,7 @@ async def completions(body: CompletionRequest, request: Request) -> Any:
     state = request.app.state
     dep = await find(state.registry, body.model)
     held, choices = await prepare(dep, "text", lambda runtime: _choices(body, runtime))
+    mark(request, held.gen)
     runs = [Run(held.gen, dep.name, c.job, request, state.metrics) for c in choices]
     start(runs, held)  # before the response: a full queue is a 429, not a broken stream
     texts = TokenTexts(held.runtime.tokenizer)
