@@ -7,7 +7,12 @@ from pathlib import Path
 
 import pytest
 
-from deploykit.control.live.gates import GateResult, first_failure, golden_gates, traffic_gates
+from deploykit.control.live.gates import (
+    GateResult,
+    first_failure,
+    golden_gates,
+    traffic_gates,
+)
 from deploykit.control.live.rollout import choose_strategy
 from deploykit.control.live.traffic import Split, TrafficLog, TrafficWindow, p95
 from deploykit.engine.scoring import CaseScore, compare
