@@ -24,12 +24,11 @@ from typing import Any
 
 import openai
 import pytest
-
-from deploykit.control.revisions.state import StateStore
-
 from helpers import wait_until
 from servers import Server, get
 from test_serve_smollm2 import smollm2_file
+
+from deploykit.control.revisions.state import StateStore
 
 GOLDEN_PROMPTS = [
     {"messages": [{"role": "user", "content": "What is the capital of France?"}]},
