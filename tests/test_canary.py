@@ -78,7 +78,7 @@ class Load:
                 raw.parse()
                 self.served.append((started, int(raw.headers["x-deploykit-revision"]),
                                     int(raw.headers["x-deploykit-generation"])))
-            except Exception as exc:  # counted: the test asserts there are none
+            except Exception as exc:  # noqa: BLE001 - counted: the test asserts there are none
                 self.failures.append(repr(exc))
 
     def join(self) -> None:
@@ -106,7 +106,7 @@ def served(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Server, P
         prompts.write_text("".join(json.dumps(p) + "\n" for p in GOLDEN_PROMPTS))
         recorded = subprocess.run([sys.executable, "-m", "deploykit.cli", "golden", "smollm2", "--prompts",
                                    str(prompts), "--max-tokens", "24", "--server", server.url],
-                                  env={**server.env, "DEPLOYKIT_TOKEN": "unused"}, capture_output=True,
+                                  env={**server.env, "DEPLOYKIT_TOKEN": "unused"}, capture_output=True, check=False,
                                   text=True, timeout=300)
         assert recorded.returncode == 0, recorded.stderr
         lines = [json.loads(line) for line in recorded.stdout.splitlines()]
