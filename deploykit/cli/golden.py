@@ -69,11 +69,11 @@ def golden(name: str, prompts_file: Path, max_tokens: int, api_key: str | None, 
            state_dir: str | None) -> None:
     """Print golden references (JSON lines) for NAME: each prompt with what the serving generation answers,
     greedily."""
-    remote = connect(server, state_dir)
+    remote = None if server else connect(None, state_dir)  # the /v1 API needs no control token
     url = server or (remote.url if remote is not None else None)
     if url is None:
         raise DeploykitError("no deploykit server is running: start `deploykit serve`, or pass --server URL")
-    url = url.rstrip("/") if isinstance(url, str) else url
+    url = url.rstrip("/")
     key = api_key or os.environ.get("DEPLOYKIT_API_KEY")
     for item in _prompts(prompts_file):
         completion = _ask(url, key, name, item, max_tokens)
