@@ -235,3 +235,42 @@ def test_a_traffic_gate_that_fails_mid_way_rolls_back(served: tuple[Server, Path
     now = status(server)
     assert now["serving_revision"] == current.revision and now["rollout"]["step"] == 1
     assert server.metric("deploykit_rollout_gate_passed", deployment="smollm2", gate="max_ttft_p95") == 0
+
+
+def test_deploykit_rollback_during_a_canary_aborts_it(tmp_path: Path) -> None:
+    """Through a real server (a tiny chat model): `deploykit rollback` mid-canary ends it, the new revision is
+    Failed, requests all answered, and the serving revision takes every request again."""
+    from chatmodel import build_chat_model
+
+    model = build_chat_model(tmp_path / "model")
+
+    def tiny(shard: str) -> str:
+        return (f"apiVersion: deploykit/v1\nkind: ModelDeployment\nmetadata: {{name: smollm2}}\nspec:\n"
+                f"  model: {{path: {model}, dtype: float32}}\n  placement: {{gpus: []}}\n"
+                f"  sharding: {{max_shard_size: {shard}}}\n"
+                f"  rollout:\n    strategy: canary\n    canary: {{steps: [50, 100], step_seconds: 120s}}\n")
+
+    path = tmp_path / "chat.yaml"
+    path.write_text(tiny("2GiB"))
+    with Server(path, tmp_path / "state") as server:
+        load = Load(server.url).run()
+        path.write_text(tiny("1MiB"))
+        wait_until(lambda: (status(server)["rollout"] or {}).get("stage") == "traffic", timeout=120,
+                   what="the canary's first step")
+        wait_until(lambda: any(r == 2 for _, r, _ in load.served), timeout=60, what="the new revision serves")
+        cli = [sys.executable, "-m", "deploykit.cli"]
+        shown = subprocess.run([*cli, "rollout", "smollm2"], env=server.env, capture_output=True, text=True,
+                               check=False, timeout=60)
+        assert "step 1 of 2" in shown.stdout and "takes 50% of new requests" in shown.stdout, shown
+        rolled = subprocess.run([*cli, "rollback", "smollm2"], env=server.env, capture_output=True, text=True,
+                                check=False, timeout=120)
+        assert rolled.returncode == 0, rolled.stderr
+        seen = len(load.served)
+        wait_until(lambda: len(load.served) >= seen + 5, timeout=60, what="requests after the rollback")
+        load.join()
+        assert load.failures == []
+        assert {r for _, r, _ in load.served[-5:]} == {1}
+        history = StateStore(tmp_path / "state").history("smollm2")
+        assert [(r.revision, r.phase) for r in history] == [(1, "Ready"), (2, "Failed")]
+        assert history[-1].reason == "canary aborted at step 1 (50%): rolled back by `deploykit rollback`"
+        assert status(server)["rollout"]["stage"] == "rolled-back"
