@@ -87,8 +87,11 @@ def test_a_perturbed_checkpoint_fails_its_golden_gate_and_a_good_change_is_promo
     assert status["last_error"].startswith("gate min_top1_agreement: "), status["last_error"]
     assert status["rollout"]["stage"] == "rolled-back" and status["rollout"]["step"] == 0
     assert [(r.revision, r.phase) for r in dep.store.history("chat")] == [(1, "Ready"), (2, "Failed")]
+    old = dep.pool.current
+    assert old is not None
     path.write_text(manifest(good, shard="1MiB"))  # the same weights laid out otherwise: a good change
     assert dep.reload() is True
+    wait_until(lambda: old.loaded is None, timeout=30, what="the old generation is freed")
     callers.join()
     assert callers.failures == [] and callers.done > 0
     status = dep.status()
@@ -106,10 +109,12 @@ def test_an_abort_ends_a_canary_mid_way(deployed) -> None:
     reloading.start()
     wait_until(lambda: dep.rolling and dep.status()["rollout"]["stage"] == "traffic", timeout=60,
                what="the canary's first step")
-    assert dep.pool.share == 10 and dep.pool.candidate is not None
+    candidate = dep.pool.candidate
+    assert dep.pool.share == 10 and candidate is not None
     assert dep.abort_rollout("rolled back by hand") is True
     reloading.join(timeout=30)
     assert result == [False]
+    wait_until(lambda: candidate.loaded is None, timeout=30, what="the new generation is freed")
     assert dep.pool.candidate is None and dep.status()["revision"] == 1
     last = dep.store.history("chat")[-1]
     assert (last.phase, last.reason) == ("Failed", "canary aborted at step 1 (10%): rolled back by hand")

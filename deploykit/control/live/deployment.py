@@ -7,7 +7,7 @@
     dep.close()
 
 A thin facade over a ``GenerationPool`` (pin, swap, drain, free, leak guard), a ``Rollout`` (blue-green,
-recreate, auto), its ``Loads`` (the first load, and those on demand under a host) and a
+recreate, auto, canary: ``rollout_progress`` shows a gated one, ``abort_rollout`` ends it), its ``Loads`` (the first load, and those on demand under a host) and a
 ``ManifestWatcher``. Each successful (re)load makes a new generation; a caller that acquired generation N
 keeps it until its ``with`` block ends.
 

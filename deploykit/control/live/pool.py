@@ -3,7 +3,9 @@
 A caller pins the current generation for the duration of its work; a swap makes a new generation
 current at once, and the old one is freed (references dropped, ``gc.collect()``, the CUDA cache
 emptied where CUDA exists) when its last caller unpins it. A recreate drains first: no generation is
-current, new pins wait, and the old one is freed once its callers leave.
+current, new pins wait, and the old one is freed once its callers leave. A canary stages a candidate beside
+the current generation; new pins go to it for the share its step sets (``traffic.Split``) until it is
+promoted (the old one then retires like a swap) or discarded (it retires instead).
 
 Generations whose model carries accelerate offload hooks (GPU plans with CPU/disk blocks) run one
 forward at a time (``forward_lock``): those hooks move weights around each forward and are not

@@ -6,6 +6,9 @@
   the old generation is freed, then the new one is loaded. If that fails, the last Ready revision is
   loaded again (health-checked), so something serves.
 - ``auto``: blue-green when the plan fits beside the old generation, else recreate.
+- ``canary``: loaded and checked beside the old generation like blue-green, then judged by its gates and
+  given new requests step by step (``canary.GatedRollout``); it never falls back to recreate. Blue-green
+  with ``rollout.gates`` runs the golden gates the same way before its swap.
 
 The strategy is decided before anything is recorded (``choose_strategy``, pure): a fallback from
 blue-green to recreate is a decision, never a Failed revision.
