@@ -37,6 +37,7 @@ class Strategy(_Name):
     AUTO = "auto"
     BLUE_GREEN = "blue-green"
     RECREATE = "recreate"
+    CANARY = "canary"
 
 
 class Load(_Name):

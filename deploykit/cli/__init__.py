@@ -16,9 +16,11 @@ from .. import __version__
 from .apply import apply
 from .delete import delete
 from .diff import diff
+from .golden import golden
 from .plan import plan
 from .reshard import reshard, verify
 from .rollback import rollback
+from .rollout import rollout
 from .schema import schema
 from .serve import serve
 from .status import history, status
@@ -34,7 +36,8 @@ def main(verbose: int) -> None:
     logging.basicConfig(level=max(level, logging.DEBUG), format="%(levelname)s %(name)s: %(message)s")
 
 
-for _verb in (validate, plan, reshard, verify, apply, diff, status, history, rollback, delete, serve, schema):
+for _verb in (validate, plan, reshard, verify, apply, diff, status, history, rollback, rollout, golden, delete,
+              serve, schema):
     main.add_command(_verb)
 
 __all__ = ["main"]

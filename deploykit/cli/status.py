@@ -13,6 +13,7 @@ from ..errors import DeploykitError
 from ..units import format_size
 from .console import OUTPUT_OPTION, STATE_OPTION, handle_errors, out, print_json, store
 from .remote import SERVER_OPTION, connect
+from .rollout import rollout_lines
 
 
 def _reports(name: str | None, server: str | None, state_dir: str | None) -> list[dict[str, Any]]:
@@ -56,6 +57,9 @@ def status(name: str | None, output: str, server: str | None, state_dir: str | N
                 out.print(f"  {device}: {', '.join(d['blocks'])} ({format_size(d['bytes'])})", markup=False)
         if r.get("budget"):
             out.print("  " + _memory_line(r["budget"]), markup=False)
+        if r.get("rollout") and r["rollout"]["stage"] in ("golden", "traffic"):
+            for line in rollout_lines(r["rollout"]):
+                out.print(f"  {line}", markup=False)
         if r["last_error"]:
             out.print(f"  last error: {r['last_error']}", markup=False)
 

@@ -22,6 +22,7 @@ from .errors import install_handlers
 from .metrics import new_registry
 from .openai import chat, completions, embeddings, models
 from .openai.common import Registry
+from .served_by import ServedBy
 from . import ops
 
 if TYPE_CHECKING:
@@ -74,4 +75,4 @@ def create_app(registry: Registry, *, api_key: str | None = None, max_body: int 
         from . import control
 
         app.include_router(control.router)
-    return Guard(app, api_key=api_key, max_body=max_body, control_token=control_token)
+    return Guard(ServedBy(app), api_key=api_key, max_body=max_body, control_token=control_token)

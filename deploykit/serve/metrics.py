@@ -15,6 +15,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Histo
 
 if TYPE_CHECKING:
     from ..control.budget.host import Host
+    from ..control.live.deployment import Deployment
     from .openai.common import Registry
 
 _LABELS = ("model_name", "generation")
@@ -40,6 +41,8 @@ class ServingMetrics:
         self.client_disconnects = Counter("deploykit_client_disconnects", "Requests whose client closed the "
                                           "connection before the answer ended (each was cancelled)",
                                           ["model_name"], registry=registry)
+        self.requests = Counter("deploykit_generation_requests", "Text requests that ran to their end, per "
+                                "generation (a canary's split)", _LABELS, registry=registry)
         self.embedding_inputs = Counter("deploykit_embedding_inputs", "Texts embedded", _LABELS,
                                         registry=registry)
 
@@ -95,6 +98,7 @@ class DeploymentCollector:
                 device_bytes.add_metric([name, str(device["device"])], device["bytes"])
         yield from (running, waiting, reloads, failed, duration, generation, in_flight, pending, device_bytes)
         yield from prefix.values()
+        yield from rollout_metrics(self.registry.items())
         host = getattr(self.registry, "host", None)
         if host is not None:
             yield from budget_metrics(host, [name for name, _ in self.registry.items()])
@@ -116,6 +120,29 @@ def _prefix_families() -> dict[str, Any]:
         "prefix_cache_evictions": CounterMetricFamily("deploykit_prefix_cache_evictions", "Prefixes evicted to "
                                                       "stay within prefix_cache.max_bytes", labels=labels),
     }
+
+
+def rollout_metrics(deployments: list[tuple[str, Deployment]]) -> Iterator[Any]:
+    """Each deployment's latest gated rollout: its step, the new generation's share, its gates."""
+    step = GaugeMetricFamily("deploykit_rollout_step", "Canary step in progress (1..n; 0 before traffic moves)",
+                             labels=["deployment", "stage"])
+    share = GaugeMetricFamily("deploykit_rollout_traffic_share", "Percent of new requests sent to the new "
+                              "generation", labels=["deployment", "generation"])
+    value = GaugeMetricFamily("deploykit_rollout_gate_value", "A gate's latest measured value",
+                              labels=["deployment", "gate"])
+    passed = GaugeMetricFamily("deploykit_rollout_gate_passed", "1 when the gate passed, 0 when it failed",
+                               labels=["deployment", "gate"])
+    for name, dep in deployments:
+        progress = dep.rollout_progress
+        if progress is None:
+            continue
+        step.add_metric([name, progress.stage], progress.step)
+        share.add_metric([name, str(progress.new_generation)], progress.share)
+        for gate in progress.gates:
+            if gate.value is not None:
+                value.add_metric([name, gate.gate], gate.value)
+            passed.add_metric([name, gate.gate], 1 if gate.passed else 0)
+    yield from (step, share, value, passed)
 
 
 def budget_metrics(host: Host, names: list[str]) -> Iterator[Any]:

@@ -68,6 +68,9 @@ class LoadedManifest:
         engine = data["spec"].get("engine")
         if engine and engine.get("binary"):
             engine["binary"] = str(self.resolve(Path(engine["binary"])).resolve())
+        gates = data["spec"]["rollout"].get("gates")
+        if gates and gates.get("golden"):
+            gates["golden"] = str(self.resolve(Path(gates["golden"])).resolve())
         return yaml.safe_dump(data, sort_keys=False)
 
     def locate(self, field: str) -> tuple[int, int]:
@@ -185,6 +188,7 @@ def check_on_host(loaded: LoadedManifest) -> list[Issue]:
                                    hint="point path at a Hugging Face checkpoint directory or a .gguf file"))
     if not issues:
         issues.extend(heads_issues(loaded))
+    issues.extend(_golden_issues(loaded))
     issues.extend(_scale_out_issues(loaded))
     disk = loaded.manifest.spec.offload.disk
     if disk is not None:
@@ -192,6 +196,28 @@ def check_on_host(loaded: LoadedManifest) -> list[Issue]:
         if disk_dir.exists() and not disk_dir.is_dir():
             issues.append(loaded.issue("spec.offload.disk.path", f"{str(disk_dir)!r} is not a directory"))
     return issues
+
+
+def golden_path(loaded: LoadedManifest) -> Path | None:
+    """The golden file of the manifest's gates, resolved against the manifest, if it names one."""
+    gates = loaded.manifest.spec.rollout.gates
+    return loaded.resolve(gates.golden) if gates is not None and gates.golden is not None else None
+
+
+def _golden_issues(loaded: LoadedManifest) -> list[Issue]:
+    """A golden file that is missing, empty or not JSON lines, at ``spec.rollout.gates.golden``."""
+    from .golden import GoldenError, read_golden
+
+    path = golden_path(loaded)
+    if path is None:
+        return []
+    try:
+        read_golden(path)
+    except GoldenError as exc:
+        return [loaded.issue("spec.rollout.gates.golden", str(exc),
+                             hint='one JSON object per line: {"prompt": "..."} or {"messages": [...]}, and '
+                                  '"completion"; `deploykit golden NAME --prompts FILE` records them')]
+    return []
 
 
 def _scale_out_issues(loaded: LoadedManifest) -> list[Issue]:

@@ -27,6 +27,7 @@ from .rollout import Rollout, RolloutResult
 if TYPE_CHECKING:
     from ...artifacts.reshard import ProgressSink
     from ..budget.host import Host
+    from .canary import AbortSignal, CanaryProgress
     from .on_demand import Loads
 
 StepSink = Callable[[str], None] | None
@@ -71,7 +72,9 @@ def _probe(loads: Loads, change: Change, *, force: bool) -> ApplyOutcome:
 
 
 def roll_budgeted(loads: Loads, host: Host, change: Change, *, force: bool = False,
-                  progress: ProgressSink | None = None, on_step: StepSink = None) -> RolloutResult:
+                  progress: ProgressSink | None = None, on_step: StepSink = None,
+                  abort: AbortSignal | None = None,
+                  publish: Callable[[CanaryProgress | None], None] | None = None) -> RolloutResult:
     loaded = change.loaded
     lifecycle = loaded.manifest.spec.lifecycle
     need = need_of(change)
@@ -84,7 +87,8 @@ def roll_budgeted(loads: Loads, host: Host, change: Change, *, force: bool = Fal
     if loads.pool.unloaded:
         loads.pending = loaded  # nothing serves: its next request applies it (no room taken now)
         return RolloutResult(False, "none", replace(probe, status="deferred"))
-    rollout = Rollout(loads.pool, loads.store, devices=loads.devices, acquire_timeout=loads.acquire_timeout)
+    rollout = Rollout(loads.pool, loads.store, devices=loads.devices, acquire_timeout=loads.acquire_timeout,
+                      abort=abort, publish=publish)
     with host.rolling(loads.name):
         requested = loaded.manifest.spec.rollout.strategy
         if loads.pool.current is not None and requested != Strategy.RECREATE:
@@ -92,7 +96,10 @@ def roll_budgeted(loads: Loads, host: Host, change: Change, *, force: bool = Fal
                 with host.room(loads.name, need, reason="rollout", beside=True,
                                timeout=0 if requested == Strategy.AUTO else None):
                     return rollout.run(loaded, force=force, progress=progress, on_step=on_step, change=change)
-            except BudgetError:
+            except BudgetError as exc:
+                if requested == Strategy.CANARY:  # never a silent recreate: it needs both generations
+                    raise BudgetError(f"canary needs the new generation loaded beside the serving one: {exc}") \
+                        from None
                 if requested == Strategy.BLUE_GREEN:
                     raise
         with host.room(loads.name, need, reason="rollout"):

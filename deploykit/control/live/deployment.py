@@ -7,7 +7,7 @@
     dep.close()
 
 A thin facade over a ``GenerationPool`` (pin, swap, drain, free, leak guard), a ``Rollout`` (blue-green,
-recreate, auto), its ``Loads`` (the first load, and those on demand under a host) and a
+recreate, auto, canary: ``rollout_progress`` shows a gated one, ``abort_rollout`` ends it), its ``Loads`` (the first load, and those on demand under a host) and a
 ``ManifestWatcher``. Each successful (re)load makes a new generation; a caller that acquired generation N
 keeps it until its ``with`` block ends.
 
@@ -37,6 +37,7 @@ from ..revisions.change import Change
 from ..revisions.reconciler import ApplyOutcome
 from ..revisions.state import StateStore, open_store
 from .budgeting import roll_budgeted, start_budgeted
+from .canary import AbortSignal, CanaryProgress
 from .embedded import EmbeddedApi
 from .machine import Event, State, StateCell, Trigger
 from .on_demand import Loads
@@ -78,6 +79,8 @@ class Deployment(EmbeddedApi):
         self._watcher: ManifestWatcher | None = None
         self._closed = False
         self._given: LoadedManifest | None = None  # a manifest handed over (control API), not a file
+        self._abort = AbortSignal()  # a rollback ends a gated rollout in progress with it
+        self.rollout_progress: CanaryProgress | None = None  # the latest gated rollout (in progress or ended)
 
     @classmethod
     def from_manifest(cls, path: str | Path, *, watch: bool = False, name: str | None = None,
@@ -306,9 +309,32 @@ class Deployment(EmbeddedApi):
     def _rollout(self, change: Change, *, force: bool, progress: ProgressSink | None,
                  on_step: StepSink) -> RolloutResult:
         if self.host is None:
-            rollout = Rollout(self.pool, self.store, devices=self.devices, acquire_timeout=self.acquire_timeout)
+            rollout = Rollout(self.pool, self.store, devices=self.devices, acquire_timeout=self.acquire_timeout,
+                              abort=self._abort, publish=self._publish)
             return rollout.run(change.loaded, force=force, progress=progress, on_step=on_step, change=change)
-        return roll_budgeted(self.loads, self.host, change, force=force, progress=progress, on_step=on_step)
+        return roll_budgeted(self.loads, self.host, change, force=force, progress=progress, on_step=on_step,
+                             abort=self._abort, publish=self._publish)
+
+    def _publish(self, progress: CanaryProgress | None) -> None:
+        self.rollout_progress = progress  # one reference swapped: a reader sees a whole progress
+
+    @property
+    def rolling(self) -> bool:
+        """A gated rollout (canary, or blue-green with gates) is in progress."""
+        progress = self.rollout_progress
+        return progress is not None and progress.stage in ("golden", "traffic")
+
+    def wait_idle(self) -> None:
+        """Return once the change in progress on the worker (if any) has ended."""
+        self._worker.call(lambda: None)
+
+    def abort_rollout(self, reason: str) -> bool:
+        """End the gated rollout in progress at its next check (any thread; the worker does the rollback).
+        False when none is in progress."""
+        if not self.rolling:
+            return False
+        self._abort.set(reason)
+        return True
 
     def _finish_reload(self, result: RolloutResult, clock: ReloadClock) -> bool:
         if result.outcome is not None:
@@ -350,7 +376,7 @@ class Deployment(EmbeddedApi):
         """Phase, generation, revision, load state, budget, last error, reloads, memory and plan."""
         gen = self.pool.current  # first: a state read after it can only be newer
         return live_status(gen, self._cell.get(), name=self.name, pool=self.pool, host=self.host,
-                           manifest=self.manifest_path, reloads=self.reload_log)
+                           manifest=self.manifest_path, reloads=self.reload_log, rollout=self.rollout_progress)
 
     def status(self) -> dict[str, Any]:
         """``state()`` as a JSON object."""

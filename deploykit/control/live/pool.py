@@ -3,7 +3,9 @@
 A caller pins the current generation for the duration of its work; a swap makes a new generation
 current at once, and the old one is freed (references dropped, ``gc.collect()``, the CUDA cache
 emptied where CUDA exists) when its last caller unpins it. A recreate drains first: no generation is
-current, new pins wait, and the old one is freed once its callers leave.
+current, new pins wait, and the old one is freed once its callers leave. A canary stages a candidate beside
+the current generation; new pins go to it for the share its step sets (``traffic.Split``) until it is
+promoted (the old one then retires like a swap) or discarded (it retires instead).
 
 Generations whose model carries accelerate offload hooks (GPU plans with CPU/disk blocks) run one
 forward at a time (``forward_lock``): those hooks move weights around each forward and are not
@@ -24,6 +26,7 @@ from ...errors import ApplyError
 from ...placement.inventory import process_rss
 from ...placement.plan import Plan
 from ...threads import ThreadGroup
+from .traffic import Split, TrafficLog
 
 if TYPE_CHECKING:
     from ...engine.loader import LoadedModel
@@ -53,6 +56,7 @@ class Generation:
     runtime: Runtime | None = None  # what serves requests on this generation (closed when freed)
     task: str = "causal-lm"
     created: float = field(default_factory=time.time)
+    traffic: TrafficLog = field(default_factory=TrafficLog)  # its requests, for a canary's traffic gates
 
 
 def kv_cache_budget(plan: Plan | None) -> int:
@@ -94,6 +98,8 @@ class GenerationPool:
         self.unloaded = False  # unloaded under the host's budget: a pin raises NotLoaded instead of waiting
         self.last_used = time.monotonic()  # when the last caller unpinned (keep-alive counts from here)
         self._frees = ThreadGroup()  # frees started by ``release``; ``close`` joins them
+        self._candidate: Generation | None = None  # a canary's new generation, beside the current one
+        self._split = Split()  # the share of new pins the candidate takes
 
     @property
     def current(self) -> Generation | None:
@@ -101,7 +107,10 @@ class GenerationPool:
 
     @property
     def number(self) -> int:
-        return self._number
+        """The current generation's number (a canary's candidate counts once promoted); the latest made
+        when none is current."""
+        gen = self._current
+        return gen.number if gen is not None else self._number
 
     @property
     def loaded(self) -> bool:
@@ -114,10 +123,28 @@ class GenerationPool:
         gen = self._current
         return gen.refs if gen is not None else 0
 
+    @property
+    def candidate(self) -> Generation | None:
+        """A canary's new generation, loaded beside the current one (None outside a canary)."""
+        return self._candidate
+
+    @property
+    def share(self) -> int:
+        """Percent of new pins the candidate takes."""
+        return self._split.percent if self._candidate is not None else 0
+
+    def _chosen(self) -> Generation | None:
+        """Under the lock: the generation a new pin gets (the candidate for its share of them)."""
+        gen = self._current
+        if gen is not None and self._candidate is not None and self._split.next_is_new():
+            return self._candidate
+        return gen
+
     def try_pin(self) -> Generation | None:
-        """The current generation pinned, or None at once when there is none (a recreate is reloading)."""
+        """The current generation pinned (or, during a canary, the candidate for its share of pins), or None
+        at once when there is none (a recreate is reloading)."""
         with self._cond:
-            gen = self._current
+            gen = self._chosen()
             if gen is not None:
                 gen.refs += 1
             return gen
@@ -136,7 +163,8 @@ class GenerationPool:
                     raise ApplyError(f"deployment {self.name!r} has no model ready after {timeout:g}s "
                                      "(a recreate rollout is reloading it)")
                 self._cond.wait(remaining)
-            gen = self._current
+            gen = self._chosen()
+            assert gen is not None
             gen.refs += 1
             return gen
 
@@ -183,6 +211,48 @@ class GenerationPool:
             self._free(old)
         return gen
 
+    def stage(self, loaded: LoadedModel, plan: Plan | None, revision: int, strategy: str,
+              serving: ServingSpec) -> Generation:
+        """Hold ``loaded`` beside the current generation as the candidate, taking no requests yet."""
+        with self._cond:
+            self._number += 1
+            number = self._number
+        gen = new_generation(number, loaded, plan, revision, strategy, serving)
+        with self._cond:
+            self._candidate, self._split = gen, Split(0)
+        return gen
+
+    def route(self, percent: int) -> None:
+        """Send ``percent`` of new pins to the candidate (a running request stays where it started)."""
+        with self._cond:
+            self._split = Split(percent)
+
+    def promote(self) -> Generation:
+        """The candidate becomes the current generation; the old one is freed once its last caller leaves."""
+        with self._cond:
+            gen, self._candidate = self._candidate, None
+            assert gen is not None, "no candidate to promote"
+            old, self._current = self._current, gen
+            if old is not None:
+                old.retired = True
+            free_old = old is not None and old.refs == 0
+            self._cond.notify_all()
+        if free_old and old is not None:
+            self._free(old)
+        return gen
+
+    def discard(self) -> None:
+        """Give up the candidate: no new pin gets it, and it is freed once its last caller leaves."""
+        with self._cond:
+            gen, self._candidate = self._candidate, None
+            if gen is None:
+                return
+            gen.retired = True
+            free = gen.refs == 0
+            self._cond.notify_all()
+        if free:
+            self._free(gen)
+
     def drain(self, timeout: float) -> None:
         """Stop handing out the current generation, wait up to ``timeout`` for its callers, free it."""
         with self._cond:
@@ -223,6 +293,7 @@ class GenerationPool:
                 self._cond.notify_all()
 
     def close(self, timeout: float) -> None:
+        self.discard()
         self.drain(timeout)
         with self._cond:
             self._closed = True

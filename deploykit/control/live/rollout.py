@@ -6,6 +6,9 @@
   the old generation is freed, then the new one is loaded. If that fails, the last Ready revision is
   loaded again (health-checked), so something serves.
 - ``auto``: blue-green when the plan fits beside the old generation, else recreate.
+- ``canary``: loaded and checked beside the old generation like blue-green, then judged by its gates and
+  given new requests step by step (``canary.GatedRollout``); it never falls back to recreate. Blue-green
+  with ``rollout.gates`` runs the golden gates the same way before its swap.
 
 The strategy is decided before anything is recorded (``choose_strategy``, pure): a fallback from
 blue-green to recreate is a decision, never a Failed revision.
@@ -26,15 +29,19 @@ from ..revisions.change import Change
 from ..revisions.loading import load_revision, recorded_manifest, serving_of
 from ..revisions.reconciler import ApplyOptions, ApplyOutcome, apply
 from ..revisions.state import StateStore
+from .canary import AbortSignal, CanaryProgress, GatedPlan, GatedRollout
 from .pool import Generation, GenerationPool
 
 log = logging.getLogger(__name__)
 
 
 def choose_strategy(requested: str, *, fits_beside: bool) -> Strategy | None:
-    """The strategy a rollout runs: None when blue-green was asked for and does not fit."""
+    """The strategy a rollout runs: None when blue-green or canary was asked for and does not fit (a canary
+    never falls back to recreate: it needs both generations)."""
     if requested == Strategy.RECREATE:
         return Strategy.RECREATE
+    if requested == Strategy.CANARY:
+        return Strategy.CANARY if fits_beside else None
     if fits_beside:
         return Strategy.BLUE_GREEN
     return Strategy.RECREATE if requested == Strategy.AUTO else None
@@ -73,11 +80,14 @@ class Rollout:
     caller serialises)."""
 
     def __init__(self, pool: GenerationPool, store: StateStore, *, devices: str | None,
-                 acquire_timeout: float) -> None:
+                 acquire_timeout: float, abort: AbortSignal | None = None,
+                 publish: Callable[[CanaryProgress | None], None] | None = None) -> None:
         self.pool = pool
         self.store = store
         self.devices = devices
         self.acquire_timeout = acquire_timeout
+        self.abort = abort or AbortSignal()  # set by a rollback during a gated rollout
+        self.publish = publish or (lambda progress: None)  # where a gated rollout's progress goes
 
     def run(self, loaded: LoadedManifest, *, force: bool = False, progress: ProgressSink | None = None,
             on_step: Callable[[str], None] | None = None, strategy: str | None = None,
@@ -97,9 +107,17 @@ class Rollout:
         chosen = choose_strategy(requested, fits_beside=infeasible is None)
         if chosen is None:
             assert infeasible is not None
+            if requested == Strategy.CANARY:
+                raise PlanInfeasible(f"canary needs the new generation loaded beside the serving one, and it does "
+                                     f"not fit: {infeasible}", shortfall=infeasible.shortfall)
             raise infeasible
         how = _How(force, progress, on_step, change)
-        if chosen == Strategy.BLUE_GREEN:
+        rollout = loaded.manifest.spec.rollout
+        if self.pool.current is not None and (chosen == Strategy.CANARY or (
+                chosen == Strategy.BLUE_GREEN and rollout.gates is not None)):
+            canary = rollout.steps if chosen == Strategy.CANARY else None
+            return self._gated(loaded, beside, how, GatedPlan(rollout.gates, canary))
+        if chosen in (Strategy.BLUE_GREEN, Strategy.CANARY):  # nothing serves yet: nothing to compare with
             return self._blue_green(loaded, beside, how)
         return self._recreate(loaded, how)
 
@@ -112,6 +130,20 @@ class Rollout:
         self.pool.install(outcome.loaded, outcome.plan, outcome.revision or 0, "blue-green", serving_of(loaded))
         outcome.loaded = None  # the pool owns the model now: a kept outcome must not pin it
         return RolloutResult(True, "blue-green", outcome)
+
+    def _gated(self, loaded: LoadedManifest, beside: Inventory, how: _How, gated: GatedPlan) -> RolloutResult:
+        """Load and check beside the serving generation, leave the revision Progressing, and let the gates
+        (and a canary's steps) decide (``canary.GatedRollout``)."""
+        outcome = apply(loaded, store=self.store, options=ApplyOptions(inventory=beside, keep_model=True,
+                                                                       force=how.force, gated=True),
+                        progress=how.progress, on_step=how.on_step, change=how.change)
+        if outcome.status == "unchanged" or outcome.loaded is None:
+            return RolloutResult(False, "none", outcome)
+        model, outcome.loaded = outcome.loaded, None  # the pool owns the model now
+        self.abort.clear()
+        run = GatedRollout(self.pool, self.store, loaded, gated, abort=self.abort, publish=self.publish)
+        run.run(model, outcome.plan, outcome.revision or 0, serving_of(loaded))
+        return RolloutResult(True, str(Strategy.CANARY if gated.canary else Strategy.BLUE_GREEN), outcome)
 
     def _recreate(self, loaded: LoadedManifest, how: _How) -> RolloutResult:
         drained = False

@@ -15,6 +15,7 @@ from ..revisions.state import StateStore
 
 if TYPE_CHECKING:
     from ..budget.host import BudgetView, Host
+    from .canary import CanaryProgress
     from .machine import State
     from .pool import Generation, GenerationPool
     from .reloads import ReloadLog
@@ -68,15 +69,17 @@ class LiveStatus:
     memory: dict[str, int | None]
     plan: list[PlacedDevice] | None
     engine_process: EngineProcess | None = None  # llama.cpp: its llama-server
+    rollout: CanaryProgress | None = None  # the latest gated rollout: in progress, promoted or rolled back
 
     def to_dict(self) -> dict[str, Any]:
         out = asdict(self)
         out["phase"] = self.phase.value
+        out["rollout"] = self.rollout.to_dict() if self.rollout is not None else None
         return out
 
 
 def live_status(gen: Generation | None, state: State, *, name: str, pool: GenerationPool, host: Host | None,
-                manifest: Path, reloads: ReloadLog) -> LiveStatus:
+                manifest: Path, reloads: ReloadLog, rollout: CanaryProgress | None = None) -> LiveStatus:
     """``gen`` (its pool's current generation, read first) and ``state`` (the deployment's one state) as
     one status, with its budget under ``host`` (if any) and its reloads."""
     return LiveStatus(
@@ -93,6 +96,7 @@ def live_status(gen: Generation | None, state: State, *, name: str, pool: Genera
         plan=[PlacedDevice(d.device, list(d.blocks), d.bytes) for d in gen.plan.devices if d.blocks]
         if gen and gen.plan else None,
         engine_process=engine_process(gen),
+        rollout=rollout,
     )
 
 
@@ -113,4 +117,5 @@ def served_status(store: StateStore, name: str, live: LiveStatus | None) -> dict
     report["budget"] = asdict(live.budget) if live and live.budget else None
     if live is not None and live.engine_process is not None:  # llama.cpp: its process, and deaths recovered from
         report["engine_process"] = asdict(live.engine_process)
+    report["rollout"] = live.rollout.to_dict() if live and live.rollout else None
     return report

@@ -316,11 +316,29 @@ class Supervisor:
         """Re-apply a recorded revision's manifest (``lifecycle.rollback_target`` chooses) and serve it."""
         from ..revisions.lifecycle import rollback_target
 
+        aborted = self._abort_rollout(name, to_revision, on_step)
+        if aborted is not None:
+            return aborted
         self.owners.check_api_change(name, "roll back")
         target = rollback_target(self.store, name, to_revision=to_revision)
         outcome = self.apply_manifest(recorded_manifest(target), force=True, progress=progress, on_step=on_step,
                                       on_wait=on_wait, what="rollback")
         return target, outcome
+
+    def _abort_rollout(self, name: str, to_revision: int | None,
+                       on_step: StepSink | None) -> tuple[Revision, ApplyOutcome] | None:
+        """A rollback during a gated rollout ends it: the serving revision stays (the new one is recorded
+        Failed). Returns what serves once it ended, or None when no gated rollout is in progress."""
+        dep = self.get(name)
+        if dep is None or to_revision is not None or not dep.abort_rollout("rolled back by `deploykit rollback`"):
+            return None
+        if on_step is not None:
+            on_step("abort the rollout")
+        dep.wait_idle()  # the rollout ends on the deployment's worker, with its rollback
+        current = self.store.current(name)
+        if current is None:
+            raise DeploykitError(f"{name!r} has no Ready revision after its rollout was aborted")
+        return current, ApplyOutcome(name, "unchanged", current.revision, current.plan)
 
     def delete(self, name: str, *, keep_shards: bool = False, reason: str = "deleted",
                on_wait: StepSink | None = None) -> None:

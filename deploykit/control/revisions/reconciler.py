@@ -66,6 +66,7 @@ class ApplyOptions:
     keep_model: bool = False  # return the loaded model (a runtime serves it)
     load_if_unchanged: bool = False  # also load the current revision when nothing changed
     before_load: Callable[[], None] | None = None  # runs just before loading (recreate frees the old model)
+    gated: bool = False  # loaded and checked, left Progressing: the caller's gates finish it (``finish_gated``)
 
 
 @dataclass
@@ -204,10 +205,10 @@ def _act(change: Change, store: StateStore, checkpoint: Checkpoint | None, finge
         store.finish_revision(loaded.name, revision, ready=False, reason=reason or type(exc).__name__,
                               timings=timer.timings)
         raise
-    store.finish_revision(loaded.name, revision, ready=True, reason=health, timings=timer.timings)
+    if not options.gated:
+        finish_gated(loaded, store, revision, ready=True, reason=health, timings=timer.timings)
     if not options.keep_model and model.runtime is not None:
         model.runtime.close()  # checked and recorded; nothing here serves it (a CLI apply)
-    collect_old_shards(loaded, store)
     return ApplyOutcome(loaded.name, "applied", revision, plan, decision.actions, timer.timings, shards=shards,
                         reshard=result, loaded=model if options.keep_model else None, health=health)
 
@@ -221,3 +222,11 @@ def _files(loaded: LoadedManifest, store: StateStore, checkpoint: Checkpoint | N
     shards, result = lay_out(loaded, store, checkpoint, plan, progress)
     in_place = result is None and shards == checkpoint.path
     return shards, result, in_place_checksums(checkpoint) if in_place else None
+
+
+def finish_gated(loaded: LoadedManifest, store: StateStore, revision: int, *, ready: bool, reason: str | None,
+                 timings: dict[str, float] | None = None) -> None:
+    """Record a revision's outcome; a Ready one becomes current and the shards no revision needs go."""
+    store.finish_revision(loaded.name, revision, ready=ready, reason=reason, timings=timings)
+    if ready:
+        collect_old_shards(loaded, store)

@@ -26,6 +26,7 @@ from .common import engine_request, find, lease, max_tokens_of, prepared, sse
 from .generation import Outcome, Run, whole
 from .logprobs import TokenTexts, chat_content
 from .protocol import ChatCompletionRequest, new_id, now
+from ..served_by import mark
 from .stream import LeasedStream
 from .structured import HermesStream, Structured, check_auto, new_call, plan_of, tool_calls_of
 
@@ -54,6 +55,7 @@ async def chat_completions(body: ChatCompletionRequest, request: Request) -> Any
                                grammar=plan.constraint) for j in range(body.n)]
 
     held = await lease(dep, "text")
+    mark(request, held.gen)
     if relay.is_relayed(held):  # llama.cpp: llama-server computes the validated request
         return await relay.chat(body, request, held, dep.name)
     held, jobs = await prepared(held, work)

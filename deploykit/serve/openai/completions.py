@@ -19,6 +19,7 @@ from .common import engine_request, find, lease, max_tokens_of, prepared, sse
 from .generation import Outcome, Run, whole
 from .logprobs import LegacyLogprobs, TokenTexts
 from .protocol import CompletionRequest, new_id, now
+from ..served_by import mark
 from .stream import LeasedStream
 
 router = APIRouter()
@@ -56,6 +57,7 @@ async def completions(body: CompletionRequest, request: Request) -> Any:
     state = request.app.state
     dep = await find(state.registry, body.model)
     held = await lease(dep, "text")
+    mark(request, held.gen)
     if relay.is_relayed(held):  # llama.cpp: llama-server computes the validated request
         return await relay.completions(body, request, held, dep.name)
     held, choices = await prepared(held, lambda runtime: _choices(body, runtime))

@@ -10,6 +10,7 @@ from typing import Any
 from fastapi import APIRouter, Request
 
 from ..errors import APIError
+from ..served_by import mark
 from .common import find, lease
 from .protocol import EmbeddingRequest
 
@@ -46,6 +47,7 @@ async def embeddings(body: EmbeddingRequest, request: Request) -> Any:
     state = request.app.state
     dep = await find(state.registry, body.model)
     held = await lease(dep, "embedding")
+    mark(request, held.gen)
     try:
         gen = held.gen
         runtime: Any = gen.runtime

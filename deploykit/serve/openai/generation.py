@@ -67,6 +67,7 @@ class Run:
         self.handle: Any = None
         self.events: TokenEvents | None = None
         self.started = 0.0
+        self.ttft: float | None = None
         self.logprobs: list[TokenLogprobs] = []  # of the tokens handed out so far
 
     def start(self) -> None:
@@ -95,7 +96,8 @@ class Run:
                     result = event
                     break
                 if not parts and not text.ids:
-                    metrics.time_to_first_token.labels(*self.labels).observe(time.monotonic() - self.started)
+                    self.ttft = time.monotonic() - self.started
+                    metrics.time_to_first_token.labels(*self.labels).observe(self.ttft)
                 if self.request.logprobs is not None and not text.stopped and event not in self.runtime.eos_ids:
                     pending.append(self.handle.logprobs[len(text.ids)])  # pushed before the listener heard
                 delta = text.push(event)
@@ -108,6 +110,9 @@ class Run:
             watcher.cancel()
             if result is None:  # the client went away (or this task was cancelled): free the slot
                 self.cancel()
+        if result is not None:  # what a canary's traffic gates read (a client that left counts for neither)
+            self.gen.traffic.record(ttft=self.ttft, failed=result.finish_reason == "error")
+            metrics.requests.labels(*self.labels).inc()
         self.outcome = _finish(text, parts, result, metrics, self.labels, self.started)
         if self.request.logprobs is not None:
             self.outcome.logprobs = self.logprobs  # complete once the last delta below is out

@@ -1,0 +1,121 @@
+"""The library ``Deployment`` runs the same gated rollouts: a perturbed checkpoint fails its golden gate
+while callers keep being served by the old generation; a good change walks its steps and is promoted; an
+abort (what `deploykit rollback` sends) ends a canary mid-way."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import threading
+from pathlib import Path
+
+import pytest
+from chatmodel import build_chat_model
+from helpers import wait_until
+
+from deploykit import Deployment
+
+GOLDEN = [{"prompt": "The capital of France is", "completion": " Paris, a city on the Seine."},
+          {"messages": [{"role": "user", "content": "Say hi"}], "completion": "Hi! How can I help you today?"}]
+
+
+def manifest(path: Path, *, shard: str = "2GiB", steps: str = "[50, 100]", seconds: str = "1s") -> str:
+    return (f"apiVersion: deploykit/v1\nkind: ModelDeployment\nmetadata: {{name: chat}}\nspec:\n"
+            f"  model: {{path: {path}, dtype: float32}}\n  placement: {{gpus: []}}\n"
+            f"  sharding: {{max_shard_size: {shard}}}\n"
+            f"  rollout:\n    strategy: canary\n    canary: {{steps: {steps}, step_seconds: {seconds}}}\n"
+            f"    gates: {{golden: golden.jsonl, max_nll_increase: 0.05, min_top1_agreement: 0.9}}\n")
+
+
+def perturbed(good: Path, to: Path) -> Path:
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    shutil.copytree(good, to)
+    weights = load_file(to / "model.safetensors")
+    key = "model.layers.1.mlp.down_proj.weight"
+    noise = torch.randn(weights[key].shape, generator=torch.Generator().manual_seed(1))
+    weights[key] = weights[key] + noise * weights[key].abs().mean() * 20
+    save_file(weights, to / "model.safetensors", metadata={"format": "pt"})
+    return to
+
+
+@pytest.fixture
+def deployed(tmp_path: Path):
+    good = build_chat_model(tmp_path / "good")
+    (tmp_path / "golden.jsonl").write_text("".join(json.dumps(c) + "\n" for c in GOLDEN))
+    path = tmp_path / "chat.yaml"
+    path.write_text(manifest(good))
+    dep = Deployment.from_manifest(path, state_dir=tmp_path / "state")
+    try:
+        yield dep, path, good
+    finally:
+        dep.close()
+
+
+class Callers:
+    """Threads calling ``dep.generate`` until stopped; every failure kept."""
+
+    def __init__(self, dep: Deployment) -> None:
+        self.dep, self.done, self.failures = dep, 0, []  # type: ignore[var-annotated]
+        self.stop = threading.Event()
+        self.threads = [threading.Thread(target=self._call) for _ in range(2)]
+        for thread in self.threads:
+            thread.start()
+
+    def _call(self) -> None:
+        while not self.stop.is_set():
+            try:
+                self.dep.generate("Hello", max_tokens=2)
+                self.done += 1
+            except Exception as exc:  # noqa: BLE001 - counted: the test asserts there are none
+                self.failures.append(repr(exc))
+
+    def join(self) -> None:
+        self.stop.set()
+        for thread in self.threads:
+            thread.join(timeout=60)
+
+
+def test_a_perturbed_checkpoint_fails_its_golden_gate_and_a_good_change_is_promoted(deployed, tmp_path: Path) -> None:
+    dep, path, good = deployed
+    callers = Callers(dep)
+    path.write_text(manifest(perturbed(good, tmp_path / "bad")))
+    assert dep.reload() is False
+    status = dep.status()
+    assert status["generation"] == 1 and status["revision"] == 1
+    assert status["last_error"].startswith("gate min_top1_agreement: "), status["last_error"]
+    assert status["rollout"]["stage"] == "rolled-back" and status["rollout"]["step"] == 0
+    assert [(r.revision, r.phase) for r in dep.store.history("chat")] == [(1, "Ready"), (2, "Failed")]
+    old = dep.pool.current
+    assert old is not None
+    path.write_text(manifest(good, shard="1MiB"))  # the same weights laid out otherwise: a good change
+    assert dep.reload() is True
+    wait_until(lambda: old.loaded is None, timeout=30, what="the old generation is freed")
+    callers.join()
+    assert callers.failures == [] and callers.done > 0
+    status = dep.status()
+    assert status["revision"] == 3 and status["last_error"] is None and status["rollout"]["stage"] == "promoted"
+    gates = {g["gate"]: g["value"] for g in status["rollout"]["gates"]}
+    assert gates == {"max_nll_increase": pytest.approx(0.0, abs=1e-5), "min_top1_agreement": 1.0}
+    assert dep.pool.candidate is None and status["generation"] == dep.pool.current.number  # type: ignore[union-attr]
+
+
+def test_an_abort_ends_a_canary_mid_way(deployed) -> None:
+    dep, path, good = deployed
+    path.write_text(manifest(good, shard="1MiB", steps="[10, 100]", seconds="60s"))
+    result: list[bool] = []
+    reloading = threading.Thread(target=lambda: result.append(dep.reload()))
+    reloading.start()
+    wait_until(lambda: dep.rolling and dep.status()["rollout"]["stage"] == "traffic", timeout=60,
+               what="the canary's first step")
+    candidate = dep.pool.candidate
+    assert dep.pool.share == 10 and candidate is not None
+    assert dep.abort_rollout("rolled back by hand") is True
+    reloading.join(timeout=30)
+    assert result == [False]
+    wait_until(lambda: candidate.loaded is None, timeout=30, what="the new generation is freed")
+    assert dep.pool.candidate is None and dep.status()["revision"] == 1
+    last = dep.store.history("chat")[-1]
+    assert (last.phase, last.reason) == ("Failed", "canary aborted at step 1 (10%): rolled back by hand")
+    assert dep.abort_rollout("again") is False  # nothing in progress

@@ -1,0 +1,184 @@
+"""The pure parts of a gated rollout, as tables: the manifest's rollout fields (each error located), golden
+files, the split of new requests, the gate decisions and the comparison of two generations' scores."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from deploykit.control.live.gates import (
+    GateResult,
+    first_failure,
+    golden_gates,
+    traffic_gates,
+)
+from deploykit.control.live.rollout import choose_strategy
+from deploykit.control.live.traffic import Split, TrafficLog, TrafficWindow, p95
+from deploykit.engine.scoring import CaseScore, compare
+from deploykit.errors import ManifestError
+from deploykit.spec.golden import GoldenError, parse_golden
+from deploykit.spec.manifest import check_on_host, parse_manifests
+from deploykit.spec.schema import Gates
+
+HEAD = """\
+apiVersion: deploykit/v1
+kind: ModelDeployment
+metadata: {name: chat}
+spec:
+  model: {path: ./model}
+  rollout:
+"""
+
+
+def _issues(rollout: str, tmp_path: Path, extra: str = "") -> list[tuple[int, str, str]]:
+    text = HEAD + rollout + extra
+    try:
+        loaded = parse_manifests(text.encode(), source="m.yaml", base_dir=tmp_path)
+    except ManifestError as exc:
+        return [(i.line or 0, i.field or "", i.message) for i in exc.issues]
+    return [(i.line or 0, i.field or "", i.message) for i in check_on_host(loaded[0])
+            if i.field != "spec.model.path"]
+
+
+GOLDEN_GATES = "    gates: {golden: g.jsonl, max_nll_increase: 0.1}\n"
+
+
+@pytest.mark.parametrize(("rollout", "line", "field", "says"), [
+    ("    strategy: canary\n    canary: {steps: [10, 5, 100]}\n", 8, "spec.rollout.canary.steps", "increase"),
+    ("    strategy: canary\n    canary: {steps: [10, 50]}\n", 8, "spec.rollout.canary.steps", "must be 100"),
+    ("    strategy: canary\n    canary: {steps: [0, 100]}\n", 8, "spec.rollout.canary.steps.0", "greater than"),
+    ("    strategy: canary\n    canary: {step_seconds: soon}\n", 8, "spec.rollout.canary.step_seconds", "duration"),
+    ("    strategy: blue-green\n    canary: {steps: [100]}\n", 8, "spec.rollout.canary", "need strategy canary"),
+    ("    strategy: recreate\n" + GOLDEN_GATES, 8, "spec.rollout.gates", "set strategy to canary"),
+    ("    strategy: auto\n" + GOLDEN_GATES, 8, "spec.rollout.gates", "set strategy to canary"),
+    ("    strategy: blue-green\n    gates: {max_ttft_p95: 2s}\n", 8, "spec.rollout.gates.max_ttft_p95",
+     "blue-green moves every request"),
+    ("    strategy: canary\n    gates: {max_nll_increase: 0.1}\n", 8, "spec.rollout.gates.max_nll_increase",
+     "add golden"),
+    ("    strategy: canary\n    gates: {golden: g.jsonl}\n", 8, "spec.rollout.gates.golden", "set one of them"),
+    ("    strategy: canary\n    gates: {min_top1_agreement: 1.5, golden: g.jsonl}\n", 8,
+     "spec.rollout.gates.min_top1_agreement", "less than or equal to 1"),
+    ("    strategy: canary\n    gates: {max_ttft_p95: fast}\n", 8, "spec.rollout.gates.max_ttft_p95", "duration"),
+])
+def test_rollout_fields_are_checked_and_located(rollout: str, line: int, field: str, says: str,
+                                                tmp_path: Path) -> None:
+    (tmp_path / "g.jsonl").write_text('{"prompt": "a", "completion": "b"}\n')
+    issues = _issues(rollout, tmp_path)
+    assert [(i[0], i[1]) for i in issues] == [(line, field)], issues
+    assert says in issues[0][2]
+
+
+@pytest.mark.parametrize(("model", "extra", "field", "says"), [
+    ("{path: ./model}", "  cluster: {address: local}\n", "spec.rollout.strategy", "Ray cluster"),
+    ("{path: ./model, task: feature-extraction}", "", "spec.rollout.gates.golden", "feature-extraction"),
+])
+def test_engines_that_cannot_score_or_split_refuse_at_the_field(model: str, extra: str, field: str, says: str,
+                                                               tmp_path: Path) -> None:
+    (tmp_path / "g.jsonl").write_text('{"prompt": "a", "completion": "b"}\n')
+    text = HEAD.replace("{path: ./model}", model) + "    strategy: canary\n" + GOLDEN_GATES + extra
+    with pytest.raises(ManifestError) as caught:
+        parse_manifests(text.encode(), source="m.yaml", base_dir=tmp_path)
+    assert [(i.field, says in i.message) for i in caught.value.issues] == [(field, True)], caught.value.issues
+
+
+@pytest.mark.parametrize(("content", "says"), [
+    (None, "does not exist"),
+    ("", "no cases"),
+    ("\n\n", "no cases"),
+    ('{"prompt": "a", "completion": "b"}\nnot json\n', "line 2: not JSON"),
+    ('["a"]\n', "line 1: a case must be a JSON object"),
+    ('{"prompt": "a"}\n', "line 1: completion must be a non-empty string"),
+    ('{"prompt": "a", "messages": [], "completion": "b"}\n', "exactly one of prompt and messages"),
+    ('{"messages": [{"role": "user"}], "completion": "b"}\n', "messages must be"),
+    ('{"prompt": "a", "completion": "b", "answer": "c"}\n', "unknown key 'answer'"),
+])
+def test_a_bad_golden_file_is_a_located_error_at_validate_time(content: str | None, says: str,
+                                                              tmp_path: Path) -> None:
+    if content is not None:
+        (tmp_path / "g.jsonl").write_text(content)
+    issues = _issues("    strategy: canary\n" + GOLDEN_GATES, tmp_path)
+    assert [(i[0], i[1]) for i in issues] == [(8, "spec.rollout.gates.golden")]
+    assert says in issues[0][2], issues
+
+
+def test_golden_cases_parse() -> None:
+    cases = parse_golden('{"prompt": "a", "completion": "b"}\n\n'
+                         '{"messages": [{"role": "user", "content": "hi"}], "completion": "hello"}\n')
+    assert [(c.prompt, c.messages, c.completion) for c in cases] == [
+        ("a", None, "b"), (None, ({"role": "user", "content": "hi"},), "hello")]
+    with pytest.raises(GoldenError) as caught:
+        parse_golden('{"prompt": 3, "completion": "b"}')
+    assert caught.value.line == 1
+
+
+@pytest.mark.parametrize(("requested", "fits", "chosen"), [
+    ("canary", True, "canary"), ("canary", False, None),  # a canary never falls back to recreate
+    ("blue-green", False, None), ("auto", False, "recreate"),
+])
+def test_a_canary_needs_room_beside(requested: str, fits: bool, chosen: str | None) -> None:
+    assert choose_strategy(requested, fits_beside=fits) == chosen
+
+
+@pytest.mark.parametrize("percent", [0, 1, 10, 33, 50, 90, 100])
+def test_the_split_gives_each_step_its_share_to_within_one_request(percent: int) -> None:
+    split = Split(percent)
+    picks = [split.next_is_new() for _ in range(1000)]
+    for n in (10, 37, 100, 1000):
+        assert abs(sum(picks[:n]) - n * percent / 100) <= 1, (n, sum(picks[:n]))
+
+
+@pytest.mark.parametrize(("values", "expected"), [
+    ((), None), ((1.0,), 1.0), (tuple(float(i) for i in range(1, 21)), 19.0),
+    (tuple(float(i) for i in range(1, 101)), 95.0), ((5.0, 1.0, 3.0), 5.0),
+])
+def test_p95_by_nearest_rank(values: tuple[float, ...], expected: float | None) -> None:
+    assert p95(values) == expected
+
+
+def test_a_traffic_window_counts_only_its_own_requests() -> None:
+    log = TrafficLog()
+    log.record(ttft=0.1, failed=False, at=1.0)
+    log.record(ttft=None, failed=True, at=2.0)
+    log.record(ttft=0.3, failed=False, at=3.0)
+    assert log.window(2.0) == TrafficWindow(2, 1, (0.3,))
+    assert log.window(0.0, 2.0) == TrafficWindow(1, 0, (0.1,))
+    assert log.total == 3
+
+
+@pytest.mark.parametrize(("gates", "window", "failed"), [
+    (Gates(max_error_rate=0.02), TrafficWindow(100, 2, ()), None),
+    (Gates(max_error_rate=0.02), TrafficWindow(100, 3, ()), "gate max_error_rate: 0.030 > 0.02"),
+    (Gates(max_error_rate=0.0), TrafficWindow(0, 0, ()), None),  # no requests: nothing against it
+    (Gates(max_ttft_p95=0.5), TrafficWindow(3, 0, (0.1, 0.2, 0.4)), None),
+    (Gates(max_ttft_p95=0.5), TrafficWindow(3, 0, (0.1, 0.2, 0.9)), "gate max_ttft_p95: 0.900s > 0.5s"),
+    (Gates(max_error_rate=0.5, max_ttft_p95=1.0), TrafficWindow(2, 0, (2.0, 0.1)), "gate max_ttft_p95: 2.000s > 1s"),
+    (Gates(), TrafficWindow(2, 2, (9.0,)), None),  # no traffic gate set: nothing checked
+])
+def test_traffic_gates(gates: Gates, window: TrafficWindow, failed: str | None) -> None:
+    result = first_failure(traffic_gates(gates, window))
+    assert (result.describe() if result else None) == failed
+
+
+def _case(ref: tuple[int, ...], nll: tuple[float, ...], top1: tuple[int, ...]) -> CaseScore:
+    return CaseScore(ref, nll, top1)
+
+
+@pytest.mark.parametrize(("new", "failed"), [
+    ([_case((1, 2), (1.0, 1.0), (1, 2)), _case((3,), (2.0,), (3,))], None),
+    ([_case((1, 2), (1.5, 1.5), (1, 2)), _case((3,), (2.5,), (3,))], "gate max_nll_increase: +0.50 nats > 0.10"),
+    ([_case((1, 2), (1.0, 1.0), (1, 9)), _case((3,), (2.0,), (9,))], "gate min_top1_agreement: 0.333 < 0.9"),
+    ([_case((1, 2, 3), (1.0, 1.0, 1.0), (1, 2, 3)), _case((3,), (2.0,), (3,))],  # another tokenizer
+     "gate min_top1_agreement: 0.250 < 0.9"),
+])
+def test_golden_gates(new: list[CaseScore], failed: str | None) -> None:
+    serving = [_case((1, 2), (1.0, 1.0), (1, 2)), _case((3,), (2.0,), (3,))]
+    comparison = compare(serving, new)
+    assert comparison.cases == 2
+    result = first_failure(golden_gates(Gates(golden=Path("g"), max_nll_increase=0.1, min_top1_agreement=0.9),
+                                        comparison))
+    assert (result.describe() if result else None) == failed
+
+
+def test_the_issue_example_reads_as_documented() -> None:
+    assert GateResult("max_nll_increase", 0.84, 0.10, False).describe() == "gate max_nll_increase: +0.84 nats > 0.10"
