@@ -11,12 +11,12 @@ from fastapi import APIRouter, Request
 
 from ...engine.requests import GenerationRequest
 from ...engine.text import chat_prompt_ids, check_length
+from ..served_by import mark
 from .choices import end, merged, start, usage
 from .common import engine_request, find, max_tokens_of, prepare, sse
 from .generation import Outcome, Run, whole
 from .logprobs import TokenTexts, chat_content
 from .protocol import ChatCompletionRequest, new_id, now
-from ..served_by import mark
 from .stream import LeasedStream
 
 router = APIRouter()
