@@ -253,6 +253,10 @@ def test_deploykit_rollback_during_a_canary_aborts_it(tmp_path: Path) -> None:
     path = tmp_path / "chat.yaml"
     path.write_text(tiny("2GiB"))
     with Server(path, tmp_path / "state") as server:
+        client = openai.OpenAI(base_url=f"{server.url}/v1", api_key="unused")
+        with client.chat.completions.with_streaming_response.create(
+                model="smollm2", messages=[{"role": "user", "content": "hi"}], max_tokens=3, stream=True) as streamed:
+            assert (streamed.headers["x-deploykit-revision"], streamed.headers["x-deploykit-generation"]) == ("1", "1")
         load = Load(server.url).run()
         path.write_text(tiny("1MiB"))
         wait_until(lambda: (status(server)["rollout"] or {}).get("stage") == "traffic", timeout=120,

@@ -111,9 +111,19 @@ def test_an_abort_ends_a_canary_mid_way(deployed) -> None:
                what="the canary's first step")
     candidate = dep.pool.candidate
     assert dep.pool.share == 10 and candidate is not None
+    pins = [dep.pin() for _ in range(10)]  # one in ten new pins goes to the candidate
+    assert [g.number for g in pins].count(candidate.number) == 1
+    held = next(g for g in pins if g is candidate)
+    for gen in pins:
+        if gen is not held:
+            dep.unpin(gen)
     assert dep.abort_rollout("rolled back by hand") is True
     reloading.join(timeout=30)
     assert result == [False]
+    assert candidate.loaded is not None  # a request running on it finishes on it
+    assert dep.pin().number == 1 and candidate.refs == 1  # new ones go to the serving generation
+    dep.unpin(dep.pool.current)  # type: ignore[arg-type]
+    dep.unpin(held)
     wait_until(lambda: candidate.loaded is None, timeout=30, what="the new generation is freed")
     assert dep.pool.candidate is None and dep.status()["revision"] == 1
     last = dep.store.history("chat")[-1]

@@ -17,13 +17,13 @@ from typing import TYPE_CHECKING, Any
 
 from fastapi import FastAPI
 
+from . import ops
 from .auth import DEFAULT_MAX_BODY, Guard
 from .errors import install_handlers
 from .metrics import new_registry
 from .openai import chat, completions, embeddings, models
 from .openai.common import Registry
 from .served_by import ServedBy
-from . import ops
 
 if TYPE_CHECKING:
     from ..control.live.deployment import Deployment

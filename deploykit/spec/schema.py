@@ -9,6 +9,7 @@ wrong in it, is ``deploykit.spec.manifest``'s. No torch, no transformers: ``depl
 from __future__ import annotations
 
 import re
+from itertools import pairwise
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
@@ -264,7 +265,7 @@ class Canary(_Strict):
         if not steps or steps[-1] != 100:
             raise PydanticCustomError("canary_steps", "the last step must be 100 (the new generation takes "
                                                       "every request); got {steps}", {"steps": steps})
-        if any(b <= a for a, b in zip(steps, steps[1:])):
+        if any(b <= a for a, b in pairwise(steps)):
             raise PydanticCustomError("canary_steps", "steps must increase strictly; got {steps}",
                                       {"steps": steps})
         return steps
@@ -551,7 +552,8 @@ class Spec(_Strict):
     def _canary_in_process(self) -> Spec:
         rollout = self.rollout
         where = ("a Ray cluster" if self.cluster is not None
-                 else "tensor_parallel ranks" if self.placement.tensor_parallel > 1 else None)
+                 else "tensor_parallel ranks" if self.placement.tensor_parallel > 1
+                 else "the llama.cpp engine" if self.engine.name == "llama.cpp" else None)
         if where is None:
             return self
         if rollout.strategy == "canary":

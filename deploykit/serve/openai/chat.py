@@ -20,13 +20,13 @@ from fastapi import APIRouter, Request
 
 from ...engine.requests import GenerationRequest
 from ...engine.text import chat_prompt_ids, check_length, template_takes_tools
+from ..served_by import mark
 from .choices import end, merged, start, usage
 from . import relay
 from .common import engine_request, find, lease, max_tokens_of, prepared, sse
 from .generation import Outcome, Run, whole
 from .logprobs import TokenTexts, chat_content
 from .protocol import ChatCompletionRequest, new_id, now
-from ..served_by import mark
 from .stream import LeasedStream
 from .structured import HermesStream, Structured, check_auto, new_call, plan_of, tool_calls_of
 

@@ -13,13 +13,13 @@ from fastapi import APIRouter, Request
 
 from ...engine.requests import GenerationRequest
 from ...engine.text import RequestError, check_length, completion_prompt_ids
+from ..served_by import mark
 from .choices import end, merged, start, usage
 from . import relay
 from .common import engine_request, find, lease, max_tokens_of, prepared, sse
 from .generation import Outcome, Run, whole
 from .logprobs import LegacyLogprobs, TokenTexts
 from .protocol import CompletionRequest, new_id, now
-from ..served_by import mark
 from .stream import LeasedStream
 
 router = APIRouter()
