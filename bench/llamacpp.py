@@ -7,7 +7,7 @@ Contenders (all started once, then measured in alternation, round after round; m
   llama-server   alone, with the flags deploykit gives it (16 slots x 512 tokens, the engine's defaults else)
   dk-llama.cpp   `deploykit serve` with spec.engine.name: llama.cpp (the same flags, behind deploykit's /v1)
   dk-transformers  `deploykit serve` with the transformers engine on the same GGUF (imported, float32)
-Loads: 1 client (4 requests one after another) and 16 clients (one request each); streaming greedy chats of
+Loads: 1 client (2 requests one after another) and 16 clients (one request each); streaming greedy chats of
 64 tokens through the official openai client. Tokens/s = completion tokens / wall time; TTFT p50 = median
 time to the first content chunk. The host's load average is printed with every figure: other work on this
 machine moves the numbers.
@@ -31,7 +31,7 @@ from deploykit.engine.llamacpp.binary import find_binary  # noqa: E402
 from deploykit.engine.llamacpp.process import ServerOptions, free_port  # noqa: E402
 
 SLOTS, CONTEXT, MAX_TOKENS = 16, 512, 64
-LOADS = {"1 client": (1, 4), "16 clients": (16, 1)}
+LOADS = {"1 client": (1, 2), "16 clients": (16, 1)}
 
 
 def gguf_file() -> Path:

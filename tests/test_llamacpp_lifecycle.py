@@ -1,9 +1,11 @@
 """A llama.cpp deployment's lifecycle in a real `deploykit serve`: a hot reload under streaming load fails no
 request (the new llama-server is checked before traffic moves, the old one ends once drained); keep-alive and
-the host budget unload a deployment by ending its llama-server, and a request loads it again."""
+the host budget unload a deployment by ending its llama-server, and a request loads it again; the library's
+``Deployment.chat``/``generate`` answer through llama-server too, and closing the deployment ends it."""
 
 from __future__ import annotations
 
+import os
 import threading
 from pathlib import Path
 
@@ -89,3 +91,22 @@ def test_keep_alive_and_the_budget_end_the_process_and_a_request_loads_again(tmp
         assert _ask(server.url, "brief")  # no room for both: idle 'later' is evicted, its process ends
         [again] = engine_pids(pid)
         assert again not in (first, later) and not alive(later)
+
+
+def test_the_library_answers_through_llama_server_and_closing_ends_it(tmp_path: Path):
+    from deploykit import Deployment
+    from deploykit.engine.text import RequestError
+
+    llama_server()
+    (tmp_path / "smol.yaml").write_text(manifest(smollm2_gguf()))
+    with Deployment.from_manifest(tmp_path / "smol.yaml", state_dir=tmp_path / "state") as dep:
+        pids = engine_pids(os.getpid())
+        answer = dep.chat([{"role": "user", "content": "Say hello."}], max_tokens=12)
+        assert answer.text and answer.completion_tokens <= 12 and answer.prompt_tokens > 0
+        assert dep.generate("The capital of France is", max_tokens=4).completion_tokens == 4
+        try:
+            dep.generate("x", max_tokens=65)
+            raise AssertionError("max_tokens above spec.serving.max_tokens was served")
+        except RequestError as exc:
+            assert exc.param == "max_tokens"
+    assert len(pids) == 1 and not alive(pids[0])

@@ -45,8 +45,9 @@ class EmbeddedApi(ABC):
         try:
             assert gen.loaded is not None  # pinned generations are never freed
             if gen.loaded.model is None:
-                raise ApplyError(f"{self.name!r} runs outside this process (pipeline stages on a Ray cluster, or "
-                                 "tensor-parallel ranks): there is no model here; use generate/chat or the API")
+                raise ApplyError(f"{self.name!r} runs outside this process (pipeline stages on a Ray cluster, "
+                                 "tensor-parallel ranks, or a llama-server): there is no model here; use "
+                                 "generate/chat or the API")
             if gen.forward_lock is not None:  # accelerate offload hooks: one forward at a time
                 with gen.forward_lock:
                     yield gen.loaded
@@ -60,6 +61,8 @@ class EmbeddedApi(ABC):
         ``sampling``: max_tokens, temperature (0 = greedy, the default), top_p, seed, stop."""
         from ...engine.text import completion_prompt_ids
 
+        if (relayed := self._relayed("/v1/completions", {"prompt": prompt}, sampling)) is not None:
+            return relayed
         with self._text_runtime() as runtime:
             return runtime.complete(completion_prompt_ids(runtime.tokenizer, prompt), _sampling(sampling))
 
@@ -67,6 +70,8 @@ class EmbeddedApi(ABC):
         """Answer a chat (``[{"role": "user", "content": "..."}]``) through the model's chat template."""
         from ...engine.text import chat_prompt_ids
 
+        if (relayed := self._relayed("/v1/chat/completions", {"messages": messages}, sampling)) is not None:
+            return relayed
         with self._text_runtime() as runtime:
             return runtime.complete(chat_prompt_ids(runtime.tokenizer, messages), _sampling(sampling),
                                     prompt_param="messages")
@@ -82,6 +87,32 @@ class EmbeddedApi(ABC):
             return gen.runtime.submit(list(texts)).result()[0]
         finally:
             self.unpin(gen)
+
+    def _relayed(self, path: str, body: dict[str, Any], sampling: dict[str, Any]) -> Completion | None:
+        """A llama.cpp generation's answer (its llama-server computes it); None for any other engine."""
+        from ...engine.llamacpp.runtime import LlamaRuntime
+        from ...engine.runtime import Completion
+        from ...engine.text import RequestError
+
+        gen = self.pin()
+        try:
+            runtime = gen.runtime
+            if not isinstance(runtime, LlamaRuntime):
+                return None
+            options, limits = _sampling(dict(sampling)), runtime.limits
+            max_tokens = options.max_tokens or min(limits.default_max_tokens, limits.max_tokens)
+            if max_tokens > limits.max_tokens:
+                raise RequestError(f"max_tokens {max_tokens} is more than this model allows ({limits.max_tokens}, "
+                                   "spec.serving.max_tokens)", param="max_tokens")
+            answer = runtime.answer(path, {**body, "temperature": options.temperature, "top_p": options.top_p,
+                                           "seed": options.seed, "stop": list(options.stop) or None,
+                                           "max_tokens": max_tokens})
+        finally:
+            self.unpin(gen)
+        choice, usage = answer["choices"][0], answer.get("usage", {})
+        text = choice["message"]["content"] if "message" in choice else choice["text"]
+        return Completion(text or "", "stop" if choice.get("finish_reason") == "stop" else "length",
+                          int(usage.get("prompt_tokens", 0)), int(usage.get("completion_tokens", 0)))
 
     @contextmanager
     def _text_runtime(self) -> Iterator[TextRuntime]:

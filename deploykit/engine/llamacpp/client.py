@@ -33,20 +33,26 @@ class EngineGone(Exception):
     """The llama-server connection broke mid-request (the process ended)."""
 
 
-def greedy_probe(url: str, api_key: str, text: str, *, max_tokens: int, timeout: float) -> tuple[str, int, float]:
-    """(text, completion tokens, seconds) of one greedy completion of ``text``: the health check's request."""
-    body = json.dumps({"prompt": text, "max_tokens": max_tokens, "temperature": 0.0, "seed": 0}).encode()
-    request = urllib.request.Request(f"{url}/v1/completions", data=body, method="POST",
+def post_blocking(url: str, api_key: str, path: str, body: dict[str, Any], *, timeout: float) -> dict[str, Any]:
+    """One JSON request on this thread (the health check; ``Deployment.generate`` and ``chat``)."""
+    request = urllib.request.Request(f"{url}{path}", data=json.dumps(body).encode(), method="POST",
                                      headers={"Content-Type": "application/json",
                                               "Authorization": f"Bearer {api_key}"})
-    start = time.monotonic()
     try:
         with urllib.request.urlopen(request, timeout=timeout) as response:
-            answer = json.loads(response.read())
+            answer: dict[str, Any] = json.loads(response.read())
+            return answer
     except urllib.error.HTTPError as exc:
-        raise UpstreamError(exc.code, exc.read().decode(errors="replace")[:500]) from None
+        raise UpstreamError(exc.code, _message(exc.code, exc.read())) from None
     except (urllib.error.URLError, OSError) as exc:
         raise EngineGone(str(exc)) from None
+
+
+def greedy_probe(url: str, api_key: str, text: str, *, max_tokens: int, timeout: float) -> tuple[str, int, float]:
+    """(text, completion tokens, seconds) of one greedy completion of ``text``: the health check's request."""
+    start = time.monotonic()
+    answer = post_blocking(url, api_key, "/v1/completions",
+                           {"prompt": text, "max_tokens": max_tokens, "temperature": 0.0, "seed": 0}, timeout=timeout)
     choice = answer["choices"][0]
     return str(choice.get("text", "")), int(answer.get("usage", {}).get("completion_tokens", 0)), \
         time.monotonic() - start

@@ -2,11 +2,12 @@
 
 Each generation of a llama.cpp deployment owns one such process (llama-swap's ``proxy/process.go`` is the
 anchor): on loopback, on a free port, with an API key of its own (passed in its environment, not on its
-command line, so ``ps`` does not show it), in a session of its own (so a terminal's Ctrl-C does not reach it
-behind deploykit's back), and with ``PR_SET_PDEATHSIG`` so that a deploykit killed with SIGKILL leaves no
-server behind. The death signal follows the *thread* that forked, so every process is forked by one spawner
-thread that lives until the interpreter exits (joined at exit). ``stop`` ends the process group: SIGTERM,
-then SIGKILL. The environment's ``LLAMA_ARG_*`` variables are dropped: only the flags built here apply.
+command line, so ``ps`` does not show it), in a process group of its own (``setsid``: a terminal's Ctrl-C
+does not reach it behind deploykit's back), and with ``PR_SET_PDEATHSIG`` so that a deploykit killed with
+SIGKILL leaves no server behind. The death signal follows the *thread* that forked, so every process is
+forked by one spawner thread that lives exactly as long as any process it started (started with the first,
+joined when the last is stopped). ``stop`` ends the process group: SIGTERM, then SIGKILL. The environment's
+``LLAMA_ARG_*`` variables are dropped: only the flags built here apply.
 
 It must never speak HTTP beyond the readiness probe (that is ``client``'s) nor know about manifests.
 """
@@ -230,6 +231,6 @@ class LlamaServer:
 
 def _signal_group(proc: subprocess.Popen[bytes], sig: int) -> None:
     try:
-        os.killpg(proc.pid, sig)  # its own session: the group id is its pid
+        os.killpg(proc.pid, sig)  # setsid made it a group leader: the group id is its pid
     except ProcessLookupError:
         pass

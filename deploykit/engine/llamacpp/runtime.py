@@ -19,17 +19,20 @@ from __future__ import annotations
 import logging
 import threading
 from dataclasses import dataclass
+from typing import Any
 
 from ...errors import ApplyError
 from ..admission import QueueFull
 from ..health import HealthResult
 from ..types import Limits
-from .client import EngineGone, RelayClient, UpstreamError, greedy_probe
+from ..text import RequestError
+from .client import EngineGone, RelayClient, UpstreamError, greedy_probe, post_blocking
 from .process import LlamaServer, ServerOptions
 
 log = logging.getLogger(__name__)
 HEALTH_TOKENS = 4
 SUSPECT_WAIT_SECONDS = 2.0
+REQUEST_TIMEOUT_SECONDS = 600.0
 
 
 @dataclass(frozen=True)
@@ -156,6 +159,18 @@ class LlamaRuntime:
         """A request's connection to llama-server broke: the next request checks (waiting briefly for it to
         end) whether the process died before using it again."""
         self._suspect = True
+
+    def answer(self, path: str, body: dict[str, Any]) -> dict[str, Any]:
+        """One request on this thread (``Deployment.generate`` / ``chat``), on a live, checked process."""
+        self.connection()
+        server = self._server
+        try:
+            return post_blocking(server.url, server.api_key, path, body, timeout=REQUEST_TIMEOUT_SECONDS)
+        except UpstreamError as exc:
+            raise RequestError(f"llama.cpp: {exc.message}") from None
+        except EngineGone as exc:
+            self.connection_broke()
+            raise RequestError(f"generation failed: the llama.cpp engine process ended ({exc})") from None
 
     def describe(self) -> str:
         return f"llama-server pid {self.pid} on {self._server.url}"
