@@ -87,7 +87,10 @@ def test_concurrent_requests_sharing_a_prefix(llama: Any) -> None:
         got = [h.result(timeout=60) for h in handles]
         want = [run(plain, p, **k) for p, k in zip(prompts, asks)]
         assert [g.token_ids for g in got] == [w.token_ids for w in want]
-        assert [g.cached_tokens for g in got] == [3 * BLOCK] * 4 + [0, 0]
+        # a hit prefilled with others reads as much of its cached beginning as the batch's longest
+        # uncached tail leaves it (the batch stays left-padded)
+        assert all(0 < g.cached_tokens <= 3 * BLOCK for g in got[:4]), [g.cached_tokens for g in got]
+        assert [g.cached_tokens for g in got[4:]] == [0, 0]
 
 
 def test_the_cache_stays_within_its_bytes_and_is_freed_on_close(llama: Any) -> None:
