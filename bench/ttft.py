@@ -61,7 +61,7 @@ metadata: {{name: smollm2}}
 spec:
   model: {{path: {gguf}, task: causal-lm, dtype: float32, quantization: {quantization}}}
   placement: {{gpus: []}}
-  serving: {{max_tokens: 512, max_concurrent: 16, max_queued: 64, prefix_cache: {{max_bytes: {cache}}}}}
+  serving: {{max_tokens: 512, max_concurrent: 16, max_queued: 64, prefix_cache: {{enabled: true, max_bytes: {cache}}}}}
 """
 
 

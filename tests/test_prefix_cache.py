@@ -179,7 +179,8 @@ def test_chunked_prefill_keeps_a_running_stream_flowing(long_llama: Any) -> None
     assert chunked_gap < whole_gap / 3, (chunked_gap, whole_gap)
 
 
-@pytest.mark.parametrize(("serving", "held"), [("", 256 << 20), ("serving: {prefix_cache: {max_bytes: 8MiB}}", 8 << 20),
+@pytest.mark.parametrize(("serving", "held"), [("", 0), ("serving: {prefix_cache: {enabled: true}}", 256 << 20),
+                                               ("serving: {prefix_cache: {enabled: true, max_bytes: 8MiB}}", 8 << 20),
                                                ("serving: {prefix_cache: {enabled: false}}", 0),
                                                ("serving: {batching: continuous, prefix_cache: {enabled: false}}", 0)])
 def test_the_plan_and_the_budget_count_the_prefix_cache(model: Any, tmp_path: Any, serving: str, held: int) -> None:
