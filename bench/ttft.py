@@ -61,7 +61,7 @@ metadata: {{name: smollm2}}
 spec:
   model: {{path: {gguf}, task: causal-lm, dtype: float32, quantization: {quantization}}}
   placement: {{gpus: []}}
-  serving: {{max_tokens: 512, max_concurrent: 16, max_queued: 64, prefix_cache: {{max_bytes: {cache}}}}}
+  serving: {{max_tokens: 512, max_concurrent: 16, max_queued: 64, prefix_cache: {{enabled: true, max_bytes: {cache}}}}}
 """
 
 
@@ -91,7 +91,9 @@ class Chat:
 
 
 async def chat(client: Any, messages: list[dict[str, str]], max_tokens: int, *, model: str = "smollm2",
-               started: asyncio.Event | None = None) -> Chat:
+               started: asyncio.Event | None = None, stop: asyncio.Event | None = None) -> Chat:
+    """One streamed greedy chat; ``started`` is set at its 8th chunk; it ends early once ``stop`` is set
+    (the connection is closed, so the server cancels it)."""
     res, start = Chat(), time.perf_counter()
     parts = []
     try:
@@ -108,6 +110,8 @@ async def chat(client: Any, messages: list[dict[str, str]], max_tokens: int, *, 
                     res.ttft = res.times[0] - start
                 if started is not None and len(res.times) == 8:
                     started.set()
+            if stop is not None and stop.is_set():
+                break
     except Exception as e:  # noqa: BLE001 - a failed request is reported, not fatal
         res.error = f"{type(e).__name__}: {e}"[:200]
     res.answer = "".join(parts)
@@ -156,24 +160,22 @@ async def conversations(client: Any, rng: random.Random) -> dict[str, float]:
 
 async def documents(client: Any, rng: random.Random) -> dict[str, float]:
     docs = [f"Summarise this document in one sentence.\n\n{text(rng, 600)}" for _ in range(8)]
-    started = [asyncio.Event(), asyncio.Event()]
+    started, stop = [asyncio.Event(), asyncio.Event()], asyncio.Event()
     streams = [asyncio.create_task(chat(client, [{"role": "user", "content": f"Write a very long story about "
-                                                  f"{WORDS[40 + i]}, in many chapters."}], 400, started=started[i]))
+                                                  f"{WORDS[40 + i]}, in many chapters."}], 400, started=started[i],
+                                        stop=stop))
                for i in range(2)]
     await asyncio.gather(*(s.wait() for s in started))
     begin = time.perf_counter()
     first = await asyncio.gather(*(chat(client, [{"role": "user", "content": d}], 16) for d in docs))
     end = time.perf_counter()
     again = await asyncio.gather(*(chat(client, [{"role": "user", "content": d}], 16) for d in docs))
-    for s in streams:
-        s.cancel()
-    runs = await asyncio.gather(*streams, return_exceptions=True)
+    stop.set()
     usual, during = [], []
-    for r in runs:
-        if isinstance(r, Chat):
-            gaps = list(zip(r.times, r.times[1:]))
-            usual += [b - a for a, b in gaps if b < begin]
-            during += [b - a for a, b in gaps if a >= begin and b <= end]
+    for r in await asyncio.gather(*streams):
+        gaps = list(zip(r.times, r.times[1:]))
+        usual += [b - a for a, b in gaps if b < begin]
+        during += [b - a for a, b in gaps if a >= begin - 1e-9 and a <= end]  # gaps that began while read
     base = p50(usual)
     return {"documents TTFT p50 s": p50([c.ttft for c in first if not c.error]),
             "documents again TTFT p50 s": p50([c.ttft for c in again if not c.error]),
@@ -182,14 +184,17 @@ async def documents(client: Any, rng: random.Random) -> dict[str, float]:
             "streams gap while read, max / usual": max(during) / base if during else float("nan")}
 
 
-async def scenarios(base_url: str, run: int, single: int) -> dict[str, float]:
+async def scenarios(base_url: str, run: int, single: int, only: set[str]) -> dict[str, float]:
     rng = random.Random(run)
     async with client_for(base_url, 600.0) as client:
         await chat(client, [{"role": "user", "content": "Say hello."}], 8)  # warm-up
         figures: dict[str, float] = {}
-        for name, step in (("one client", one_client(client, single)), ("16 chats", short_chats(client)),
-                           ("conversations", conversations(client, rng)), ("documents", documents(client, rng))):
-            got = await step
+        steps = {"one-client": lambda: one_client(client, single), "chats": lambda: short_chats(client),
+                 "conversations": lambda: conversations(client, rng), "documents": lambda: documents(client, rng)}
+        for name, step in steps.items():
+            if name not in only:
+                continue
+            got = await step()
             figures.update(got)
             print(f"    {name}: " + ", ".join(f"{k} {v:.3f}" for k, v in got.items()) + f" (load {loadavg()})",
                   flush=True)
@@ -215,7 +220,7 @@ def run_system(system: str, args: argparse.Namespace, run: int) -> dict[str, flo
     server = Server(cmd, args.work / f"{system}.log", env)
     try:
         server.start(f"http://127.0.0.1:{port}/v1", args.ready_timeout)
-        return asyncio.run(scenarios(f"http://127.0.0.1:{port}/v1", run, args.single))
+        return asyncio.run(scenarios(f"http://127.0.0.1:{port}/v1", run, args.single, set(args.scenarios.split(","))))
     finally:
         server.stop()
 
@@ -245,6 +250,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--only", default=",".join(SYSTEMS))
     parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--scenarios", default="one-client,chats,conversations,documents")
     parser.add_argument("--single", type=int, default=3, help="requests of the one-client figure")
     parser.add_argument("--threads", type=int, default=2, help="llama-server --threads")
     parser.add_argument("--prefix-cache", default="1GiB", help="deploykit's prefix_cache.max_bytes")

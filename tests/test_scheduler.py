@@ -115,7 +115,7 @@ def test_plan_tiers_count_cpu_and_gpus_not_disk(model, tmp_path):
     plan = plan_manifest(loaded, devices="cpu=1GiB,disk=1GiB")
     tiers = plan_tiers(plan)
     weights = tiers["cpu"] - plan.prefix_cache_bytes  # the prefix cache counts beside the input embeddings
-    assert plan.prefix_cache_bytes == 256 << 20  # spec.serving.prefix_cache's default
+    assert plan.prefix_cache_bytes == 0  # spec.serving.prefix_cache is off unless enabled
     assert set(tiers) == {"cpu"} and 0 < weights <= 100 << 10
     assert weights < plan.total_bytes  # the rest went to disk, which costs no budget
 

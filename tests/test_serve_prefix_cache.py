@@ -37,7 +37,7 @@ def ask(client: openai.OpenAI, question: str) -> tuple[str, int, int]:
 def test_cached_tokens_reported_and_released_on_reload(tmp_path: Path) -> None:
     model = build_chat_model(tmp_path / "model", context=512)
     path = tmp_path / "chat.yaml"
-    path.write_text(manifest(model, "{max_bytes: 4MiB}"))
+    path.write_text(manifest(model, "{enabled: true, max_bytes: 4MiB}"))
     with Server(path, tmp_path / "state") as server:
         client = openai.OpenAI(base_url=f"{server.url}/v1", api_key="none")
         first, prompt_tokens, cached = ask(client, "Is it sunny?")

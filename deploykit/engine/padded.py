@@ -13,9 +13,10 @@ and the seed once per manager, so greedy and sampled requests (or two seeds) can
 OpenAI-compatible server must allow; and on this CPU it is slower (SmolLM2-135M fp32 through
 ``deploykit serve``, 16 streaming clients, 64 new tokens each, 2 cores: 160.7 tok/s against 188.9-195.6 for
 the padded loop and 152-155 for ``transformers serve``; docs/benchmarks.md).
-Prompts whose beginning the prefix cache holds (``prefixcache.py``), and prompts longer than
-``prefill_chunk``, are read alone in chunks that alternate with the decode steps (``prefill.py``): running
-rows keep producing tokens meanwhile, and such a prompt joins the batch only once it is read. Limits of
+A new prompt whose beginning the prefix cache holds (``prefixcache.py``) reads that beginning from it
+and computes only the rest. Prompts with more than ``prefill_chunk`` tokens left to compute are read
+alone in chunks that alternate with the decode steps (``prefill.py``): running rows keep producing tokens
+meanwhile, and such a prompt joins the batch only once it is read. Limits of
 the padded loop: rows pad to the longest row while they run together (the padding goes when it leaves),
 short new prompts still join in one padded prefill step, and it needs a full-attention cache (no sliding
 window; the prefix cache is then off).
@@ -34,7 +35,7 @@ import torch.nn.functional as F
 from .admission import Admission, FinishReason, stop_reason
 from .kvcache import GrowingLayer, growing_cache
 from .prefill import Prefill
-from .prefixcache import PrefixCache
+from .prefixcache import Hit, PrefixCache
 from .requests import GenerationRequest, RequestHandle
 from .sampling import TokenLogprobs, is_plain_greedy, next_token, prompt_logprobs
 
@@ -54,6 +55,7 @@ class PaddedBackend:
         self.prefill_chunk = prefill_chunk
         full = all(type(layer) is GrowingLayer for layer in growing_cache(model.config).layers)
         self.prefix = PrefixCache(prefix_cache_bytes) if prefix_cache_bytes > 0 and full else None
+        self._hits: dict[str, Hit] = {}  # request id -> its cached beginning, from _route to its prefill
 
     def submit(self, h: RequestHandle) -> RequestHandle:
         # requests that a free batch slot takes at the next step are not queued: count only the rest
@@ -126,14 +128,16 @@ class PaddedBackend:
                 return [], None, None, mask[:0, :0]
 
     def _route(self, new: list[RequestHandle]) -> tuple[list[RequestHandle], list[Prefill]]:
-        """Which new requests join the batch in one padded prefill (short prompts, nothing cached), and
-        which are prefilled alone (``prefill.py``): a prompt whose beginning is cached, or a long one."""
+        """Which new requests join the batch in one padded prefill (what is left to compute of their prompt,
+        after any cached beginning, fits one chunk), and which are read alone in chunks (``prefill.py``)."""
         short, alone = [], []
         for h in new:
             prompt = h.request.prompt_ids
             hit = self.prefix.lookup(prompt) if self.prefix is not None else None
-            if hit is None and len(prompt) <= self.prefill_chunk:
+            if len(prompt) - (hit.tokens if hit else 0) <= self.prefill_chunk:
                 short.append(h)
+                if hit is not None:
+                    self._hits[h.id] = hit
             else:
                 alone.append(Prefill(h, self.model.config, hit))
         return short, alone
@@ -268,14 +272,28 @@ class PaddedBackend:
 
     def _prefill_and_merge(self, new: list[RequestHandle], cache: Any, mask: torch.Tensor
                            ) -> tuple[torch.Tensor, Any, torch.Tensor]:
-        """Prefill ``new`` as a left-padded batch, then append its KV cache to the running one."""
-        t = max(len(h.request.prompt_ids) for h in new)
-        ids = torch.stack([_lpad(torch.tensor(list(h.request.prompt_ids)), t, 0) for h in new])
-        nmask = torch.stack([_lpad(torch.ones(len(h.request.prompt_ids), dtype=torch.long), t, 0) for h in new])
-        pos = (nmask.cumsum(1) - 1).clamp(min=0)
+        """Prefill ``new`` as one left-padded batch, then append its KV cache to the running one. A row
+        whose beginning the prefix cache holds reads it from there: all rows compute their last ``s``
+        tokens (``s`` the longest uncached tail among them), each after as much of its own cached
+        beginning as the rest of its prompt, so the batch stays left-padded only."""
+        prompts = [list(h.request.prompt_ids) for h in new]
+        hits = [self._hits.pop(h.id, None) for h in new]
+        s = max(len(p) - (hit.tokens if hit else 0) for p, hit in zip(prompts, hits))
+        kept = [max(0, len(p) - s) for p in prompts]  # <= its hit's tokens; 0 without one
+        c = max(kept)
+        ids = torch.stack([_lpad(torch.tensor(p[k:]), s, 0) for p, k in zip(prompts, kept)])
+        nmask = torch.cat([torch.stack([_lpad(torch.ones(k, dtype=torch.long), c, 0) for k in kept]),
+                           torch.stack([_lpad(torch.ones(len(p) - k, dtype=torch.long), s, 0)
+                                        for p, k in zip(prompts, kept)])], 1)
+        pos = (nmask.cumsum(1) - 1).clamp(min=0)[:, c:]
+        past = growing_cache(self.model.config)
+        if c:
+            _read_hits(past, hits, kept, c)
+        for h, k in zip(new, kept):
+            h.cached_tokens = k
         with self._forward_lock:
             out = self.model(input_ids=ids, attention_mask=nmask, position_ids=pos, use_cache=True,
-                             past_key_values=growing_cache(self.model.config), logits_to_keep=1)
+                             past_key_values=past, logits_to_keep=1)
         return (out.logits[:, -1].float(), *_merged(cache, mask, out.past_key_values, nmask))
 
     def _drop_done(self, rows: list[RequestHandle], cache: Any, mask: torch.Tensor
@@ -294,6 +312,17 @@ class PaddedBackend:
         ids = (list(h.request.prompt_ids) + h.tokens)[:cached]
         self.prefix.insert(ids, [layer.keys[row:row + 1, :, -cached:] for layer in cache.layers],
                            [layer.values[row:row + 1, :, -cached:] for layer in cache.layers])
+
+
+def _read_hits(past: Any, hits: list[Hit | None], kept: list[int], width: int) -> None:
+    """Fill ``past`` with each row's first ``kept`` cached tokens, left-padded to ``width``."""
+    some = next(hit for hit in hits if hit is not None)
+    for j in range(len(some.keys)):
+        parts = []
+        for hit, k in zip(hits, kept):
+            for t in (hit.keys[j] if hit else some.keys[j][:, :, :0], hit.values[j] if hit else some.values[j][:, :, :0]):
+                parts.append(_lpad(t[:, :, :k], width, 2))
+        past.update(torch.cat(parts[0::2]), torch.cat(parts[1::2]), j)
 
 
 def _merged(cache: Any, mask: torch.Tensor, add: Any, add_mask: torch.Tensor) -> tuple[Any, torch.Tensor]:

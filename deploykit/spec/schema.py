@@ -365,8 +365,9 @@ class PrefixCache(_Strict):
     """The KV cache of finished requests' token sequences, kept to serve later requests that share their
     beginning (a shared system prompt, a conversation's earlier turns, a document sent again)."""
 
-    enabled: bool = Field(True, description="Keep and reuse prompt prefixes (padded batching of a causal LM "
-                                            "in one process or Ray Serve replica; others keep none).")
+    enabled: bool = Field(False, description="Keep and reuse prompt prefixes (padded batching of a causal LM "
+                                             "in one process or Ray Serve replica; others keep none). Off by "
+                                             "default: its max_bytes count in the plan and the host budget.")
     max_bytes: Size = Field(256 * 2**20, description="Most bytes the kept KV may hold, on the device of the "
                                                     "input embeddings; least recently used evicted first. "
                                                     "Part of the plan's bytes (and of the host budget).")
