@@ -12,6 +12,7 @@ and the next request gets a fresh, checked process.
 from __future__ import annotations
 
 import asyncio
+import json
 import time
 from collections.abc import AsyncIterator, Awaitable
 from typing import TYPE_CHECKING, Any
@@ -21,11 +22,14 @@ from starlette.requests import Request
 
 from ...engine.admission import QueueFull
 from ...engine.llamacpp.client import EngineGone, RelayClient, UpstreamError
+from ...engine.llamacpp.schema import unenforced_by_llamacpp
+from ...engine.text import RequestError
 from ...errors import DeploykitError
 from ..errors import APIError, ClientGone
-from .common import RETRY_AFTER_SECONDS, Lease, sse
+from .common import RETRY_AFTER_SECONDS, Lease, as_api_error, sse
 from .protocol import IGNORED, ChatCompletionRequest, CompletionRequest, new_id, now
 from .stream import LeasedStream
+from .structured import plan_of
 
 if TYPE_CHECKING:
     from ..metrics import ServingMetrics
@@ -75,8 +79,28 @@ def _upstream_body(body: ChatCompletionRequest | CompletionRequest, max_tokens: 
 
 
 async def chat(body: ChatCompletionRequest, request: Request, held: Lease, name: str) -> Any:
+    try:
+        _check_structured(body)
+    except RequestError as exc:
+        held.release()
+        raise as_api_error(exc) from None
     upstream = _upstream_body(body, _max_tokens(body.requested_max_tokens(), held))
     return await _relay("/v1/chat/completions", upstream, body, request, held, name, prefix="chatcmpl")
+
+
+def _check_structured(body: ChatCompletionRequest) -> None:
+    """``response_format`` and ``tools`` go to llama.cpp's own grammar support (``--jinja``: its chat
+    templates render the tools and its parsers read the calls, ``tool_choice: auto`` included); a schema
+    keyword it would not follow is refused here instead (RequestError naming it)."""
+    plan = plan_of(body)
+    if plan.constraint is None:
+        return
+    bad = unenforced_by_llamacpp(json.loads(plan.constraint.schema))
+    if bad is not None:
+        keyword, where = bad
+        raise RequestError(f"{plan.constraint.param}: the schema keyword {keyword!r} (at {where}) cannot be "
+                           "enforced by the llama.cpp engine; remove it", param=plan.constraint.param,
+                           code="unsupported_schema")
 
 
 async def completions(body: CompletionRequest, request: Request, held: Lease, name: str) -> Any:
