@@ -76,6 +76,29 @@ def llguidance_run(tokenizer: Any, ids: list[int], vocab: int) -> tuple[float, f
     return compile_s, statistics.median(per_token[1:])  # its first mask builds lazy tables: counted apart
 
 
+def apply_times(vocab: int) -> dict[str, float]:
+    """Applying one row's bitmask to its logits: each library's CPU helper, and deploykit's torch unpacking
+    (``engine.grammar.RowGrammar.mask``). Seconds, median of 200, on a half-allowed mask."""
+    import llguidance.torch
+    import torch
+    import xgrammar as xgr
+
+    bitmask = xgr.allocate_token_bitmask(1, vocab)
+    bitmask[:] = 0x0F0F0F0F
+    logits, bits = torch.randn(vocab), torch.arange(32, dtype=torch.int32)
+
+    def unpack() -> Any:
+        allowed = ((bitmask[0].unsqueeze(-1) >> bits) & 1).bool().flatten()[:vocab]
+        return logits.masked_fill(~allowed, float("-inf"))
+
+    ways = {"xgrammar apply_token_bitmask_inplace": lambda: xgr.apply_token_bitmask_inplace(
+                logits.clone().unsqueeze(0), bitmask),
+            "llguidance.torch apply_token_bitmask_inplace": lambda: llguidance.torch.apply_token_bitmask_inplace(
+                logits.clone().unsqueeze(0), bitmask),
+            "torch unpack + masked_fill (deploykit)": unpack}
+    return {name: statistics.median(timed(way) for _ in range(200)) for name, way in ways.items()}
+
+
 def main() -> None:
     tokenizer = smollm2_tokenizer()
     vocab = len(tokenizer)
@@ -89,6 +112,9 @@ def main() -> None:
         compile_ms = statistics.median(c for c, _ in results) * 1e3
         mask_us = statistics.median(m for _, m in results) * 1e6
         print(f"{name:11} compile {compile_ms:8.1f} ms   mask fill {mask_us:8.0f} us/token (median of 3)")
+    for name, seconds in apply_times(vocab).items():
+        print(f"apply one row's mask, {name}: {seconds * 1e6:.0f} us")
+    print(f"load average {os.getloadavg()}")
 
 
 if __name__ == "__main__":

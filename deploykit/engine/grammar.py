@@ -4,13 +4,14 @@ logits and accepts each token chosen, so constrained and free requests share one
 
 The library is xgrammar, chosen by measurement on SmolLM2's 49152-token vocabulary (a 6-property
 schema with a nested object, an array, an enum, a pattern and maxLength; ``bench/grammar_libraries.py``,
-CPU time of one thread on 2 shared cores, docs/benchmarks.md): xgrammar 0.2.8 compiles it in ~270 ms and
-fills a row's mask in ~2 us per token; llguidance 1.9.1 compiles in ~1.5 ms and fills in ~11 us; its
-torch helper that applies the mask took ~8 ms per row and token, xgrammar's ~0.2 ms. The per-token path
-runs for every constrained row of every step, compilation once per schema (xgrammar's own compiler
-cache, bounded in bytes, least recently used out), so xgrammar's per-token cost decided; its JSON-schema
-coverage was then probed keyword by keyword (below). The price: a new schema's first request waits
-~0.3 s for its compilation (off the engine's thread, in the request's own preparation).
+CPU time of one thread on 2 shared cores, docs/benchmarks.md): filling a row's mask, which runs for every
+constrained row at every step, takes ~3 us per token with xgrammar 0.2.8 against ~12 us with llguidance
+1.9.1; compiling the schema, once per schema and then cached (xgrammar's own compiler cache, bounded in
+bytes, least recently used out), ~280 ms against ~1.5 ms. The price of the choice: a new schema's first
+request waits ~0.3 s for its compilation (off the engine's thread, in the request's own preparation).
+Both per-token costs are small beside a decode step (~50 ms here), so llguidance, which compiles without
+a cache to manage, remains a fair alternative; the mask is applied with torch (``RowGrammar.mask``), not
+with xgrammar's CPU helper, which took ~4 ms per row and token.
 
 What xgrammar does not enforce is refused here, never served unfollowed: measured on xgrammar 0.2.8,
 it accepts and then silently ignores ``oneOf`` (treated as anyOf), ``allOf``, ``not``, ``uniqueItems``,
@@ -60,7 +61,7 @@ _SCHEMA_ONE = ("items", "additionalProperties")  # keyword -> subschema (or a bo
 
 def unenforced(schema: Any, path: str = "") -> tuple[str, str] | None:
     """The first keyword of ``schema`` that this engine cannot enforce, with where it is, or None."""
-    for where, node in _subschemas(schema, path or "#"):
+    for where, node in subschemas(schema, path or "#"):
         for key, value in node.items():
             if key in ANNOTATIONS:
                 continue
@@ -77,18 +78,18 @@ def unenforced(schema: Any, path: str = "") -> tuple[str, str] | None:
     return None
 
 
-def _subschemas(node: Any, where: str) -> Iterator[tuple[str, dict[str, Any]]]:
+def subschemas(node: Any, where: str) -> Iterator[tuple[str, dict[str, Any]]]:
     if not isinstance(node, dict):
         return
     yield where, node
     for key in _SCHEMA_MAPS:
         for name, sub in (node.get(key) or {}).items() if isinstance(node.get(key), dict) else ():
-            yield from _subschemas(sub, f"{where}/{key}/{name}")
+            yield from subschemas(sub, f"{where}/{key}/{name}")
     for key in _SCHEMA_LISTS:
         for i, sub in enumerate(node.get(key) or ()) if isinstance(node.get(key), list) else ():
-            yield from _subschemas(sub, f"{where}/{key}/{i}")
+            yield from subschemas(sub, f"{where}/{key}/{i}")
     for key in _SCHEMA_ONE:
-        yield from _subschemas(node.get(key), f"{where}/{key}")
+        yield from subschemas(node.get(key), f"{where}/{key}")
 
 
 class Grammars:

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from ..grammar import _subschemas, unenforced
+from ..grammar import subschemas, unenforced
 
 FORMATS = frozenset({"date", "time", "date-time", "uuid"})
 _BOUNDS = ("minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum")
@@ -23,7 +23,7 @@ def unenforced_by_llamacpp(schema: Any) -> tuple[str, str] | None:
     common = unenforced(schema)
     if common is not None:
         return common
-    for where, node in _subschemas(schema, "#"):
+    for where, node in subschemas(schema, "#"):
         if "multipleOf" in node:
             return "multipleOf", where
         if node.get("type") != "integer" and any(k in node for k in _BOUNDS):

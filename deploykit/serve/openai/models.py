@@ -21,7 +21,7 @@ def _card(name: str, dep: Any) -> ModelCard:
 
 
 def _loading(registry: Any) -> list[ModelCard]:
-    names: list[str] = getattr(registry, "loading_names", list)()
+    names: list[str] = getattr(registry, "loading_names", lambda: [])()
     return [ModelCard(id=n, created=0, loaded=False, state="loading") for n in names]
 
 
