@@ -8,6 +8,7 @@ its in-flight request at once and the next request is served by a fresh, checked
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import subprocess
@@ -16,6 +17,7 @@ import time
 from collections.abc import Iterator
 from pathlib import Path
 
+import jsonschema
 import openai
 import pytest
 from helpers import wait_until
@@ -106,7 +108,8 @@ def test_greedy_answers_equal_llama_server_alone(server, alone):
 
 def test_deploykit_refuses_first_with_its_own_400s(server):
     client = _client(server.url)
-    cases = [({"tools": [{"type": "function", "function": {"name": "f"}}]}, "tools"),
+    stepped = {"type": "json_schema", "json_schema": {"name": "n", "schema": {"type": "number", "multipleOf": 5}}}
+    cases = [({"response_format": stepped}, "response_format"),  # llama.cpp's grammar would not follow it
              ({"max_tokens": 65}, "max_tokens"), ({"top_logprobs": 2}, "top_logprobs")]
     for extra, param in cases:
         with pytest.raises(openai.BadRequestError) as err:
@@ -119,6 +122,33 @@ def test_deploykit_refuses_first_with_its_own_400s(server):
                                             temperature=0.9, seed=7, logprobs=True, top_logprobs=2, n=2,
                                             presence_penalty=0.5, stop=["\n\n"])
     assert len(seeded.choices) == 2 and seeded.choices[0].logprobs is not None
+
+
+def test_structured_output_follows_its_schema_and_tools_are_refused(server):
+    """response_format goes to llama.cpp's own grammar support: the answers validate."""
+    client = _client(server.url)
+    schema = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 20},
+                                               "population": {"type": "integer", "minimum": 0}},
+              "required": ["city", "population"], "additionalProperties": False}
+    fmt = {"type": "json_schema", "json_schema": {"name": "place", "schema": schema, "strict": True}}
+    messages = [{"role": "user", "content": "Describe Paris as JSON."}]
+    answer = client.chat.completions.create(model="smol", messages=messages, max_tokens=64, temperature=0,
+                                            response_format=fmt)  # type: ignore[arg-type]
+    assert answer.choices[0].finish_reason == "stop", answer.choices[0].message.content
+    jsonschema.validate(json.loads(answer.choices[0].message.content or ""), schema)
+    chunks = client.chat.completions.create(model="smol", messages=messages, max_tokens=64, temperature=0,
+                                            response_format=fmt, stream=True)  # type: ignore[arg-type]
+    jsonschema.validate(json.loads("".join(c.choices[0].delta.content or "" for c in chunks if c.choices)), schema)
+    whole = client.chat.completions.create(model="smol", messages=messages, max_tokens=64, temperature=0,
+                                           response_format={"type": "json_object"})
+    text = whole.choices[0].message.content or ""
+    assert text.lstrip().startswith("{"), text  # an object, whole unless max_tokens cut it
+    assert whole.choices[0].finish_reason == "length" or isinstance(json.loads(text), dict), text
+    tool = {"type": "function", "function": {"name": "weather", "parameters": schema}}
+    with pytest.raises(openai.BadRequestError) as err:  # llama-server would answer in free text
+        client.chat.completions.create(model="smol", messages=messages, max_tokens=8, tools=[tool],  # type: ignore[list-item]
+                                       tool_choice="required")
+    assert err.value.body["param"] == "tools"  # type: ignore[index]
 
 
 def test_a_killed_engine_fails_its_request_at_once_and_the_next_one_gets_a_fresh_process(server):

@@ -71,7 +71,7 @@ def _max_tokens(requested: int | None, held: Lease) -> int:
 
 
 def _upstream_body(body: ChatCompletionRequest | CompletionRequest, max_tokens: int) -> dict[str, Any]:
-    data = body.model_dump(exclude_unset=True, exclude=_NOT_FORWARDED, mode="json")
+    data = body.model_dump(exclude_unset=True, exclude=_NOT_FORWARDED, mode="json", by_alias=True)
     data["max_tokens"] = max_tokens
     if body.stream:
         data["stream_options"] = {"include_usage": True}  # counted in deploykit's metrics
@@ -89,9 +89,14 @@ async def chat(body: ChatCompletionRequest, request: Request, held: Lease, name:
 
 
 def _check_structured(body: ChatCompletionRequest) -> None:
-    """``response_format`` and ``tools`` go to llama.cpp's own grammar support (``--jinja``: its chat
-    templates render the tools and its parsers read the calls, ``tool_choice: auto`` included); a schema
-    keyword it would not follow is refused here instead (RequestError naming it)."""
+    """``response_format`` goes to llama.cpp's own grammar support; a schema keyword it would not follow is
+    refused here instead (RequestError naming it). ``tools`` are refused: llama-server forces a call only
+    for chat templates it knows (SmolLM2's answer to ``tool_choice: required`` is free text), so it would
+    accept and not follow them."""
+    if body.tools:
+        raise RequestError("tools are not served by the llama.cpp engine (llama-server does not force calls "
+                           "for every chat template): use the transformers engine (spec.engine.name: "
+                           "transformers), or response_format", param="tools", code="unsupported")
     plan = plan_of(body)
     if plan.constraint is None:
         return
