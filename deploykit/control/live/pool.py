@@ -190,13 +190,18 @@ class GenerationPool:
             self._cond.notify_all()
         return free
 
-    def install(self, loaded: LoadedModel, plan: Plan | None, revision: int, strategy: str,
-                serving: ServingSpec) -> Generation:
-        """Make ``loaded`` the current generation; the previous one is freed once unpinned."""
+    def _numbered(self, loaded: LoadedModel, plan: Plan | None, revision: int, strategy: str,
+                  serving: ServingSpec) -> Generation:
+        """A new generation of ``loaded`` with the next number (the runtime is built outside the lock)."""
         with self._cond:
             self._number += 1
             number = self._number
-        gen = new_generation(number, loaded, plan, revision, strategy, serving)
+        return new_generation(number, loaded, plan, revision, strategy, serving)
+
+    def install(self, loaded: LoadedModel, plan: Plan | None, revision: int, strategy: str,
+                serving: ServingSpec) -> Generation:
+        """Make ``loaded`` the current generation; the previous one is freed once unpinned."""
+        gen = self._numbered(loaded, plan, revision, strategy, serving)
         with self._cond:
             old, self._current = self._current, gen
             self.unloaded = False
@@ -214,10 +219,7 @@ class GenerationPool:
     def stage(self, loaded: LoadedModel, plan: Plan | None, revision: int, strategy: str,
               serving: ServingSpec) -> Generation:
         """Hold ``loaded`` beside the current generation as the candidate, taking no requests yet."""
-        with self._cond:
-            self._number += 1
-            number = self._number
-        gen = new_generation(number, loaded, plan, revision, strategy, serving)
+        gen = self._numbered(loaded, plan, revision, strategy, serving)
         with self._cond:
             self._candidate, self._split = gen, Split(0)
         return gen
