@@ -89,6 +89,7 @@ def main() -> None:
             for name, (server, url, model) in servers.items():
                 ready = server.start(url, 900)
                 asyncio.run(warm_up(url, model, 8, 600, 900))
+                asyncio.run(measure(url, model, SLOTS, 1))  # unrecorded: every server's first 16-way burst is ~1 s slower
                 print(f"{name}: ready in {ready:.1f}s", flush=True)
             figures: dict[tuple[str, str], list[tuple[float, float, int]]] = {}
             for round_ in range(args.rounds):
