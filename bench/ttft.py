@@ -47,6 +47,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import WORK  # noqa: E402
 from serve_clients import Server, client_for  # noqa: E402
 
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from deploykit.engine.llamacpp.binary import find_binary  # noqa: E402
+
 SYSTEMS = ("llama.cpp", "deploykit-fp32", "deploykit-int8", "deploykit-int4")
 WORDS = ("time year people way day man thing woman life child world school state family student group country "
          "problem hand part place case week company system program question work government number night point "
@@ -204,7 +207,7 @@ async def scenarios(base_url: str, run: int, single: int, only: set[str]) -> dic
 def server_cmd(system: str, args: argparse.Namespace, port: int) -> tuple[list[str], dict[str, str]]:
     env = dict(os.environ)
     if system == "llama.cpp":
-        return [str(args.llama_server), "-m", str(args.gguf), "-np", "16", "-c", "16384", "--threads",
+        return [str(args.llama_server or find_binary(None).path), "-m", str(args.gguf), "-np", "16", "-c", "16384", "--threads",
                 str(args.threads), "--host", "127.0.0.1", "--port", str(port), "--alias", "smollm2"], env
     quantization = system.split("-")[1].replace("fp32", "none")
     manifest = args.work / f"{system}.yaml"
@@ -254,7 +257,8 @@ def main() -> None:
     parser.add_argument("--single", type=int, default=3, help="requests of the one-client figure")
     parser.add_argument("--threads", type=int, default=2, help="llama-server --threads")
     parser.add_argument("--prefix-cache", default="1GiB", help="deploykit's prefix_cache.max_bytes")
-    parser.add_argument("--llama-server", type=Path, default=Path("/tmp/llb/build/bin/llama-server"))
+    parser.add_argument("--llama-server", type=Path, default=None,
+                        help="default: the binary deploykit's llama.cpp engine finds (docs/engines.md)")
     parser.add_argument("--gguf", type=Path, default=None)
     parser.add_argument("--work", type=Path, default=WORK / "ttft")
     parser.add_argument("--ready-timeout", type=float, default=600.0)
