@@ -72,6 +72,7 @@ def test_rollout_fields_are_checked_and_located(rollout: str, line: int, field: 
 @pytest.mark.parametrize(("model", "extra", "field", "says"), [
     ("{path: ./model}", "  cluster: {address: local}\n", "spec.rollout.strategy", "Ray cluster"),
     ("{path: ./model, task: feature-extraction}", "", "spec.rollout.gates.golden", "feature-extraction"),
+    ("{path: ./m.gguf}", "  engine: {name: llama.cpp}\n", "spec.rollout.strategy", "llama.cpp engine"),
 ])
 def test_engines_that_cannot_score_or_split_refuse_at_the_field(model: str, extra: str, field: str, says: str,
                                                                tmp_path: Path) -> None:
