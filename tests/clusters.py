@@ -19,7 +19,9 @@ def fake_cluster(request: Any, node: dict[str, Any], *, connect: bool = False) -
     c = Cluster(initialize_head=True, head_node_args={**node, "num_cpus": 0})
 
     def stop() -> None:
-        ray.shutdown()
+        from deploykit.cluster.ray_env import disconnect
+
+        disconnect()  # stops Ray Serve's router loop of this process first (see there)
         c.shutdown()
 
     request.addfinalizer(stop)
