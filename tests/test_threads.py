@@ -45,3 +45,52 @@ def test_no_thread_is_left_after_a_supervisor_closes(model, tmp_path):
     finally:
         supervisor.close()
     assert deploykit_threads() == before
+
+
+def os_threads() -> int:
+    import os
+
+    return len(os.listdir("/proc/self/task"))
+
+
+def test_a_change_leaves_no_openmp_threads_behind():
+    """A load or reshard runs parallel torch work on a deployment's change thread; the OpenMP team that
+    work starts must end with the change, or the engine thread's every parallel region slows 2-3x
+    (deploykit.threads.release_openmp_threads)."""
+    import torch
+
+    from deploykit.control.live.worker import ChangeWorker
+
+    torch.set_num_threads(2)
+    worker = ChangeWorker("openmp")
+    try:
+        worker.call(lambda: None)  # the change thread itself
+        before = os_threads()
+        worker.call(lambda: torch.randn(1 << 20).mul_(2).sum())  # parallel: starts a team of 2
+        wait_until(lambda: os_threads() == before, timeout=10, what="the change's OpenMP threads ended")
+    finally:
+        worker.stop()
+
+
+def test_release_openmp_threads_ends_the_callers_team():
+    import torch
+
+    from deploykit.threads import release_openmp_threads
+
+    torch.set_num_threads(2)
+    counts: list[int] = []
+    done = threading.Event()
+
+    def work() -> None:
+        counts.append(os_threads())
+        torch.randn(1 << 20).mul_(2).sum()
+        counts.append(os_threads())
+        release_openmp_threads()
+        done.set()
+
+    thread = threading.Thread(target=work)
+    thread.start()
+    done.wait(30)
+    wait_until(lambda: os_threads() == counts[0], timeout=10, what="the team ended")
+    thread.join()
+    assert counts[1] > counts[0]  # the parallel operation did start a team

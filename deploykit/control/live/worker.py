@@ -17,6 +17,7 @@ from concurrent.futures import Future
 from typing import Any, TypeVar
 
 from ...errors import ApplyError
+from ...threads import release_openmp_threads
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -91,6 +92,8 @@ class ChangeWorker:
                 else:
                     future.set_exception(exc)
                 continue
+            finally:  # a load or reshard must not leave OpenMP threads that slow the engine's
+                release_openmp_threads()
             if future is not None:
                 future.set_result(result)
 
