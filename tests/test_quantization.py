@@ -58,11 +58,12 @@ def test_validate_exits_2_naming_the_field_and_the_allowed_values(tmp_path):
 LINEARS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 
 
-def _expected_bytes(model: Path, scheme: str) -> int:
+def _expected_bytes(model: Path, scheme: str, *, head_quantized: bool = True) -> int:
     """The bytes the model takes at float32 under ``scheme``, worked out by hand from the checkpoint's
     tensors: int8 = 1 byte per weight + a float32 scale per output row; int4 = half a byte per weight +
-    a float32 scale and zero per 32 inputs of each row. Embeddings, lm_head and norms stay float32.
-    Buffers that are not saved (rotary frequencies) are in memory too."""
+    a float32 scale and zero per 32 inputs of each row. The lm_head is quantized at load: an untied
+    one in place of its float32 weight, a tied one as a copy beside the float32 embeddings (on disk, with
+    ``head_quantized`` false, it is float32). Embeddings and norms stay float32. Buffers that are not saved (rotary frequencies) are in memory too."""
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM
 
@@ -72,8 +73,12 @@ def _expected_bytes(model: Path, scheme: str) -> int:
         meta = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(model))
     saved = meta.state_dict()
     total = sum(b.numel() * 4 for n, b in meta.named_buffers() if n not in saved)
-    for t in open_checkpoint(model).tensors:
-        linear = t.name.startswith("model.layers.") and t.name.split(".")[-2] in LINEARS
+    tensors = open_checkpoint(model).tensors
+    if head_quantized and scheme != "none" and not any(t.name == "lm_head.weight" for t in tensors):  # tied: a quantized copy
+        out, inputs = next(t.shape for t in tensors if t.name == "model.embed_tokens.weight")
+        total += out * inputs + out * 4 if scheme == "int8" else out * inputs // 2 + 2 * out * (inputs // 32) * 4
+    for t in tensors:
+        linear = (t.name.startswith("model.layers.") and t.name.split(".")[-2] in LINEARS) or (head_quantized and t.name == "lm_head.weight")
         out, inputs = t.shape if len(t.shape) == 2 else (0, 0)
         if linear and scheme == "int8":
             total += out * inputs + out * 4
@@ -186,7 +191,27 @@ def _dequantized_model(shards: Path, reference):
             values = torch.stack([q & 15, q >> 4], dim=-1).reshape(q.shape[0], -1, 32).float()
             state[name] = ((values - 8) * scale[..., None] + stored[name + "_zero"][..., None]).reshape(q.shape[0], -1)
     model.load_state_dict(state)
+    scheme = next(("int8" if t.dtype == torch.int8 else "int4" for n, t in stored.items() if n.endswith("_proj.weight")
+                   and t.dtype in (torch.int8, torch.uint8)), "none")
+    if scheme != "none":  # the head is quantized at load, by the same documented rule (untied here)
+        head = model.get_output_embeddings()
+        head.weight = torch.nn.Parameter(_quantized_and_back(head.weight.detach(), scheme))
     return model
+
+
+def _quantized_and_back(w, scheme: str):
+    """``w`` [out, in] float32 through the documented format: int8 per row, int4 per group of 32."""
+    import torch
+
+    if scheme == "int8":
+        scale = w.abs().amax(dim=1, keepdim=True) / 127
+        return torch.round(w / scale).clamp(-127, 127) * scale
+    groups = w.reshape(w.shape[0], -1, 32)
+    low, high = groups.amin(dim=2, keepdim=True), groups.amax(dim=2, keepdim=True)
+    scale = (high - low) / 15
+    zero = low + 8 * scale
+    q = torch.round((groups - zero) / scale + 8).clamp(0, 15)
+    return ((q - 8) * scale + zero).reshape(w.shape)
 
 
 @pytest.mark.parametrize("scheme", ["int8", "int4"])
@@ -210,7 +235,8 @@ def test_apply_lays_out_quantized_shards_loads_them_and_answers(model, store, tm
     lock = read_lock(outcome.shards)
     assert lock["layout"]["quantization"] == scheme and all(s["hash"] for s in lock["shards"])
     assert verify(outcome.shards) == []
-    assert lock["total_size"] == _expected_bytes(model, scheme) - 64  # the plan's bytes, less unsaved buffers
+    # the plan's bytes, less unsaved buffers, with the head as stored (it is quantized at load)
+    assert lock["total_size"] == _expected_bytes(model, scheme, head_quantized=False) - 64
     assert outcome.plan.total_bytes == _expected_bytes(model, scheme)
     # loaded with the quantized modules; logits are those of the stored weights; greedy answer as float32
     served = outcome.loaded.model

@@ -183,6 +183,10 @@ def load(plan: Plan, checkpoint_dir: Path, options: LoadOptions) -> LoadedModel:
         raise ApplyError(f"loading {checkpoint_dir} failed: {str(exc).strip().splitlines()[0]}") from None
     _check_loading_info(info, checkpoint_dir)
     model.eval()
+    if plan.is_quantized:
+        from .quantized import quantize_head
+
+        quantize_head(model, task, plan.quantization)
     if not gpus:
         _prefetch(model, [m for m, d in plan.device_map.items() if d == "cpu"])
         model.hf_device_map = dict(plan.device_map)

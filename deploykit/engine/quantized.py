@@ -190,6 +190,38 @@ def _register() -> None:
         register_quantizer(METHOD)(DeploykitQuantizer)
 
 
+def quantize_head(model: Any, task: str, scheme: str) -> None:
+    """Quantize ``model``'s output head under ``scheme`` now that it is loaded (``model.quantization``:
+    the head is stored at dtype). A head tied to the input embeddings leaves them as they are (lookups
+    read them); an untied head's weight at dtype is dropped."""
+    from ..artifacts.quantize import quantize_rows
+    from ..model.quantization import quantized_head
+
+    found = quantized_head(model, task, scheme)
+    if found is None:
+        return
+    name, _ = found
+    head: nn.Linear = model.get_submodule(name)
+    weight = head.weight.detach()
+    tied = any(weight is p.detach() or weight.data_ptr() == p.data_ptr()
+               for p in model.get_input_embeddings().parameters())
+    stored = quantize_rows(weight.float(), scheme, weight.dtype)
+    q = QuantizedLinear(head.in_features, head.out_features, bias=head.bias is not None, scheme=scheme,
+                        dtype=weight.dtype)
+    q.weight = nn.Parameter(stored[0], requires_grad=False)
+    q.weight_scale = nn.Parameter(stored[1], requires_grad=False)
+    if scheme != "int8":
+        q.weight_zero = nn.Parameter(stored[2], requires_grad=False)
+    if head.bias is not None:
+        q.bias = nn.Parameter(head.bias.detach(), requires_grad=False)
+    q.prepare()
+    parent, _, child = name.rpartition(".")
+    setattr(model.get_submodule(parent) if parent else model, child, q)
+    if not tied and weight.device.type == "cpu":
+        _release_pages(weight)
+    _trim_heap()
+
+
 def quantization_config(scheme: str, modules: list[str]) -> DeploykitQuantConfig:
     """What to pass as ``from_pretrained(quantization_config=...)`` for shards quantized with ``scheme``."""
     _register()

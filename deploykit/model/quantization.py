@@ -2,8 +2,14 @@
 planner (sizes), the reshard (which tensors it quantizes, in which on-disk format) and the loader.
 
 Weight-only quantization of the ``nn.Linear`` modules inside the model's decoder/encoder layers (the
-structure's ``layer`` blocks). Embeddings, ``lm_head``, norms, biases, other modules (GPT-2's ``Conv1D``,
-T5's relative attention bias) and the scales stay at the deployment dtype.
+structure's ``layer`` blocks), and of the output head (``lm_head``) of a causal LM. Embeddings, norms,
+biases, other modules (GPT-2's ``Conv1D``, T5's relative attention bias) and the scales stay at the
+deployment dtype.
+
+The head is stored at dtype (it is often tied to the input embeddings, which a lookup reads) and
+quantized when it is loaded (``quantized_head``): a tied head then holds a quantized copy beside the
+embeddings, an untied one replaces its weight. Why: after the layers, the head is the largest matmul of
+a decode step (SmolLM2-135M int8: 18.8 ms of float32 head in a 40 ms step, 3.4 ms with the int8 kernel).
 
 On disk (safetensors, docs/quantization.md), a quantized ``<module>.weight`` of shape ``[out, in]`` becomes:
 
@@ -86,3 +92,20 @@ def quantized_linears(model: Any, layer_modules: Iterable[str], scheme: str) -> 
 def layer_modules(structure: Any) -> list[str]:
     """The device_map modules of a structure's ``layer`` blocks: where quantized linears live."""
     return [m for block in structure.blocks if block.kind == "layer" for m in block.modules]
+
+
+def quantized_head(model: Any, task: str, scheme: str) -> tuple[str, tuple[int, int]] | None:
+    """(module name, (out, in)) of the output head ``scheme`` quantizes at load, or None: a causal LM's
+    ``nn.Linear`` head that the scheme can hold (``quantizable``; int4 also needs a vocabulary that is a
+    multiple of 16, as torch's int4 kernel does, else the head stays at dtype)."""
+    import torch
+
+    if not is_quantized(scheme) or task != "causal-lm":
+        return None
+    head = model.get_output_embeddings()
+    if not isinstance(head, torch.nn.Linear) or not quantizable(head.in_features, scheme):
+        return None
+    if scheme == Quantization.INT4.value and head.out_features % 16:
+        return None
+    name = next(n for n, m in model.named_modules() if m is head)
+    return name, (head.out_features, head.in_features)

@@ -44,7 +44,7 @@ log = logging.getLogger(__name__)
 
 # Bump whenever what ``structure_from_model`` returns for a given config may change (the rules, the
 # fields of Block/Structure): it is part of the on-disk cache key, so old cache files stop matching.
-FORMAT_VERSION = 3
+FORMAT_VERSION = 4
 
 
 def _expect(value: Any, kind: type) -> Any:
@@ -177,6 +177,21 @@ def quantized_linears(model: Any, scheme: str) -> dict[str, tuple[int, int]]:
     return quant.quantized_linears(model, layers, scheme)
 
 
+def _size_quantized_head(model: Any, task: str, quantization: str, dtype: str, leaves: list[Any],
+                         sizes: list[int], owner: dict[int, int]) -> None:
+    """A head quantized at load (``quantization.quantized_head``): its leaf holds the quantized weight,
+    in place of its own weight at dtype, or beside the input embeddings' when the two are tied."""
+    found = quant.quantized_head(model, task, quantization)
+    if found is None:
+        return
+    name, shape = found
+    i = next(j for j, (leaf, _, _) in enumerate(leaves) if name == leaf or name.startswith(f"{leaf}."))
+    weight = model.get_submodule(name).weight
+    if owner.get(id(weight)) == i:  # untied: the weight at dtype is replaced
+        sizes[i] -= _tensor_bytes(weight, DTYPE_SIZES[FROM_TORCH[dtype]])
+    sizes[i] += quant.quantized_nbytes(shape, quantization, dtype)
+
+
 def structure_from_model(model: Any, *, task: Task, dtype: str, quantization: str = "none") -> Structure:
     """Blocks of an already-built (meta or real) model. See the module docstring for the rules.
     ``quantization`` sizes the quantized linear weights of the layers as laid out (model.quantization)."""
@@ -214,6 +229,8 @@ def structure_from_model(model: Any, *, task: Task, dtype: str, quantization: st
             if id(b) not in owner:
                 owner[id(b)] = i
                 sizes[i] += _tensor_bytes(b, dtype_bytes)
+
+    _size_quantized_head(model, task, quantization, dtype, leaves, sizes, owner)
 
     # Union leaves that share tensors: a tied group goes to the device of its first leaf.
     leader = list(range(len(leaves)))
