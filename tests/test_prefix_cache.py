@@ -205,3 +205,21 @@ def test_the_plan_and_the_budget_count_the_prefix_cache(model: Any, tmp_path: An
     assert plan.prefix_cache_bytes == held
     assert plan_tiers(plan)["cpu"] == plan.total_bytes + held
     assert ("prefix_cache_bytes" in plan.to_dict()) == bool(held)  # plans without one keep their former shape
+
+
+def test_chunks_are_sized_to_take_about_one_and_a_half_decode_steps() -> None:
+    from deploykit.engine.prefill import ChunkSizer
+
+    sizer = ChunkSizer(256)
+    assert sizer.next(decoding=False) == 256  # nothing else runs: the largest chunk
+    assert sizer.next(decoding=True) == 32  # nothing measured yet
+    sizer.decoded(0.010)  # a decode step of the running rows: 10 ms
+    sizer.read(32, 0.032)  # 1 ms per prompt token
+    assert sizer.next(decoding=True) == 16  # 15 tokens take 1.5 steps; 16 at least
+    for _ in range(30):  # prompt tokens get cheaper (a faster machine, a bigger chunk): chunks grow
+        sizer.read(64, 0.016)
+    assert 55 <= sizer.next(decoding=True) <= 61  # 1.5 * 10 ms / 0.25 ms
+    for _ in range(30):
+        sizer.decoded(1.0)  # slow steps: the chunk is bounded by prefill_chunk
+    assert sizer.next(decoding=True) == 256
+    assert sizer.next(decoding=False) == 256

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import copy
 import threading
+import time
 from contextlib import AbstractContextManager, nullcontext
 from typing import Any
 
@@ -34,7 +35,7 @@ import torch.nn.functional as F
 
 from .admission import Admission, FinishReason, stop_reason
 from .kvcache import GrowingLayer, growing_cache
-from .prefill import Prefill
+from .prefill import ChunkSizer, Prefill
 from .prefixcache import Hit, PrefixCache
 from .requests import GenerationRequest, RequestHandle
 from .sampling import TokenLogprobs, is_plain_greedy, next_token, prompt_logprobs
@@ -53,6 +54,7 @@ class PaddedBackend:
         self.max_batch_size, self.kv_cache_bytes = max_batch_size, kv_cache_bytes
         self.kv_bytes_per_token = kv_bytes_per_token
         self.prefill_chunk = prefill_chunk
+        self._chunks = ChunkSizer(prefill_chunk)  # the chunk size while rows decode
         full = all(type(layer) is GrowingLayer for layer in growing_cache(model.config).layers)
         self.prefix = PrefixCache(prefix_cache_bytes) if prefix_cache_bytes > 0 and full else None
         self._hits: dict[str, Hit] = {}  # request id -> its cached beginning, from _route to its prefill
@@ -97,13 +99,16 @@ class PaddedBackend:
                     logits, cache, mask, short = self._join(short, cache, mask)
                     step_rows, rows = short, rows + short
                 elif reading and (chunk_next or not rows):
-                    logits, cache, mask, step_rows = self._read(reading[0], cache, mask)
+                    logits, cache, mask, step_rows = self._read(reading[0], cache, mask, decoding=bool(rows))
                     rows, chunk_next = rows + step_rows, False
                     if reading[0].handle.done or step_rows:
                         reading.pop(0)
                 elif rows:
+                    started = time.perf_counter()
                     rows, logits, cache, mask = self._decode_rows(rows, cache, mask)
                     step_rows, chunk_next = rows, True
+                    if reading:  # what a chunk is sized against
+                        self._chunks.decoded(time.perf_counter() - started)
                 else:
                     continue
                 self._choose(step_rows, logits)
@@ -142,12 +147,13 @@ class PaddedBackend:
                 alone.append(Prefill(h, self.model.config, hit))
         return short, alone
 
-    def _read(self, p: Prefill, cache: Any, mask: torch.Tensor
+    def _read(self, p: Prefill, cache: Any, mask: torch.Tensor, *, decoding: bool
               ) -> tuple[torch.Tensor | None, Any, torch.Tensor, list[RequestHandle]]:
-        """One chunk of ``p``'s prompt; once it is all read, its cache joins the batch's and its row
-        gets logits. A prompt the model cannot run fails alone."""
+        """One chunk of ``p``'s prompt (``prefill_chunk`` tokens, fewer while rows are ``decoding``:
+        ``ChunkSizer``); once it is all read, its cache joins the batch's and its row gets logits. A
+        prompt the model cannot run fails alone."""
         try:
-            logits = p.step(self.model, self._forward_lock, self.prefill_chunk)
+            logits = p.step(self.model, self._forward_lock, self._chunks.next(decoding), self._chunks)
         except Exception as exc:
             p.handle.finish("error", repr(exc))
             return None, cache, mask, []

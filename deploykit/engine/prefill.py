@@ -3,12 +3,13 @@
 The padded loop (``padded.py``) gives a prompt this path when the prefix cache holds its beginning (only
 the rest is computed, after the cached keys and values) or when it is longer than one chunk: the loop then
 runs one chunk of it between two decode steps of the running rows, so that they keep producing tokens
-while it is read, and the prompt pads nobody while it is read (its cache joins the batch's only once it is
-whole). The cache is transformers' ``DynamicCache`` with ``kvcache.GrowingLayer``s, as the batch's.
+while it is read (``ChunkSizer``: a chunk takes about 1.5 of their decode steps), and the prompt pads
+nobody while it is read (its cache joins the batch's only once it is whole). The cache is transformers' ``DynamicCache`` with ``kvcache.GrowingLayer``s, as the batch's.
 """
 
 from __future__ import annotations
 
+import time
 from contextlib import AbstractContextManager
 from typing import Any
 
@@ -17,6 +18,38 @@ import torch
 from .kvcache import growing_cache
 from .prefixcache import Hit
 from .requests import RequestHandle
+
+
+class ChunkSizer:
+    """How many prompt tokens the next chunk reads. Alone (no row decoding), ``largest``. While rows
+    decode, a chunk sized to take about ``ratio`` decode steps, from what the last steps and chunks took
+    (moving averages): a running stream then waits about ``1 + ratio`` steps between two tokens while a
+    long prompt is read, whatever the model, the machine and the batch (a fixed chunk of 256 tokens made
+    SmolLM2's streams wait 5-7 steps on 2 cores). Never fewer than ``smallest`` tokens, so that a prompt
+    is read at a useful pace even when decoding is very fast."""
+
+    def __init__(self, largest: int, *, ratio: float = 1.5, smallest: int = 16, weight: float = 0.3) -> None:
+        self.largest, self.ratio, self.smallest, self.weight = largest, ratio, min(smallest, largest), weight
+        self.step_seconds: float | None = None  # a decode step of the running rows
+        self.token_seconds: float | None = None  # one prompt token of a chunk
+
+    def decoded(self, seconds: float) -> None:
+        self.step_seconds = self._mean(self.step_seconds, seconds)
+
+    def read(self, tokens: int, seconds: float) -> None:
+        if tokens > 0:
+            self.token_seconds = self._mean(self.token_seconds, seconds / tokens)
+
+    def next(self, decoding: bool) -> int:
+        if not decoding:
+            return self.largest
+        if self.step_seconds is None or self.token_seconds is None:
+            return max(self.smallest, min(self.largest, 32))  # a first measurement
+        tokens = int(self.ratio * self.step_seconds / self.token_seconds)
+        return max(self.smallest, min(self.largest, tokens))
+
+    def _mean(self, old: float | None, new: float) -> float:
+        return new if old is None else (1 - self.weight) * old + self.weight * new
 
 
 class Prefill:
@@ -36,14 +69,19 @@ class Prefill:
     def prompt(self) -> list[int]:
         return list(self.handle.request.prompt_ids)
 
-    def step(self, model: Any, lock: AbstractContextManager[Any], budget: int) -> torch.Tensor | None:
-        """Read up to ``budget`` more prompt tokens; the next-token logits (one row) once all are read."""
+    def step(self, model: Any, lock: AbstractContextManager[Any], budget: int,
+             sizer: ChunkSizer | None = None) -> torch.Tensor | None:
+        """Read up to ``budget`` more prompt tokens; the next-token logits (one row) once all are read.
+        ``sizer`` learns how long the chunk took."""
         prompt = self.prompt
         end = min(len(prompt), self.done + budget)
+        start = time.perf_counter()
         with lock:
             out = model(input_ids=torch.tensor([prompt[self.done:end]]),
                         attention_mask=torch.ones(1, end, dtype=torch.long),
                         position_ids=torch.arange(self.done, end)[None], past_key_values=self.cache,
                         use_cache=True, logits_to_keep=1)
+        if sizer is not None:
+            sizer.read(end - self.done, time.perf_counter() - start)
         self.done = end
         return out.logits[:, -1].float() if end == len(prompt) else None

@@ -397,9 +397,10 @@ class Serving(_Strict):
     prefix_cache: PrefixCache = Field(default_factory=PrefixCache,
                                       description="Reuse of prompt prefixes across requests (padded batching).")
     prefill_chunk: int = Field(256, ge=16, le=65536,
-                               description="Prompt tokens read per step while other requests decode (padded "
-                                           "batching): a longer prompt is read in chunks of this many "
-                                           "between their decode steps.")
+                               description="The most prompt tokens read in one step (padded batching): a "
+                                           "longer prompt is read in chunks between the decode steps of the "
+                                           "running requests, each sized to take about 1.5 of their steps "
+                                           "(at most this many tokens; this many when nothing else runs).")
 
     @field_validator("prefix_cache")
     @classmethod
