@@ -41,6 +41,14 @@ class GrowingLayer(DynamicLayer):
         return self.keys, self.values
 
 
+    def preset(self, keys: torch.Tensor, values: torch.Tensor, n: int) -> None:
+        """Start from buffers whose first ``n`` positions the caller filled (``[batch, heads, >= n, dim]``):
+        the next update appends after them in place, with no copy of what they hold."""
+        self.lazy_initialization(keys, values)
+        self._buffers = (keys, values)
+        self.keys, self.values = keys[:, :, :n], values[:, :, :n]
+
+
 def _views(keys: torch.Tensor, buffer: torch.Tensor, n: int) -> bool:
     """Whether ``keys`` is still the view of ``buffer`` (the engine may have replaced it)."""
     return n > 0 and keys.data_ptr() == buffer.data_ptr() and keys.shape[0] == buffer.shape[0] \

@@ -34,7 +34,7 @@ import torch
 import torch.nn.functional as F
 
 from .admission import Admission, FinishReason, stop_reason
-from .kvcache import GrowingLayer, growing_cache
+from .kvcache import HEADROOM, GrowingLayer, growing_cache
 from .prefill import ChunkSizer, Prefill
 from .prefixcache import Hit, PrefixCache
 from .requests import GenerationRequest, RequestHandle
@@ -294,7 +294,7 @@ class PaddedBackend:
         pos = (nmask.cumsum(1) - 1).clamp(min=0)[:, c:]
         past = growing_cache(self.model.config)
         if c:
-            _read_hits(past, hits, kept, c)
+            _read_hits(past, hits, kept, c, room=s)
         for h, k in zip(new, kept):
             h.cached_tokens = k
         with self._forward_lock:
@@ -320,15 +320,21 @@ class PaddedBackend:
                            [layer.values[row:row + 1, :, -cached:] for layer in cache.layers])
 
 
-def _read_hits(past: Any, hits: list[Hit | None], kept: list[int], width: int) -> None:
-    """Fill ``past`` with each row's first ``kept`` cached tokens, left-padded to ``width``."""
+def _read_hits(past: Any, hits: list[Hit | None], kept: list[int], width: int, *, room: int) -> None:
+    """Fill ``past`` with each row's first ``kept`` cached tokens, left-padded to ``width``: copied once,
+    straight into buffers with ``room`` more positions, which the prefill's forward then appends to (a
+    padded copy, a concatenation and a grown buffer took three copies of every cached token before)."""
     some = next(hit for hit in hits if hit is not None)
-    for j in range(len(some.keys)):
-        parts = []
-        for hit, k in zip(hits, kept):
-            for t in (hit.keys[j] if hit else some.keys[j][:, :, :0], hit.values[j] if hit else some.values[j][:, :, :0]):
-                parts.append(_lpad(t[:, :, :k], width, 2))
-        past.update(torch.cat(parts[0::2]), torch.cat(parts[1::2]), j)
+    for j, layer in enumerate(past.layers):
+        buffers = []
+        for cached in (some.keys[j], some.values[j]):
+            _, heads, _, dim = cached.shape
+            buffers.append(cached.new_zeros(len(hits), heads, width + room + HEADROOM, dim))
+        for row, (hit, k) in enumerate(zip(hits, kept)):
+            if hit is not None and k:
+                buffers[0][row, :, width - k:width] = hit.keys[j][0, :, :k]
+                buffers[1][row, :, width - k:width] = hit.values[j][0, :, :k]
+        layer.preset(buffers[0], buffers[1], width)
 
 
 def _merged(cache: Any, mask: torch.Tensor, add: Any, add_mask: torch.Tensor) -> tuple[Any, torch.Tensor]:
