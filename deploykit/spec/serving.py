@@ -1,0 +1,135 @@
+"""The manifest's ``spec.serving``, ``spec.lifecycle`` and ``spec.engine`` sections: request limits,
+batching, the prefix cache and chunked prefill; keep-alive and loading; which engine runs the model."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Literal
+
+from pydantic import (
+    Field,
+    SerializerFunctionWrapHandler,
+    ValidationInfo,
+    field_validator,
+    model_serializer,
+    model_validator,
+)
+from pydantic_core import PydanticCustomError
+
+from .values import KeepAlive, Size, Strict
+
+
+class PrefixCache(Strict):
+    """The KV cache of finished requests' token sequences, kept to serve later requests that share their
+    beginning (a shared system prompt, a conversation's earlier turns, a document sent again)."""
+
+    enabled: bool = Field(False, description="Keep and reuse prompt prefixes (padded batching of a causal LM "
+                                             "in one process or Ray Serve replica; others keep none). Off by "
+                                             "default: its max_bytes count in the plan and the host budget.")
+    max_bytes: Size = Field(256 * 2**20, description="Most bytes the kept KV may hold, on the device of the "
+                                                    "input embeddings; least recently used evicted first. "
+                                                    "Part of the plan's bytes (and of the host budget).")
+
+
+class Serving(Strict):
+    """Limits of the inference API for this model (``deploykit serve``, ``Deployment.generate``)."""
+
+    context_length: int | None = Field(
+        None, ge=8, description="Longest prompt plus generated tokens; default: the model's "
+                                "max_position_embeddings, at most 8192.")
+    max_tokens: int = Field(512, ge=1, description="Most tokens one request may generate; a request "
+                                                  "asking for more is refused (400).")
+    default_max_tokens: int = Field(256, ge=1, description="Tokens generated when a request names no "
+                                                          "max_tokens (capped by max_tokens).")
+    max_concurrent: int = Field(16, ge=1, le=1024, description="Requests decoded together in one batch.")
+    max_queued: int = Field(64, ge=0, description="Requests waiting for a batch slot beyond "
+                                                  "max_concurrent; more are refused (429 with Retry-After).")
+    max_input_items: int = Field(256, ge=1, description="Most prompts or embedding inputs in one request.")
+    batching: Literal["padded", "continuous"] = Field(
+        "padded", description="padded: deploykit's batch loop (per-request sampling); continuous: "
+                              "transformers' continuous batching (greedy requests only).")
+    tool_call_parser: Literal["hermes"] | None = Field(
+        None, description="How this model family writes tool calls, read from answers to tool_choice 'auto' "
+                          "(hermes: <tool_call>{json}</tool_call>, Hermes and Qwen2/2.5/3); unset: 'auto' is "
+                          "refused (400) and only forced calls (required, a named function) are served.")
+    prefix_cache: PrefixCache = Field(default_factory=PrefixCache,
+                                      description="Reuse of prompt prefixes across requests (padded batching).")
+    prefill_chunk: int = Field(256, ge=16, le=65536,
+                               description="The most prompt tokens read in one step (padded batching): a "
+                                           "longer prompt is read in chunks between the decode steps of the "
+                                           "running requests, each sized to take about 1.5 of their steps "
+                                           "(at most this many tokens; this many when nothing else runs).")
+
+    @field_validator("prefix_cache")
+    @classmethod
+    def _padded_only(cls, cache: PrefixCache, info: ValidationInfo) -> PrefixCache:
+        if cache.enabled and info.data.get("batching") == "continuous":
+            raise PydanticCustomError(
+                "prefix_cache_continuous", "the prefix cache needs batching: padded (transformers' continuous "
+                                           "batching keeps no prefixes here); set prefix_cache.enabled: false", {})
+        return cache
+
+    @model_serializer(mode="wrap")
+    def _omit_defaults(self, handler: SerializerFunctionWrapHandler) -> dict[str, Any]:
+        data: dict[str, Any] = handler(self)
+        if self.prefix_cache == PrefixCache():  # manifests that never name them keep their digest
+            data.pop("prefix_cache", None)
+        if self.prefill_chunk == 256:
+            data.pop("prefill_chunk", None)
+        if self.tool_call_parser is None:
+            data.pop("tool_call_parser", None)
+        return data
+
+    @field_validator("max_tokens")
+    @classmethod
+    def _room_for_a_prompt(cls, max_tokens: int, info: ValidationInfo) -> int:
+        context = info.data.get("context_length")
+        if context is not None and max_tokens >= context:
+            raise PydanticCustomError(
+                "max_tokens_context", "max_tokens {m} leaves no room for a prompt in context_length {c}; "
+                                      "make it smaller than context_length", {"m": max_tokens, "c": context})
+        return max_tokens
+
+
+class Lifecycle(Strict):
+    """When ``deploykit serve`` holds this model in memory, under its budget (docs/budget.md)."""
+
+    keep_alive: KeepAlive = Field(None, description="Unload after being idle this long (counted from the end "
+                                                    "of the last request); 'forever' never unloads when idle.")
+    load: Literal["eager", "on-demand"] = Field(
+        "eager", description="eager: loaded when served or applied; on-demand: loaded at its first request.")
+    priority: int = Field(0, description="Making room for a deployment unloads idle ones of this priority or "
+                                         "lower (lowest first, then least recently used).")
+
+
+class Engine(Strict):
+    """What computes the model: deploykit's own transformers engine, in process, or llama.cpp: one
+    ``llama-server`` process per generation that deploykit starts, checks, routes to and stops
+    (docs/engines.md). The llama.cpp fields are llama-server's options that change what it serves."""
+
+    name: Literal["transformers", "llama.cpp"] = Field(
+        "transformers", description="transformers (default): safetensors checkpoints and GGUF imports, in "
+                                    "process. llama.cpp: a GGUF file served by a llama-server process.")
+    binary: Path | None = Field(
+        None, description="llama.cpp: the llama-server executable (relative to the manifest). Default: "
+                          "$DEPLOYKIT_LLAMA_SERVER, else the one the deploykit[llamacpp] extra installed, else "
+                          "llama-server on PATH.")
+    slots: int = Field(4, ge=1, le=256, description="llama.cpp: requests decoded together (llama-server "
+                                                    "--parallel); more wait in deploykit's queue "
+                                                    "(spec.serving.max_queued).")
+    context: int = Field(4096, ge=64, le=1 << 20, description="llama.cpp: tokens of context per slot (prompt plus "
+                                                              "generated); the KV cache holds slots x context.")
+    threads: int | None = Field(None, ge=1, le=1024, description="llama.cpp: CPU threads for generation "
+                                                                 "(--threads); default: llama-server's choice.")
+    batch_size: int = Field(512, ge=1, le=1 << 16, description="llama.cpp: prompt tokens evaluated per step "
+                                                                "(--batch-size and --ubatch-size).")
+
+    @model_validator(mode="after")
+    def _llama_fields_need_llama(self) -> Engine:
+        if self.name == "transformers":
+            named = sorted(self.model_fields_set - {"name"})
+            if named:
+                raise PydanticCustomError(
+                    "engine_field", "{f} is an option of the llama.cpp engine; set engine.name: llama.cpp or "
+                    "remove it", {"f": named[0], "at": named[0]})
+        return self
