@@ -202,6 +202,8 @@ def quantize_head(model: Any, task: str, scheme: str) -> None:
         return
     name, _ = found
     head: nn.Linear = model.get_submodule(name)
+    if hasattr(head, "_hf_hook") or head.weight.device.type == "meta":
+        return  # offloaded under accelerate's hooks (GPU plans with CPU/disk blocks): left at dtype
     weight = head.weight.detach()
     tied = any(weight is p.detach() or weight.data_ptr() == p.data_ptr()
                for p in model.get_input_embeddings().parameters())
