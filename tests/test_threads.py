@@ -47,16 +47,18 @@ def test_no_thread_is_left_after_a_supervisor_closes(model, tmp_path):
     assert deploykit_threads() == before
 
 
-def os_threads() -> int:
+def os_threads() -> set[str]:
+    """The ids of this process's OS threads (Python's and the native ones, OpenMP's included)."""
     import os
 
-    return len(os.listdir("/proc/self/task"))
+    return set(os.listdir("/proc/self/task"))
 
 
 def test_a_change_leaves_no_openmp_threads_behind():
     """A load or reshard runs parallel torch work on a deployment's change thread; the OpenMP team that
     work starts must end with the change, or the engine thread's every parallel region slows 2-3x
-    (deploykit.threads.release_openmp_threads)."""
+    (deploykit.threads.release_openmp_threads). Threads are compared by id: other tests' threads may
+    come and go meanwhile."""
     import torch
 
     from deploykit.control.live.worker import ChangeWorker
@@ -65,9 +67,16 @@ def test_a_change_leaves_no_openmp_threads_behind():
     worker = ChangeWorker("openmp")
     try:
         worker.call(lambda: None)  # the change thread itself
-        before = os_threads()
-        worker.call(lambda: torch.randn(1 << 20).mul_(2).sum())  # parallel: starts a team of 2
-        wait_until(lambda: os_threads() == before, timeout=10, what="the change's OpenMP threads ended")
+        started: list[set[str]] = []
+
+        def parallel_work() -> None:
+            before = os_threads()
+            torch.randn(1 << 20).mul_(2).sum()  # parallel: starts a team of 2
+            started.append(os_threads() - before)
+
+        worker.call(parallel_work)
+        assert started[0], "the parallel operation started no thread: nothing is tested"
+        wait_until(lambda: not (started[0] & os_threads()), timeout=10, what="the change's OpenMP threads ended")
     finally:
         worker.stop()
 
@@ -78,19 +87,19 @@ def test_release_openmp_threads_ends_the_callers_team():
     from deploykit.threads import release_openmp_threads
 
     torch.set_num_threads(2)
-    counts: list[int] = []
+    started: list[set[str]] = []
     done = threading.Event()
 
     def work() -> None:
-        counts.append(os_threads())
+        before = os_threads()
         torch.randn(1 << 20).mul_(2).sum()
-        counts.append(os_threads())
+        started.append(os_threads() - before)
         release_openmp_threads()
         done.set()
 
     thread = threading.Thread(target=work)
     thread.start()
-    done.wait(30)
-    wait_until(lambda: os_threads() == counts[0], timeout=10, what="the team ended")
+    assert done.wait(30)
+    assert started[0]  # the parallel operation did start a team
+    wait_until(lambda: not (started[0] & os_threads()), timeout=10, what="the team ended")
     thread.join()
-    assert counts[1] > counts[0]  # the parallel operation did start a team
