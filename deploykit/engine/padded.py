@@ -344,9 +344,23 @@ def _merged(cache: Any, mask: torch.Tensor, add: Any, add_mask: torch.Tensor) ->
         return add, add_mask
     width = max(mask.shape[1], add_mask.shape[1])
     for old, new in zip(cache.layers, add.layers):
-        old.keys = torch.cat([_lpad(old.keys, width, 2), _lpad(new.keys, width, 2)])
-        old.values = torch.cat([_lpad(old.values, width, 2), _lpad(new.values, width, 2)])
+        if type(old) is GrowingLayer and old.keys is not None and old.values is not None:
+            # one copy, into buffers the next decode steps append to
+            old.preset(_stacked(old.keys, new.keys, width), _stacked(old.values, new.values, width), width)
+        else:
+            old.keys = torch.cat([_lpad(old.keys, width, 2), _lpad(new.keys, width, 2)])
+            old.values = torch.cat([_lpad(old.values, width, 2), _lpad(new.values, width, 2)])
     return cache, torch.cat([_lpad(mask, width), _lpad(add_mask, width)])
+
+
+def _stacked(top: torch.Tensor, below: torch.Tensor, width: int) -> torch.Tensor:
+    """``top``'s rows then ``below``'s, each left-padded to ``width`` positions, in a new buffer with
+    ``HEADROOM`` more (a padded copy, a concatenation and a grown buffer took three copies before)."""
+    rows, heads, _, dim = top.shape
+    out = top.new_zeros(rows + below.shape[0], heads, width + HEADROOM, dim)
+    out[:rows, :, width - top.shape[2]:width] = top
+    out[rows:, :, width - below.shape[2]:width] = below
+    return out
 
 
 def _drop_done(rows: list[RequestHandle], cache: Any, mask: torch.Tensor
