@@ -103,3 +103,71 @@ def test_release_openmp_threads_ends_the_callers_team():
     assert started[0]  # the parallel operation did start a team
     wait_until(lambda: not (started[0] & os_threads()), timeout=10, what="the team ended")
     thread.join()
+
+
+def test_an_idle_engine_hands_back_its_openmp_threads(tiny_model):
+    """Two generations (two deployments, or a canary) each run an engine thread; an idle one's OpenMP team
+    would keep GNU OpenMP from spinning for the busy one. Once its request ends, the engine's team ends."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from deploykit.engine.batching import Engine, GenerationRequest
+
+    torch.set_num_threads(2)
+    model = AutoModelForCausalLM.from_pretrained(tiny_model("llama"), dtype=torch.float32).eval()
+    engine = Engine(model, None)
+    try:
+        before = os_threads()
+        seen: set[str] = set()
+
+        def listen(event: object) -> None:  # called on the engine thread, its team alive
+            seen.update(os_threads() - before)
+
+        result = engine.submit(GenerationRequest(prompt_ids=list(range(3, 200)), max_new_tokens=4),
+                               listener=listen).result(timeout=60)
+        assert len(result.token_ids) == 4
+        assert seen, "the engine started no OpenMP thread: nothing is tested"
+        wait_until(lambda: not (seen & os_threads()), timeout=10, what="the idle engine's OpenMP threads ended")
+    finally:
+        engine.close(timeout=30)
+
+
+def test_an_embedding_request_hands_back_its_openmp_threads():
+    """The embedding runtime's worker thread lives as long as its generation: after each request it hands
+    back the OpenMP team the forward started. Shown against ``embed`` alone, which keeps it."""
+    import torch
+    from transformers import AutoModel, AutoTokenizer
+
+    from deploykit.engine.embeddings import Pooling, embed
+    from deploykit.engine.runtime import _embed_apart
+    from test_serve import minilm_path
+
+    torch.set_num_threads(2)
+    model, tokenizer = AutoModel.from_pretrained(minilm_path()).eval(), AutoTokenizer.from_pretrained(minilm_path())
+    texts = [f"sentence number {i} about cats and dogs and the weather" for i in range(32)]
+
+    def left_behind(fn) -> set[str]:  # type: ignore[no-untyped-def]
+        new: list[set[str]] = []
+        ran, stop = threading.Event(), threading.Event()
+
+        def work() -> None:
+            before = os_threads()
+            fn(model, tokenizer, texts, pooling=Pooling("mean", True), max_length=128)
+            new.append(os_threads() - before)
+            ran.set()
+            stop.wait(30)  # alive, as the runtime's worker
+
+        thread = threading.Thread(target=work)
+        thread.start()
+        try:
+            assert ran.wait(60)
+            wait_until(lambda: not (new[0] & os_threads()), timeout=5, what="the team ended")
+            return set()
+        except AssertionError:
+            return new[0] & os_threads()
+        finally:
+            stop.set()
+            thread.join()
+
+    assert left_behind(embed), "embed alone started no OpenMP thread: nothing is tested"
+    assert left_behind(_embed_apart) == set()

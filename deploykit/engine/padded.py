@@ -33,6 +33,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from ..threads import release_openmp_threads
 from .admission import Admission, FinishReason, stop_reason
 from .kvcache import HEADROOM, GrowingLayer, growing_cache
 from .prefill import ChunkSizer, Prefill
@@ -82,7 +83,7 @@ class PaddedBackend:
         cache: Any = None
         mask = torch.zeros(0, 0, dtype=torch.long)  # 0 = left padding
         reading: list[Prefill] = []  # prompts prefilled alone, oldest first
-        chunk_next = True
+        chunk_next = busy = True
         try:
             while True:
                 rows, cache, mask = self._drop_done(rows, cache, mask)
@@ -90,9 +91,13 @@ class PaddedBackend:
                 new = self._admit(rows + [p.handle for p in reading], mask.shape[1])
                 self._queue.running = len(rows) + len(reading) + len(new)
                 if not rows and not new and not reading:
+                    if busy:  # going idle: its OpenMP threads would slow other engines of the process
+                        release_openmp_threads()
+                        busy = False
                     if not self._queue.wait_for_work(0.5):  # idle: sleep until a submit or close
                         return
                     continue
+                busy = True
                 short, alone = self._route(self._start(new))
                 reading += alone
                 if short:  # join step: only the new rows get a token (old rows advance next step)

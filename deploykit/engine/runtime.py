@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from ..names import Task
+from ..threads import release_openmp_threads
 from .embeddings import Pooling, embed, pooling_of
 from .text import RequestError, TextStream, check_length
 from .types import Constraint, Limits, eos_set
@@ -156,7 +157,7 @@ class EmbeddingRuntime:
     def submit(self, texts: list[str]) -> Future[tuple[list[list[float]], int]]:
         if self.tokenizer is None:
             raise RequestError("this model ships no tokenizer: it cannot embed text", code="no_tokenizer")
-        return self._worker.submit(embed, self.loaded.model, self.tokenizer, texts, pooling=self.pooling,
+        return self._worker.submit(_embed_apart, self.loaded.model, self.tokenizer, texts, pooling=self.pooling,
                                    max_length=self.context_length, device=self.loaded.input_device)
 
     def close(self, timeout: float | None = 30.0) -> None:
@@ -178,3 +179,12 @@ def build_runtime(loaded: LoadedModel, limits: Limits, *, task: str, kv_cache_by
     if task == Task.FEATURE_EXTRACTION:
         return EmbeddingRuntime(loaded, limits)
     return None
+
+
+def _embed_apart(*args: Any, **kwargs: Any) -> tuple[list[list[float]], int]:
+    """``embed``, then the worker's OpenMP threads handed back: an idle embedding model must not slow
+    the other engines of the process (``deploykit.threads.release_openmp_threads``)."""
+    try:
+        return embed(*args, **kwargs)
+    finally:
+        release_openmp_threads()
