@@ -1,4 +1,5 @@
-"""The padded loop's KV cache: transformers' ``DynamicCache`` whose full-attention layers grow in place.
+"""The padded loop's KV cache: transformers' ``DynamicCache`` whose full-attention layers grow in place,
+and what the loop does to the batch's cache and its mask (rows joined, cached prefixes read, padding).
 
 transformers' ``DynamicLayer.update`` concatenates every step, so each decode step copies the whole cache
 of every layer into a new tensor (14% of the engine thread's time serving SmolLM2 to 16 clients, by
@@ -10,11 +11,15 @@ code and the engine see what ``DynamicLayer`` would give them. When the engine r
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
+import torch.nn.functional as F
 from transformers import DynamicCache
 from transformers.cache_utils import DynamicLayer
+
+if TYPE_CHECKING:
+    from .prefixcache import Hit
 
 HEADROOM = 64  # positions allocated ahead: one copy of the cache every 64 decode steps at most
 
@@ -68,3 +73,56 @@ def growing_cache(config: Any) -> DynamicCache:
     cache = DynamicCache(config=config)
     cache.layers = [GrowingLayer() if type(layer) is DynamicLayer else layer for layer in cache.layers]
     return cache
+
+
+def read_hits(past: Any, hits: list[Hit | None], kept: list[int], width: int, *, room: int) -> None:
+    """Fill ``past`` with each row's first ``kept`` cached tokens, left-padded to ``width``: copied once,
+    straight into buffers with ``room`` more positions, which the prefill's forward then appends to (a
+    padded copy, a concatenation and a grown buffer took three copies of every cached token before)."""
+    some = next(hit for hit in hits if hit is not None)
+    for j, layer in enumerate(past.layers):
+        buffers = []
+        for cached in (some.keys[j], some.values[j]):
+            _, heads, _, dim = cached.shape
+            buffers.append(cached.new_zeros(len(hits), heads, width + room + HEADROOM, dim))
+        for row, (hit, k) in enumerate(zip(hits, kept)):
+            if hit is not None and k:
+                buffers[0][row, :, width - k:width] = hit.keys[j][0, :, :k]
+                buffers[1][row, :, width - k:width] = hit.values[j][0, :, :k]
+        layer.preset(buffers[0], buffers[1], width)
+
+
+def merged(cache: Any, mask: torch.Tensor, add: Any, add_mask: torch.Tensor) -> tuple[Any, torch.Tensor]:
+    """The batch's cache and mask with the rows of ``add`` appended below, both left-padded to one width
+    (RoPE is already applied to cached keys: padding is safe)."""
+    if cache is None:
+        return add, add_mask
+    width = max(mask.shape[1], add_mask.shape[1])
+    for old, new in zip(cache.layers, add.layers):
+        if type(old) is GrowingLayer and old.keys is not None and old.values is not None:
+            # one copy, into buffers the next decode steps append to
+            old.preset(_stacked(old.keys, new.keys, width), _stacked(old.values, new.values, width), width)
+        else:
+            old.keys = torch.cat([left_pad(old.keys, width, 2), left_pad(new.keys, width, 2)])
+            old.values = torch.cat([left_pad(old.values, width, 2), left_pad(new.values, width, 2)])
+    return cache, torch.cat([left_pad(mask, width), left_pad(add_mask, width)])
+
+
+def _stacked(top: torch.Tensor, below: torch.Tensor, width: int) -> torch.Tensor:
+    """``top``'s rows then ``below``'s, each left-padded to ``width`` positions, in a new buffer with
+    ``HEADROOM`` more (a padded copy, a concatenation and a grown buffer took three copies before)."""
+    rows, heads, _, dim = top.shape
+    out = top.new_zeros(rows + below.shape[0], heads, width + HEADROOM, dim)
+    out[:rows, :, width - top.shape[2]:width] = top
+    out[rows:, :, width - below.shape[2]:width] = below
+    return out
+
+
+def all_pad_columns(mask: torch.Tensor) -> int:
+    """How many leading columns of ``mask`` are padding in every row."""
+    return int((mask.sum(0) == 0).long().cumprod(0).sum())
+
+
+def left_pad(x: torch.Tensor, width: int, dim: int = 1) -> torch.Tensor:
+    """Left-pad ``x`` with zeros along ``dim`` up to ``width``."""
+    return F.pad(x, (0, 0) * (x.dim() - 1 - dim) + (width - x.shape[dim], 0))

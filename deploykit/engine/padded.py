@@ -35,7 +35,14 @@ import torch.nn.functional as F
 
 from ..threads import release_openmp_threads
 from .admission import Admission, FinishReason, stop_reason
-from .kvcache import HEADROOM, GrowingLayer, growing_cache
+from .kvcache import (
+    GrowingLayer,
+    all_pad_columns,
+    growing_cache,
+    left_pad,
+    merged,
+    read_hits,
+)
 from .prefill import ChunkSizer, Prefill
 from .prefixcache import Hit, PrefixCache
 from .requests import GenerationRequest, RequestHandle
@@ -164,7 +171,7 @@ class PaddedBackend:
             return None, cache, mask, []
         if logits is None:
             return None, cache, mask, []
-        cache, mask = _merged(cache, mask, p.cache, torch.ones(1, p.done, dtype=torch.long))
+        cache, mask = merged(cache, mask, p.cache, torch.ones(1, p.done, dtype=torch.long))
         return logits, cache, mask, [p.handle]
 
     def _decode(self, rows: list[RequestHandle], cache: Any, mask: torch.Tensor
@@ -198,7 +205,7 @@ class PaddedBackend:
         if not ran:
             return [], None, None, mask[:0, :0]
         mask = torch.cat([m for _, _, _, m in ran])
-        lead = _all_pad_columns(mask)  # the failed rows may have been the only ones that long
+        lead = all_pad_columns(mask)  # the failed rows may have been the only ones that long
         for j, layer in enumerate(cache.layers):
             layer.keys = torch.cat([c.layers[j].keys for _, _, c, _ in ran])[:, :, lead:]
             layer.values = torch.cat([c.layers[j].values for _, _, c, _ in ran])[:, :, lead:]
@@ -292,20 +299,20 @@ class PaddedBackend:
         s = max(len(p) - (hit.tokens if hit else 0) for p, hit in zip(prompts, hits))
         kept = [max(0, len(p) - s) for p in prompts]  # <= its hit's tokens; 0 without one
         c = max(kept)
-        ids = torch.stack([_lpad(torch.tensor(p[k:]), s, 0) for p, k in zip(prompts, kept)])
-        nmask = torch.cat([torch.stack([_lpad(torch.ones(k, dtype=torch.long), c, 0) for k in kept]),
-                           torch.stack([_lpad(torch.ones(len(p) - k, dtype=torch.long), s, 0)
+        ids = torch.stack([left_pad(torch.tensor(p[k:]), s, 0) for p, k in zip(prompts, kept)])
+        nmask = torch.cat([torch.stack([left_pad(torch.ones(k, dtype=torch.long), c, 0) for k in kept]),
+                           torch.stack([left_pad(torch.ones(len(p) - k, dtype=torch.long), s, 0)
                                         for p, k in zip(prompts, kept)])], 1)
         pos = (nmask.cumsum(1) - 1).clamp(min=0)[:, c:]
         past = growing_cache(self.model.config)
         if c:
-            _read_hits(past, hits, kept, c, room=s)
+            read_hits(past, hits, kept, c, room=s)
         for h, k in zip(new, kept):
             h.cached_tokens = k
         with self._forward_lock:
             out = self.model(input_ids=ids, attention_mask=nmask, position_ids=pos, use_cache=True,
                              past_key_values=past, logits_to_keep=1)
-        return (out.logits[:, -1].float(), *_merged(cache, mask, out.past_key_values, nmask))
+        return (out.logits[:, -1].float(), *merged(cache, mask, out.past_key_values, nmask))
 
     def _drop_done(self, rows: list[RequestHandle], cache: Any, mask: torch.Tensor
                    ) -> tuple[list[RequestHandle], Any, torch.Tensor]:
@@ -325,49 +332,6 @@ class PaddedBackend:
                            [layer.values[row:row + 1, :, -cached:] for layer in cache.layers])
 
 
-def _read_hits(past: Any, hits: list[Hit | None], kept: list[int], width: int, *, room: int) -> None:
-    """Fill ``past`` with each row's first ``kept`` cached tokens, left-padded to ``width``: copied once,
-    straight into buffers with ``room`` more positions, which the prefill's forward then appends to (a
-    padded copy, a concatenation and a grown buffer took three copies of every cached token before)."""
-    some = next(hit for hit in hits if hit is not None)
-    for j, layer in enumerate(past.layers):
-        buffers = []
-        for cached in (some.keys[j], some.values[j]):
-            _, heads, _, dim = cached.shape
-            buffers.append(cached.new_zeros(len(hits), heads, width + room + HEADROOM, dim))
-        for row, (hit, k) in enumerate(zip(hits, kept)):
-            if hit is not None and k:
-                buffers[0][row, :, width - k:width] = hit.keys[j][0, :, :k]
-                buffers[1][row, :, width - k:width] = hit.values[j][0, :, :k]
-        layer.preset(buffers[0], buffers[1], width)
-
-
-def _merged(cache: Any, mask: torch.Tensor, add: Any, add_mask: torch.Tensor) -> tuple[Any, torch.Tensor]:
-    """The batch's cache and mask with the rows of ``add`` appended below, both left-padded to one width
-    (RoPE is already applied to cached keys: padding is safe)."""
-    if cache is None:
-        return add, add_mask
-    width = max(mask.shape[1], add_mask.shape[1])
-    for old, new in zip(cache.layers, add.layers):
-        if type(old) is GrowingLayer and old.keys is not None and old.values is not None:
-            # one copy, into buffers the next decode steps append to
-            old.preset(_stacked(old.keys, new.keys, width), _stacked(old.values, new.values, width), width)
-        else:
-            old.keys = torch.cat([_lpad(old.keys, width, 2), _lpad(new.keys, width, 2)])
-            old.values = torch.cat([_lpad(old.values, width, 2), _lpad(new.values, width, 2)])
-    return cache, torch.cat([_lpad(mask, width), _lpad(add_mask, width)])
-
-
-def _stacked(top: torch.Tensor, below: torch.Tensor, width: int) -> torch.Tensor:
-    """``top``'s rows then ``below``'s, each left-padded to ``width`` positions, in a new buffer with
-    ``HEADROOM`` more (a padded copy, a concatenation and a grown buffer took three copies before)."""
-    rows, heads, _, dim = top.shape
-    out = top.new_zeros(rows + below.shape[0], heads, width + HEADROOM, dim)
-    out[:rows, :, width - top.shape[2]:width] = top
-    out[rows:, :, width - below.shape[2]:width] = below
-    return out
-
-
 def _drop_done(rows: list[RequestHandle], cache: Any, mask: torch.Tensor
                ) -> tuple[list[RequestHandle], Any, torch.Tensor]:
     """The batch without its finished or cancelled rows, their KV cache freed."""
@@ -375,18 +339,8 @@ def _drop_done(rows: list[RequestHandle], cache: Any, mask: torch.Tensor
     if len(keep) == len(rows):
         return rows, cache, mask
     idx, rows = torch.tensor(keep, dtype=torch.long), [rows[i] for i in keep]
-    lead = _all_pad_columns(mask[idx])
+    lead = all_pad_columns(mask[idx])
     mask, cache = mask[idx, lead:], cache if rows else None
     for layer in cache.layers if rows else []:
         layer.keys, layer.values = layer.keys[idx, :, lead:], layer.values[idx, :, lead:]
     return rows, cache, mask
-
-
-def _all_pad_columns(mask: torch.Tensor) -> int:
-    """How many leading columns of ``mask`` are padding in every row."""
-    return int((mask.sum(0) == 0).long().cumprod(0).sum())
-
-
-def _lpad(x: torch.Tensor, width: int, dim: int = 1) -> torch.Tensor:
-    """Left-pad ``x`` with zeros along ``dim`` up to ``width``."""
-    return F.pad(x, (0, 0) * (x.dim() - 1 - dim) + (width - x.shape[dim], 0))
