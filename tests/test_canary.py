@@ -224,14 +224,17 @@ def test_a_traffic_gate_that_fails_mid_way_rolls_back(served: tuple[Server, Path
     wait_until(lambda: len(load.served) >= 3, timeout=60, what="the load runs")
     history = roll(server, root, manifest(smollm2_file(), steps="[50, 100]", gates="max_ttft_p95: 1ms"),
                    revision=new_revision, phase="Failed")
-    seen = len(load.served)
-    wait_until(lambda: len(load.served) >= seen + 3, timeout=60, what="requests after the rollback")
+    rolled_back = time.monotonic()
+
+    def after() -> list[int]:  # requests started once it was rolled back (one started before may end later)
+        return [r for started, r, _ in list(load.served) if started > rolled_back]
+
+    wait_until(lambda: len(after()) >= 3, timeout=60, what="requests after the rollback")
     load.join()
     assert load.failures == []
     assert history[-1]["reason"].startswith("gate max_ttft_p95: "), history[-1]
     assert any(r == new_revision for _, r, _ in load.served)  # it took traffic before the gate failed
-    last = [r for _, r, _ in load.served[-3:]]
-    assert set(last) == {current.revision}
+    assert set(after()) == {current.revision}
     now = status(server)
     assert now["serving_revision"] == current.revision and now["rollout"]["step"] == 1
     assert server.metric("deploykit_rollout_gate_passed", deployment="smollm2", gate="max_ttft_p95") == 0
@@ -269,11 +272,15 @@ def test_deploykit_rollback_during_a_canary_aborts_it(tmp_path: Path) -> None:
         rolled = subprocess.run([*cli, "rollback", "smollm2"], env=server.env, capture_output=True, text=True,
                                 check=False, timeout=120)
         assert rolled.returncode == 0, rolled.stderr
-        seen = len(load.served)
-        wait_until(lambda: len(load.served) >= seen + 5, timeout=60, what="requests after the rollback")
+        rolled_back = time.monotonic()
+
+        def after() -> list[int]:  # requests started once it was rolled back (one started before may end later)
+            return [r for started, r, _ in list(load.served) if started > rolled_back]
+
+        wait_until(lambda: len(after()) >= 5, timeout=60, what="requests after the rollback")
         load.join()
         assert load.failures == []
-        assert {r for _, r, _ in load.served[-5:]} == {1}
+        assert set(after()) == {1}
         history = StateStore(tmp_path / "state").history("smollm2")
         assert [(r.revision, r.phase) for r in history] == [(1, "Ready"), (2, "Failed")]
         assert history[-1].reason == "canary aborted at step 1 (50%): rolled back by `deploykit rollback`"
