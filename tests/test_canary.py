@@ -81,6 +81,11 @@ class Load:
             except Exception as exc:  # noqa: BLE001 - counted: the test asserts there are none
                 self.failures.append(repr(exc))
 
+    def revisions_started_after(self, moment: float) -> list[int]:
+        """The revisions of the answers to requests that started after ``moment`` (one started before may
+        end later: a running request stays on its generation)."""
+        return [r for started, r, _ in list(self.served) if started > moment]
+
     def join(self) -> None:
         self.stop.set()
         for thread in self.threads:
@@ -225,16 +230,13 @@ def test_a_traffic_gate_that_fails_mid_way_rolls_back(served: tuple[Server, Path
     history = roll(server, root, manifest(smollm2_file(), steps="[50, 100]", gates="max_ttft_p95: 1ms"),
                    revision=new_revision, phase="Failed")
     rolled_back = time.monotonic()
-
-    def after() -> list[int]:  # requests started once it was rolled back (one started before may end later)
-        return [r for started, r, _ in list(load.served) if started > rolled_back]
-
-    wait_until(lambda: len(after()) >= 3, timeout=60, what="requests after the rollback")
+    wait_until(lambda: len(load.revisions_started_after(rolled_back)) >= 3, timeout=60,
+               what="requests after the rollback")
     load.join()
     assert load.failures == []
     assert history[-1]["reason"].startswith("gate max_ttft_p95: "), history[-1]
     assert any(r == new_revision for _, r, _ in load.served)  # it took traffic before the gate failed
-    assert set(after()) == {current.revision}
+    assert set(load.revisions_started_after(rolled_back)) == {current.revision}
     now = status(server)
     assert now["serving_revision"] == current.revision and now["rollout"]["step"] == 1
     assert server.metric("deploykit_rollout_gate_passed", deployment="smollm2", gate="max_ttft_p95") == 0
@@ -273,14 +275,11 @@ def test_deploykit_rollback_during_a_canary_aborts_it(tmp_path: Path) -> None:
                                 check=False, timeout=120)
         assert rolled.returncode == 0, rolled.stderr
         rolled_back = time.monotonic()
-
-        def after() -> list[int]:  # requests started once it was rolled back (one started before may end later)
-            return [r for started, r, _ in list(load.served) if started > rolled_back]
-
-        wait_until(lambda: len(after()) >= 5, timeout=60, what="requests after the rollback")
+        wait_until(lambda: len(load.revisions_started_after(rolled_back)) >= 5, timeout=60,
+                   what="requests after the rollback")
         load.join()
         assert load.failures == []
-        assert set(after()) == {1}
+        assert set(load.revisions_started_after(rolled_back)) == {1}
         history = StateStore(tmp_path / "state").history("smollm2")
         assert [(r.revision, r.phase) for r in history] == [(1, "Ready"), (2, "Failed")]
         assert history[-1].reason == "canary aborted at step 1 (50%): rolled back by `deploykit rollback`"
