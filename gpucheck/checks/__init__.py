@@ -20,13 +20,14 @@ class Check:
 
 CHECKS: tuple[Check, ...] = (
     Check("setup", "Set-up: the machine, the carried packages, the random-weight models", 120, False),
-    Check("machine_transformers", "deploykit on the machine's own transformers (plan, apply on the CPU)", 60, False),
     Check("pytest_cuda", "`pytest -m cuda`: the suite's CUDA tests", 120, False),
+    Check("serve_exact", "`deploykit serve` greedy answers equal to `generate` (float32, 16 concurrent), the "
+          "model whole on `cuda:0` and split over `cuda:0` and the CPU", 170),
     Check("apply_tiers", "apply with `gpus: [0]`, a CPU tier and a disk tier, against accelerate", 150),
-    Check("budget", "the budget with a `gpu0` tier: a load on demand, an eviction, memory returned", 100),
     Check("serve", "`deploykit serve` on the GPU: 16 clients against `transformers serve` and `generate`", 200),
-    Check("serve_exact", "`deploykit serve` greedy answers equal to `generate` (float32, 16 concurrent)", 90),
+    Check("budget", "the budget with a `gpu0` tier: a load on demand, an eviction, memory returned", 100),
     Check("quantized", "int8 and int4 on the GPU: answers, bytes, speed against bfloat16", 160),
+    Check("machine_transformers", "deploykit on the machine's own transformers (plan, apply on the CPU)", 60, False),
     Check("llamacpp", "the llama.cpp engine on the GPU", 10, False),
 )
 

@@ -1,5 +1,6 @@
-"""The llama.cpp engine on the GPU (``--n-gpu-layers`` / ``--tensor-split`` from the plan): deploykit has no
-llama.cpp engine yet, so there is nothing to run."""
+"""The llama.cpp engine on the GPU (``--n-gpu-layers`` / ``--tensor-split`` from the plan): not run. The GPU
+machine has no ``llama-server`` built for CUDA, and building llama.cpp's sources there (``-DGGML_CUDA=ON``)
+takes longer than the whole run may."""
 
 from __future__ import annotations
 
@@ -9,4 +10,4 @@ from ..record import Recorder
 
 def run(ctx: Context, rec: Recorder) -> None:
     rec.skip("llama-server with the plan's --n-gpu-layers / --tensor-split",
-             "deploykit has no llama.cpp engine yet (no spec.engine): nothing to run")
+             "no CUDA build of llama-server on the GPU machine (building one takes longer than the run)")
