@@ -92,3 +92,72 @@ def test_closing_a_gpu_deployment_returns_its_gpu_memory(tiny_model, tmp_path):
 
     gc.collect()
     assert torch.cuda.memory_allocated(0) - before < 1 << 20
+
+
+def _on_gpu_greedy(model, prompt, max_new):
+    ids = torch.tensor([list(prompt)], device="cuda:0")
+    with torch.inference_mode():
+        out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new, do_sample=False)
+    return [int(t) for t in out[0, len(prompt):]]
+
+
+def test_the_engine_serves_a_model_wholly_on_the_gpu(tiny_model):
+    """Every path of the padded loop with the whole model on cuda:0 and no accelerate hooks to move inputs:
+    greedy rows (joined mid-flight, read in chunks, from the prefix cache) equal ``generate`` on the GPU;
+    seeded sampling with penalties, bias and logprobs repeats itself; nothing fails."""
+    from transformers import AutoModelForCausalLM
+
+    from deploykit.engine.batching import GenerationRequest
+    from test_batching import CharTokenizer, prompts
+    from test_devices import answers
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_model("llama"), dtype=torch.float32,
+                                                 device_map="cuda:0").eval()
+    shared = tuple(range(20, 60))
+    greedy = [GenerationRequest(p, max_new_tokens=12) for p in prompts(6, seed=3)]
+    greedy += [GenerationRequest(shared + (t,), max_new_tokens=6) for t in (5, 6)]
+    expected = [_on_gpu_greedy(model, r.prompt_ids, r.max_new_tokens) for r in greedy]
+    for options in ({}, {"prefill_chunk": 8}, {"prefix_cache_bytes": 8 << 20, "max_batch_size": 1}):
+        got = answers(model, CharTokenizer(), greedy, **options)
+        assert [tokens for tokens, *_ in got] == expected, options
+    sampled = [GenerationRequest(prompts(1, seed=9)[0], max_new_tokens=10, temperature=0.9, top_p=0.8, seed=7,
+                                 presence_penalty=0.5, frequency_penalty=0.5, logit_bias=((40, 5.0),), logprobs=2,
+                                 prompt_logprobs=1)]
+    first = answers(model, CharTokenizer(), sampled)
+    assert first == answers(model, CharTokenizer(), sampled) and len(first[0][0]) == 10
+
+
+def test_grammar_scoring_and_embeddings_on_the_gpu(tmp_path):
+    import json
+
+    from transformers import AutoModelForCausalLM, AutoTokenizer, BertConfig, BertModel
+
+    from chatmodel import build_chat_model
+    from deploykit.engine.batching import GenerationRequest
+    from deploykit.engine.embeddings import Pooling, embed
+    from deploykit.engine.loader import LoadedModel
+    from deploykit.engine.scoring import score
+    from deploykit.engine.types import Constraint
+    from deploykit.spec.golden import GoldenCase
+    from test_devices import answers
+    from test_grammar import SCHEMA
+
+    directory = build_chat_model(tmp_path / "chat")
+    model = AutoModelForCausalLM.from_pretrained(directory, dtype=torch.float32, device_map="cuda:0").eval()
+    tokenizer = AutoTokenizer.from_pretrained(directory)
+    ids = tuple(tokenizer("Answer in JSON:")["input_ids"])
+    constraint = Constraint(json.dumps(SCHEMA))
+    got = answers(model, tokenizer, [GenerationRequest(ids, max_new_tokens=60, grammar=constraint),
+                                     GenerationRequest(ids, max_new_tokens=60, grammar=constraint, temperature=0.8,
+                                                       seed=3)])
+    for tokens, reason, *_ in got:
+        if reason == "stop":
+            assert set(json.loads(tokenizer.decode(tokens, skip_special_tokens=True))) == {"kind", "ok", "n"}
+    loaded = LoadedModel(model, None, directory, "cuda:0", False, tokenizer)
+    [case] = score(loaded, tokenizer, [GoldenCase("a cat", prompt="Name an animal:")])
+    assert len(case.nll) == len(case.top1) > 0
+    bert = BertModel(BertConfig(hidden_size=32, num_hidden_layers=2, num_attention_heads=2, intermediate_size=64,
+                                vocab_size=len(tokenizer), max_position_embeddings=64)).to("cuda:0").eval()
+    vectors, _ = embed(bert, tokenizer, ["a cat", "a dog"], pooling=Pooling("mean", True), max_length=64,
+                       device="cuda:0")
+    assert len(vectors) == 2 and len(vectors[0]) == 32

@@ -51,8 +51,9 @@ def embed(model: Any, tokenizer: Any, texts: list[str], *, pooling: Pooling, max
     """One vector per text and the number of input tokens. Runs the model: never on an event loop."""
     import torch
 
-    encoded = tokenizer(texts, padding=True, truncation=True, max_length=max_length, return_tensors="pt")
-    inputs = {k: v.to(device) for k, v in encoded.items() if k in ("input_ids", "attention_mask", "token_type_ids")}
+    encoded = tokenizer(texts, padding=True, truncation=True, max_length=max_length)  # lists: made on ``device``
+    inputs = {k: torch.tensor(v, device=device) for k, v in encoded.items()
+              if k in ("input_ids", "attention_mask", "token_type_ids")}
     with torch.no_grad():
         hidden = model(**inputs).last_hidden_state.float()
     mask = inputs["attention_mask"].unsqueeze(-1).to(hidden.dtype)

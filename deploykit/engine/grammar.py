@@ -141,7 +141,7 @@ def torch_pad(allowed: Any, extra: int) -> Any:
     """``allowed`` followed by ``extra`` forbidden ids."""
     import torch
 
-    return torch.cat([allowed, torch.zeros(extra, dtype=torch.bool)])
+    return torch.cat([allowed, torch.zeros(extra, dtype=torch.bool, device=allowed.device)])
 
 
 class RowGrammar:
@@ -154,8 +154,9 @@ class RowGrammar:
 
         self.matcher = xgr.GrammarMatcher(compiled)
         self.vocab_size = vocab_size
-        self.bitmask = xgr.allocate_token_bitmask(1, vocab_size)
-        self._bits = torch.arange(32, dtype=torch.int32)
+        # on the CPU, where xgrammar fills it (its own allocate_token_bitmask takes torch's default device)
+        self.bitmask = torch.full(xgr.get_bitmask_shape(1, vocab_size), -1, dtype=xgr.bitmask_dtype, device="cpu")
+        self._bits = torch.arange(32, dtype=torch.int32, device="cpu")
 
     def mask(self, logits: Any) -> Any:
         """``logits`` (one row) with every token the grammar forbids next at -inf (a new tensor); ids past
@@ -163,9 +164,11 @@ class RowGrammar:
 
         The bitmask is xgrammar's; it is unpacked here with two torch ops rather than with xgrammar's
         ``apply_token_bitmask_inplace``, whose CPU path took ~4 ms per row and token on SmolLM2's
-        vocabulary against ~40 us for this (16 constrained rows paid 64 ms a step for it)."""
+        vocabulary against ~40 us for this (16 constrained rows paid 64 ms a step for it). The mask is
+        unpacked on the CPU and moved to the logits' device (a GPU's, when the model is on one)."""
         self.matcher.fill_next_token_bitmask(self.bitmask)
         allowed = ((self.bitmask[0].unsqueeze(-1) >> self._bits) & 1).bool().flatten()[:self.vocab_size]
+        allowed = allowed.to(logits.device)
         width = logits.shape[-1]
         if width > self.vocab_size:  # logits wider than the vocabulary: the extra ids are not tokens
             allowed = torch_pad(allowed, width - self.vocab_size)

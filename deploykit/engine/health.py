@@ -30,8 +30,8 @@ def _inputs(loaded: LoadedModel, text: str) -> dict[str, Any]:
     import torch
 
     if loaded.tokenizer is not None:
-        encoded = loaded.tokenizer(text, return_tensors="pt")
-        inputs = {k: v.to(loaded.input_device) for k, v in encoded.items()
+        encoded = loaded.tokenizer(text)  # lists, made into tensors on the input device
+        inputs = {k: torch.tensor([v], device=loaded.input_device) for k, v in encoded.items()
                   if k in ("input_ids", "attention_mask", "token_type_ids")}
     else:  # no tokenizer shipped: a few in-vocabulary ids stand in for the text
         vocab = loaded.model.get_input_embeddings().num_embeddings

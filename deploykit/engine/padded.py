@@ -35,11 +35,11 @@ import torch.nn.functional as F
 
 from ..threads import release_openmp_threads
 from .admission import Admission, FinishReason, stop_reason
+from .devices import input_device
 from .kvcache import (
     GrowingLayer,
     all_pad_columns,
     growing_cache,
-    left_pad,
     merged,
     read_hits,
 )
@@ -57,6 +57,7 @@ class PaddedBackend:
                  kv_cache_bytes: int, kv_bytes_per_token: int, forward_lock: threading.Lock | None,
                  prefix_cache_bytes: int = 0, prefill_chunk: int = 256) -> None:
         self.model, self.tokenizer, self.eos_ids = model, tokenizer, eos_ids
+        self.device = input_device(model)  # where ids, positions and masks are made
         self._queue = queue  # the waiting requests
         self._forward_lock: AbstractContextManager[Any] = forward_lock or nullcontext()
         self.max_batch_size, self.kv_cache_bytes = max_batch_size, kv_cache_bytes
@@ -88,7 +89,7 @@ class PaddedBackend:
         alternate while both wait), and choose the tokens of the rows that got logits."""
         rows: list[RequestHandle] = []
         cache: Any = None
-        mask = torch.zeros(0, 0, dtype=torch.long)  # 0 = left padding
+        mask = torch.zeros(0, 0, dtype=torch.long, device=self.device)  # 0 = left padding
         reading: list[Prefill] = []  # prompts prefilled alone, oldest first
         chunk_next = busy = True
         try:
@@ -171,7 +172,7 @@ class PaddedBackend:
             return None, cache, mask, []
         if logits is None:
             return None, cache, mask, []
-        cache, mask = merged(cache, mask, p.cache, torch.ones(1, p.done, dtype=torch.long))
+        cache, mask = merged(cache, mask, p.cache, torch.ones(1, p.done, dtype=torch.long, device=self.device))
         return logits, cache, mask, [p.handle]
 
     def _decode(self, rows: list[RequestHandle], cache: Any, mask: torch.Tensor
@@ -179,7 +180,7 @@ class PaddedBackend:
         """One decode step of the running rows: each one's last token in, next-token logits out."""
         mask = F.pad(mask, (0, 1), value=1)
         with self._forward_lock:
-            out = self.model(input_ids=torch.tensor([[h.tokens[-1]] for h in rows]),
+            out = self.model(input_ids=torch.tensor([[h.tokens[-1]] for h in rows], device=mask.device),
                              attention_mask=mask, position_ids=mask.sum(1, keepdim=True) - 1,
                              past_key_values=cache, use_cache=True, logits_to_keep=1)
         return out.logits[:, -1].float(), out.past_key_values, mask
@@ -228,7 +229,7 @@ class PaddedBackend:
 
     def _prompt_logprobs(self, r: GenerationRequest) -> list[TokenLogprobs]:
         """A forward of the whole prompt alone, keeping every position's logits (the batch keeps one)."""
-        ids = torch.tensor([list(r.prompt_ids)])
+        ids = torch.tensor([list(r.prompt_ids)], device=self.device)
         with self._forward_lock:
             logits = self.model(input_ids=ids, attention_mask=torch.ones_like(ids), use_cache=False).logits[0]
         return prompt_logprobs(logits, r.prompt_ids, r.prompt_logprobs or 0)
@@ -299,10 +300,9 @@ class PaddedBackend:
         s = max(len(p) - (hit.tokens if hit else 0) for p, hit in zip(prompts, hits))
         kept = [max(0, len(p) - s) for p in prompts]  # <= its hit's tokens; 0 without one
         c = max(kept)
-        ids = torch.stack([left_pad(torch.tensor(p[k:]), s, 0) for p, k in zip(prompts, kept)])
-        nmask = torch.cat([torch.stack([left_pad(torch.ones(k, dtype=torch.long), c, 0) for k in kept]),
-                           torch.stack([left_pad(torch.ones(len(p) - k, dtype=torch.long), s, 0)
-                                        for p, k in zip(prompts, kept)])], 1)
+        ids = torch.tensor([[0] * (s - len(p) + k) + p[k:] for p, k in zip(prompts, kept)], device=self.device)
+        nmask = torch.tensor([[0] * (c - k) + [1] * k + [0] * (s - len(p) + k) + [1] * (len(p) - k)
+                              for p, k in zip(prompts, kept)], dtype=torch.long, device=self.device)
         pos = (nmask.cumsum(1) - 1).clamp(min=0)[:, c:]
         past = growing_cache(self.model.config)
         if c:
@@ -338,9 +338,10 @@ def _drop_done(rows: list[RequestHandle], cache: Any, mask: torch.Tensor
     keep = [i for i, h in enumerate(rows) if not h.done]
     if len(keep) == len(rows):
         return rows, cache, mask
-    idx, rows = torch.tensor(keep, dtype=torch.long), [rows[i] for i in keep]
+    idx, rows = torch.tensor(keep, dtype=torch.long, device=mask.device), [rows[i] for i in keep]
     lead = all_pad_columns(mask[idx])
     mask, cache = mask[idx, lead:], cache if rows else None
     for layer in cache.layers if rows else []:
-        layer.keys, layer.values = layer.keys[idx, :, lead:], layer.values[idx, :, lead:]
+        at = idx.to(layer.keys.device)  # each layer's cache is on its layer's device
+        layer.keys, layer.values = layer.keys[at, :, lead:], layer.values[at, :, lead:]
     return rows, cache, mask

@@ -15,6 +15,7 @@ from typing import Any
 
 import torch
 
+from .devices import input_device
 from .kvcache import growing_cache
 from .prefixcache import Hit
 from .requests import RequestHandle
@@ -73,13 +74,13 @@ class Prefill:
              sizer: ChunkSizer | None = None) -> torch.Tensor | None:
         """Read up to ``budget`` more prompt tokens; the next-token logits (one row) once all are read.
         ``sizer`` learns how long the chunk took."""
-        prompt = self.prompt
+        prompt, device = self.prompt, input_device(model)
         end = min(len(prompt), self.done + budget)
         start = time.perf_counter()
         with lock:
-            out = model(input_ids=torch.tensor([prompt[self.done:end]]),
-                        attention_mask=torch.ones(1, end, dtype=torch.long),
-                        position_ids=torch.arange(self.done, end)[None], past_key_values=self.cache,
+            out = model(input_ids=torch.tensor([prompt[self.done:end]], device=device),
+                        attention_mask=torch.ones(1, end, dtype=torch.long, device=device),
+                        position_ids=torch.arange(self.done, end, device=device)[None], past_key_values=self.cache,
                         use_cache=True, logits_to_keep=1)
         if sizer is not None:
             sizer.read(end - self.done, time.perf_counter() - start)

@@ -13,10 +13,8 @@ from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-import torch
-
 from .types import Constraint, FinishReason
-from .sampling import TokenLogprobs
+from .sampling import RequestRng, TokenLogprobs
 
 if TYPE_CHECKING:
     from .grammar import RowGrammar
@@ -73,7 +71,7 @@ class RequestHandle:
 
     request: GenerationRequest
     id: str
-    rng: torch.Generator | None = None  # private sampling RNG (padded backend)
+    rng: RequestRng | None = None  # private sampling RNG
     grammar: RowGrammar | None = None  # this request's own matcher, when it has a constraint
     submitted: float = field(default_factory=time.monotonic)
     first_token_at: float | None = None

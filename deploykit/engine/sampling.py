@@ -54,10 +54,25 @@ class TokenLogprobs:
     top: tuple[tuple[int, float], ...] = ()
 
 
-def request_generator(r: SamplingRequest) -> torch.Generator | None:
-    """A private RNG per sampling request (torch.seed() would reseed the global RNG)."""
+class RequestRng:
+    """A sampling request's private RNG (torch.seed() would reseed the global one): its seed is fixed when
+    the request is submitted, its ``torch.Generator`` made on the device of the first logits it samples
+    (``multinomial`` takes a generator on the device of its tensor: a CPU one fails on a GPU's logits)."""
+
+    def __init__(self, seed: int) -> None:
+        self.seed = seed
+        self._gen: torch.Generator | None = None
+
+    def on(self, device: torch.device) -> torch.Generator:
+        if self._gen is None:
+            self._gen = torch.Generator(device=device).manual_seed(self.seed)
+        return self._gen
+
+
+def request_generator(r: SamplingRequest) -> RequestRng | None:
+    """The request's own RNG when it samples (None when greedy)."""
     seed = r.seed if r.seed is not None else random.SystemRandom().getrandbits(63)
-    return torch.Generator().manual_seed(seed) if r.temperature > 0 else None
+    return RequestRng(seed) if r.temperature > 0 else None
 
 
 def is_plain_greedy(r: SamplingRequest) -> bool:
@@ -69,16 +84,17 @@ def is_plain_greedy(r: SamplingRequest) -> bool:
 def adjusted(logits: torch.Tensor, r: SamplingRequest, generated: Sequence[int]) -> torch.Tensor:
     """``logits`` (one row, float32) after the request's penalties and bias (the same tensor when none)."""
     if (r.presence_penalty or r.frequency_penalty) and generated:
-        counts = torch.bincount(torch.tensor(generated), minlength=logits.shape[-1])[: logits.shape[-1]]
+        counts = torch.bincount(torch.tensor(generated, device=logits.device), minlength=logits.shape[-1])[: logits.shape[-1]]
         counts = counts.to(logits.dtype)
         logits = logits - r.presence_penalty * (counts > 0).to(logits.dtype) - r.frequency_penalty * counts
     if r.logit_bias:
-        ids = torch.tensor([t for t, _ in r.logit_bias])
-        logits = logits.index_add(0, ids, torch.tensor([b for _, b in r.logit_bias], dtype=logits.dtype))
+        ids = torch.tensor([t for t, _ in r.logit_bias], device=logits.device)
+        bias = torch.tensor([b for _, b in r.logit_bias], dtype=logits.dtype, device=logits.device)
+        logits = logits.index_add(0, ids, bias)
     return logits
 
 
-def sample_token(logits: torch.Tensor, r: SamplingRequest, gen: torch.Generator | None) -> int:
+def sample_token(logits: torch.Tensor, r: SamplingRequest, gen: RequestRng | None) -> int:
     """Greedy when temperature == 0, else temperature + nucleus (top_p) sampling."""
     if r.temperature <= 0 or gen is None:
         return int(logits.argmax())
@@ -87,7 +103,7 @@ def sample_token(logits: torch.Tensor, r: SamplingRequest, gen: torch.Generator 
         sp, si = probs.sort(descending=True)
         sp[sp.cumsum(0) - sp > r.top_p] = 0  # keep the smallest prefix with mass >= top_p
         probs = torch.zeros_like(probs).scatter_(0, si, sp)
-    return int(torch.multinomial(probs, 1, generator=gen))
+    return int(torch.multinomial(probs, 1, generator=gen.on(probs.device)))
 
 
 def token_logprobs(logits: torch.Tensor, token: int, top: int) -> TokenLogprobs:
@@ -102,7 +118,7 @@ def _of(logp: torch.Tensor, token: int, top: int) -> TokenLogprobs:
 
 
 def next_token(logits: torch.Tensor, r: SamplingRequest, generated: Sequence[int],
-               gen: torch.Generator | None, grammar: Any = None) -> tuple[int, TokenLogprobs | None]:
+               gen: RequestRng | None, grammar: Any = None) -> tuple[int, TokenLogprobs | None]:
     """The request's next token after ``generated``, and its logprobs when the request asked for them;
     ``grammar`` (the request's ``RowGrammar``) masks the row first and accepts the token chosen."""
     chosen = adjusted(logits, r, generated)
