@@ -88,12 +88,22 @@ def _load_deploykit(ctx: Context, rec: Recorder, manifest: Path, devices: str | 
             found["logits"] = _logits(loaded.model, loaded.tokenizer, loaded.input_device)
             if not ctx.dry:
                 found["forward_peak"] = torch_memory()["peak_allocated"]
+        del loaded  # the check's own reference: after close, deploykit must hold none
     finally:
         dep.close()
     if not ctx.dry:
         gc.collect()
+        _clear_cublas_workspaces()  # torch's own per-thread cache (32 MiB each on Hopper), not deploykit's
         found["after_close"] = torch_memory()["allocated"]
     return found
+
+
+def _clear_cublas_workspaces() -> None:
+    import torch
+
+    clear = getattr(torch._C, "_cuda_clearCublasWorkspaces", None)
+    if clear is not None:
+        clear()
 
 
 def _placement(ctx: Context, rec: Recorder, loaded: Any, cli_map: dict[str, Any] | None) -> None:
