@@ -16,12 +16,13 @@ from typing import TYPE_CHECKING, Any
 import torch
 import torch.nn.functional as F
 from transformers import DynamicCache
-from transformers.cache_utils import DynamicLayer
+from transformers.cache_utils import DynamicLayer, DynamicSlidingWindowLayer
 
 if TYPE_CHECKING:
     from .prefixcache import Hit
 
 HEADROOM = 64  # positions allocated ahead: one copy of the cache every 64 decode steps at most
+_WINDOWED = (DynamicLayer, DynamicSlidingWindowLayer)  # the layers a GrowingLayer stands in for
 
 
 class GrowingLayer(DynamicLayer):
@@ -69,9 +70,26 @@ def _grown(old: torch.Tensor, new: torch.Tensor, need: int) -> torch.Tensor:
 
 
 def growing_cache(config: Any) -> DynamicCache:
-    """An empty cache for ``config``'s model whose full-attention layers are ``GrowingLayer``s."""
+    """An empty cache for ``config``'s model, every layer a ``GrowingLayer``; ValueError for a model whose
+    attention the padded loop cannot serve exactly.
+
+    Sliding-window layers keep every position too (transformers' ``DynamicSlidingWindowLayer`` keeps the
+    last ``window - 1``): the model's own mask then limits each query to its window, counted in cache
+    columns, which within a left-padded row are its positions shifted by the row's padding, so the window
+    is exact for every row, and joining, dropping and prefix-caching rows stays column slicing (a windowed
+    layer's length is not the mask's width: the batch's cache operations broke on it). The price is the
+    memory of full attention, which is what the plan and the admission count for every layer."""
+    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    if getattr(text, "attention_chunk_size", None):
+        raise ValueError("this model uses chunked attention (attention_chunk_size), whose chunks start at "
+                         "absolute positions that left padding shifts: the padded loop cannot serve it exactly; "
+                         "use spec.serving.batching: continuous")
     cache = DynamicCache(config=config)
-    cache.layers = [GrowingLayer() if type(layer) is DynamicLayer else layer for layer in cache.layers]
+    other = sorted({type(layer).__name__ for layer in cache.layers if type(layer) not in _WINDOWED})
+    if other:
+        raise ValueError(f"this model's KV cache has {', '.join(other)} layers; the padded loop serves full "
+                         "and sliding-window attention only: use spec.serving.batching: continuous")
+    cache.layers = [GrowingLayer() for _ in cache.layers]
     return cache
 
 

@@ -18,8 +18,9 @@ and computes only the rest. Prompts with more than ``prefill_chunk`` tokens left
 alone in chunks that alternate with the decode steps (``prefill.py``): running rows keep producing tokens
 meanwhile, and such a prompt joins the batch only once it is read. Limits of
 the padded loop: rows pad to the longest row while they run together (the padding goes when it leaves),
-short new prompts still join in one padded prefill step, and it needs a full-attention cache (no sliding
-window; the prefix cache is then off).
+short new prompts still join in one padded prefill step, and it serves full and sliding-window attention
+(a windowed layer keeps every position, the model's mask applies the window: ``kvcache.growing_cache``),
+not chunked or linear attention (refused when the engine starts).
 """
 
 from __future__ import annotations
@@ -64,8 +65,8 @@ class PaddedBackend:
         self.kv_bytes_per_token = kv_bytes_per_token
         self.prefill_chunk = prefill_chunk
         self._chunks = ChunkSizer(prefill_chunk)  # the chunk size while rows decode
-        full = all(type(layer) is GrowingLayer for layer in growing_cache(model.config).layers)
-        self.prefix = PrefixCache(prefix_cache_bytes) if prefix_cache_bytes > 0 and full else None
+        growing_cache(model.config)  # a model whose attention this loop cannot serve fails here, not per request
+        self.prefix = PrefixCache(prefix_cache_bytes) if prefix_cache_bytes > 0 else None
         self._hits: dict[str, Hit] = {}  # request id -> its cached beginning, from _route to its prefill
 
     def submit(self, h: RequestHandle) -> RequestHandle:
