@@ -211,3 +211,56 @@ def test_a_rollout_to_a_plan_over_the_budget_is_refused_and_the_old_one_serves(f
     assert "can never be loaded" in dep.status()["last_error"] and "budget" in dep.status()["last_error"]
     assert dep.generation == 1 and dep.generate("hi", max_tokens=2).text is not None
     assert f.store.current("chat").revision == 1
+
+
+class Collections:
+    """Whether the model and one of its weights were still alive at each full garbage collection (the
+    ``gc.collect()`` a free runs just before ``torch.cuda.empty_cache()``): a tensor that dies after it
+    goes into CUDA's caching allocator and is never handed back to the device."""
+
+    def __init__(self, dep: Deployment) -> None:
+        import weakref
+
+        loaded = dep.pool.current.loaded
+        self.refs = [weakref.ref(loaded.model), weakref.ref(next(loaded.model.parameters()))]
+        self.seen: list[bool] = []
+
+    def __enter__(self) -> Collections:
+        import gc
+
+        gc.callbacks.append(self._observe)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        import gc
+
+        gc.callbacks.remove(self._observe)
+
+    def _observe(self, phase: str, info: dict) -> None:
+        if phase == "stop" and info["generation"] == 2:
+            self.seen.append(any(ref() is not None for ref in self.refs))
+
+    def dead_at_the_free(self) -> None:
+        assert self.seen, "the free ran no full garbage collection"
+        assert not self.seen[-1], "the model was still referenced when its memory was given back"
+        assert all(ref() is None for ref in self.refs)
+
+
+@pytest.mark.parametrize("how", ["keep-alive", "eviction", "blue-green", "recreate", "close"])
+def test_the_model_is_unreferenced_when_its_memory_is_given_back(fleet, how):
+    f = fleet(ONE if how in ("eviction", "recreate") else TWO)
+    dep = f.add("a", keep_alive="0.3s" if how == "keep-alive" else "forever")
+    other = f.add("b", load="on-demand") if how == "eviction" else None
+    assert dep.generate("hi", max_tokens=2).text is not None  # a request ran: engine, caches, frames used
+    with Collections(dep) as collections:
+        if how == "keep-alive":
+            wait_until(lambda: f.host.unload_expired() == ["a"])
+        elif how == "eviction":
+            assert other is not None and other.generate("hi", max_tokens=2).text is not None
+            assert f.host.unloads[("a", "pressure")] == 1
+        elif how == "close":
+            dep.close()
+        else:
+            replace_like_an_editor(f.root / "a.yaml", text(f.model, "a", max_tokens=32))
+            assert dep.reload() is True and dep.reloads[-1].strategy == how
+        collections.dead_at_the_free()

@@ -312,17 +312,10 @@ class GenerationPool:
             runtime, gen.runtime = gen.runtime, None
         if runtime is not None:
             runtime.close()  # its in-flight requests held pins: none are left
+        del runtime  # this frame's reference would keep the model alive past empty_cache below
         with self._cond:
             gen.loaded = None
-        gc.collect()
-        _trim_heap()
-        try:
-            import torch
-
-            if torch.cuda.is_available():
-                torch.cuda.empty_cache()
-        except ImportError:  # pragma: no cover
-            pass
+        _return_memory()
         self._check_memory(gen)
 
     def _check_memory(self, freed: Generation) -> None:
@@ -340,6 +333,21 @@ class GenerationPool:
                         self.name, freed.number, rss >> 20, excess >> 20, model_bytes >> 20)
         else:
             log.info("generation %d of %s freed; RSS %d MiB", freed.number, self.name, rss >> 20)
+
+
+def _return_memory() -> None:
+    """Collect what the freed generation left (reference cycles), hand the heap back to the OS, and empty
+    CUDA's caching allocator. Called once nothing references the model any more: tensors that die later
+    go into the allocator's cache and stay there, out of reach of the next ``empty_cache``'s caller."""
+    gc.collect()
+    _trim_heap()
+    try:
+        import torch
+
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
+    except ImportError:  # pragma: no cover
+        pass
 
 
 def _trim_heap() -> None:
