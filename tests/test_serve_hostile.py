@@ -9,6 +9,7 @@ read a stream.
 
 from __future__ import annotations
 
+import concurrent.futures
 import json
 import select
 import socket
@@ -155,6 +156,40 @@ def test_applying_yaml_the_reader_refuses_is_a_located_manifest_error(server, tm
     assert event["event"] == "error" and event["kind"] == "manifest"
     [issue] = event["issues"]
     assert issue.startswith(source + where) and fragment in issue
+
+
+def padded_size_manifest() -> str:
+    """1 MiB of manifest whose shard size is "1", spaces and "#": the pattern ``^\\s*...\\s*$`` took most of
+    an hour on it, holding the GIL (every request, /healthz and every reload stalled)."""
+    head = ("apiVersion: deploykit/v1\nkind: ModelDeployment\nmetadata: {name: big}\nspec:\n"
+            "  model: {path: /nowhere}\n  sharding: {max_shard_size: \"1")
+    return head + " " * (2**20 - len(head) - 8) + '#"}\n'
+
+
+def aliased_manifest() -> str:
+    """52 KB of manifest whose one 50 KB label 30 aliases repeat: 1.5 MB once expanded (and 10 MB of
+    text for the revision's record, from 52 KB, before aliases were counted in bytes)."""
+    labels = f'    big: &big "{"x" * 50_000}"\n' + "".join(f"    l{i}: *big\n" for i in range(30))
+    return ("apiVersion: deploykit/v1\nkind: ModelDeployment\nmetadata:\n  name: big\n  labels:\n" + labels
+            + "spec:\n  model: {path: /nowhere}\n")
+
+
+@pytest.mark.parametrize("path", ["/control/v1/apply", "/control/v1/diff"])
+@pytest.mark.parametrize("text, where, fragment", [
+    (padded_size_manifest(), ":6:30: spec.sharding.max_shard_size:", "a size is at most 64 characters"),
+    (aliased_manifest(), ":6:10:", "expands to more than 1048576 characters of keys and values"),
+], ids=["padded-size", "aliases"])
+def test_a_manifest_that_would_stall_the_server_is_refused_at_once(server, tmp_path, path, text, where, fragment):
+    source = str(tmp_path / "big.yaml")
+    assert len(text.encode()) <= 2**20
+    with concurrent.futures.ThreadPoolExecutor(1) as pool:
+        answer = pool.submit(post, server, path, {"manifest": text, "source": source, "name": "big"}, TOKEN, 30)
+        assert httpx.get(f"{server.url}/healthz", timeout=10).status_code == 200  # no stall meanwhile
+        status, event = answer.result()
+    assert status == 422 and event["kind"] == "manifest", event
+    [issue] = event["issues"]
+    assert issue.startswith(source + where) and fragment in issue, issue
+    assert len(issue) < 400
 
 
 @pytest.mark.parametrize("path, body, param", [
