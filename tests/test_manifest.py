@@ -113,6 +113,8 @@ CASES = [
                  None, id="name-dns"),
     pytest.param(("name: llama-chat", "name: " + "a" * 64), 4, 9, "metadata.name", "not a valid name",
                  None, id="name-too-long"),
+    pytest.param(("name: llama-chat", 'name: "llama-chat\\n"'), 4, 9, "metadata.name", "not a valid name",
+                 None, id="name-trailing-newline"),
     pytest.param(("strategy: auto", "strategy: rolling"), 23, 15, "spec.rollout.strategy",
                  "Input should be", None, id="strategy"),
     pytest.param(("    path: ./models/llama\n", ""), 6, 3, "spec.model.path", "required field 'path'",

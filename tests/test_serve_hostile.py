@@ -143,6 +143,22 @@ def test_a_seed_beyond_64_bits_is_refused(server):
     assert status == 400 and answer["error"]["param"] == "seed"
 
 
+# ---- a schema pattern that would compile for tens of seconds -----------------------------------------
+
+@pytest.mark.parametrize("pattern, cost", [("^[a-z]{0,20000}$", 20000), ("^(([a-z]{0,100}){0,100})$", 10000)])
+def test_a_pattern_with_large_repetition_counts_is_refused_before_it_compiles(server, pattern, cost):
+    schema = {"type": "object", "properties": {"code": {"type": "string", "pattern": pattern}}, "required": ["code"]}
+    body = {"model": "tiny-chat", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 8,
+            "response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": schema}}}
+    started = time.monotonic()
+    status, answer = post(server, "/v1/chat/completions", body, within=10)  # was: 27 s of compiling, then 400
+    assert status == 400, answer
+    error = answer["error"]
+    assert error["param"].startswith("response_format") and error["code"] == "unsupported_schema", error
+    assert f"pattern repeating {cost} times (at most 1000)" in error["message"] and "#/properties/code" in error["message"]
+    assert time.monotonic() - started < 10
+
+
 # ---- the control API --------------------------------------------------------------------------------
 
 @pytest.mark.parametrize("text, where, fragment", [
