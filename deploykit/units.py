@@ -13,9 +13,13 @@ _SIZE_UNITS = {
     "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12,
     "KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40,
 }
-_SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([A-Za-z]*)\s*$")
+# Matched with ``fullmatch`` on text already stripped and at most MAX_UNIT_TEXT long: a pattern that
+# begins and ends with ``\s*`` backtracks quadratically over a run of spaces before a stray character
+# ("1" + 200,000 spaces + "#" took 110 s), and one whitespace run between two tokens cannot.
+_SIZE_RE = re.compile(r"(\d+(?:\.\d+)?)\s*([A-Za-z]*)")
 _DURATION_UNITS = {"ms": 0.001, "s": 1.0, "m": 60.0, "h": 3600.0}
-_DURATION_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*(ms|s|m|h)?\s*$")
+_DURATION_RE = re.compile(r"(\d+(?:\.\d+)?)\s*(ms|s|m|h)?")
+MAX_UNIT_TEXT = 64  # "1.5 GiB" is 7 characters; longer text is refused before any regex sees it
 
 SIZE_UNITS_TEXT = "B, KB, MB, GB, TB, KiB, MiB, GiB, TiB, or a plain integer of bytes"
 
@@ -30,7 +34,7 @@ def parse_size(value: object) -> int:
         return value
     if not isinstance(value, str):
         raise ValueError(f"expected a size such as '2GiB', got {value!r}")
-    match = _SIZE_RE.match(value)
+    match = _SIZE_RE.fullmatch(_bounded(value, "size"))
     if not match:
         raise ValueError(f"cannot read {value!r} as a size; use {SIZE_UNITS_TEXT}")
     number, unit = match.groups()
@@ -40,6 +44,14 @@ def parse_size(value: object) -> int:
     if not unit and "." in number:
         raise ValueError(f"a size in bytes must be a whole number, got {value!r}")
     return int(round(float(number) * factor))
+
+
+def _bounded(value: str, what: str) -> str:
+    """``value`` without surrounding whitespace; a ValueError when it is longer than any size or
+    duration is, so no regex ever runs over a long string."""
+    if len(value) > MAX_UNIT_TEXT:
+        raise ValueError(f"a {what} is at most {MAX_UNIT_TEXT} characters, got {len(value)}")
+    return value.strip()
 
 
 def format_size(n: float) -> str:
@@ -58,7 +70,7 @@ def parse_duration(value: object) -> float:
         raise ValueError(f"expected a duration such as '120s', got {value!r}")
     if isinstance(value, (int, float)):
         seconds = float(value)
-    elif isinstance(value, str) and (match := _DURATION_RE.match(value)):
+    elif isinstance(value, str) and (match := _DURATION_RE.fullmatch(_bounded(value, "duration"))):
         seconds = float(match.group(1)) * _DURATION_UNITS[match.group(2) or "s"]
     else:
         raise ValueError(f"cannot read {value!r} as a duration; use e.g. '500ms', '120s', '2m', '1h'")

@@ -6,6 +6,7 @@ import json
 import os
 import signal
 import socket
+import ssl
 import subprocess
 import sys
 import time
@@ -21,10 +22,11 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def get(url: str, headers: dict[str, str] | None = None) -> tuple[int, Any]:
+def get(url: str, headers: dict[str, str] | None = None, cafile: str | None = None) -> tuple[int, Any]:
     request = urllib.request.Request(url, headers=headers or {})
+    context = ssl.create_default_context(cafile=cafile) if url.startswith("https:") else None
     try:
-        with urllib.request.urlopen(request, timeout=30) as r:
+        with urllib.request.urlopen(request, timeout=30, context=context) as r:
             return r.status, json.loads(r.read() or b"null")
     except urllib.error.HTTPError as exc:
         body = exc.read()
@@ -32,16 +34,21 @@ def get(url: str, headers: dict[str, str] | None = None) -> tuple[int, Any]:
 
 
 class Server:
-    """``deploykit serve PATH`` as a subprocess; ``with Server(...) as s: s.url``."""
+    """``deploykit serve PATH`` as a subprocess; ``with Server(...) as s: s.url``. ``path`` None: no PATH
+    (the recorded deployments). ``cafile``: the server serves https (pass --tls-cert/--tls-key in ``args``)."""
 
-    def __init__(self, path: Path, state: Path, *args: str, env: dict[str, str] | None = None,
-                 ready_timeout: float = 180.0) -> None:
+    def __init__(self, path: Path | None, state: Path, *args: str, env: dict[str, str] | None = None,
+                 ready_timeout: float = 180.0, cafile: str | None = None) -> None:
         self.port = free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
-        self.command = [sys.executable, "-m", "deploykit.cli", "serve", str(path), "--port", str(self.port),
-                        "--debounce", "0.1", *args]
+        self.cafile = cafile
+        self.url = f"{'https' if cafile else 'http'}://127.0.0.1:{self.port}"
+        self.command = [sys.executable, "-m", "deploykit.cli", "serve", *([str(path)] if path else []), "--port",
+                        str(self.port), "--debounce", "0.1", *args]
         self.env = {**os.environ, "DEPLOYKIT_STATE": str(state), **(env or {})}
         self.ready_timeout = ready_timeout
+        token = args[args.index("--control-token") + 1] if "--control-token" in args else None
+        # /readyz says what is not ready to the control token's holder only
+        self.readyz_headers = {"Authorization": f"Bearer {token}"} if token else {}
         self.process: subprocess.Popen[str] | None = None
         self.stderr = ""
 
@@ -53,7 +60,7 @@ class Server:
             if self.process.poll() is not None:
                 raise AssertionError(f"deploykit serve exited: {self.process.communicate()[1]}")
             try:
-                status, body = get(f"{self.url}/readyz")
+                status, body = get(f"{self.url}/readyz", self.readyz_headers, cafile=self.cafile)
                 if status == 200:
                     return self
                 if isinstance(body, dict) and any("loading" not in str(m) for m in body.get("not_ready", [])):

@@ -6,6 +6,7 @@ import json
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -81,6 +82,32 @@ def test_validate_checks_the_model_directory_unless_schema_only(tmp_path):
     assert result.returncode == 2
     assert f"{path}:7:11: spec.model.path: model directory" in result.stderr
     assert deploykit("validate", "--schema-only", str(path)).returncode == 0
+
+
+def test_validate_refuses_a_whitespace_padded_size_in_a_1mib_manifest_at_once(tmp_path, manifest):
+    padded = tmp_path / "padded.yaml"
+    text = manifest.read_text() + '  sharding: {max_shard_size: "1%s#"}\n'
+    padded.write_text(text % (" " * (2**20 - len(text) - 8)))
+    assert 2**20 - 16 < padded.stat().st_size <= 2**20
+    started = time.monotonic()
+    result = deploykit("validate", "--schema-only", str(padded))  # before: quadratic, most of an hour
+    seconds = time.monotonic() - started
+    assert result.returncode == 2, result.stderr
+    [line] = result.stderr.strip().splitlines()
+    assert line.startswith(f"{padded}:15:30: spec.sharding.max_shard_size: a size is at most 64 characters")
+    assert len(line) < 400  # the value is quoted by its start, not in full
+    assert seconds < 20, seconds  # a process start and an import; the refusal itself takes microseconds
+
+
+def test_validate_refuses_aliases_that_expand_past_a_manifest_s_size(tmp_path, manifest):
+    aliased = tmp_path / "aliased.yaml"
+    labels = f'  labels:\n    big: &big "{"x" * 50_000}"\n' + "".join(f"    l{i}: *big\n" for i in range(30))
+    aliased.write_text(manifest.read_text().replace("  name: tiny\n", "  name: tiny\n" + labels))
+    result = deploykit("validate", "--schema-only", str(aliased))
+    assert result.returncode == 2, result.stdout
+    assert result.stderr.strip().splitlines() == [
+        f"{aliased}:6:10: the document expands to more than 1048576 characters of keys and values (an alias "
+        "repeats its value in full each time) (hint: write the values out instead of nesting aliases)"]
 
 
 @pytest.mark.parametrize("content", [b"", b"\x00\x01binary", b"\xff\xfe\x00x", b"a: [unclosed\n", b"- 1\n"])

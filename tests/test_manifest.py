@@ -113,6 +113,8 @@ CASES = [
                  None, id="name-dns"),
     pytest.param(("name: llama-chat", "name: " + "a" * 64), 4, 9, "metadata.name", "not a valid name",
                  None, id="name-too-long"),
+    pytest.param(("name: llama-chat", 'name: "llama-chat\\n"'), 4, 9, "metadata.name", "not a valid name",
+                 None, id="name-trailing-newline"),
     pytest.param(("strategy: auto", "strategy: rolling"), 23, 15, "spec.rollout.strategy",
                  "Input should be", None, id="strategy"),
     pytest.param(("    path: ./models/llama\n", ""), 6, 3, "spec.model.path", "required field 'path'",
@@ -183,6 +185,24 @@ def test_alias_bomb_is_refused_fast():
     [issue] = issues_of("\n".join(lines) + "\n")
     assert time.perf_counter() - start < 2  # 9**9 values if expanded
     assert "alias bomb" in issue.message
+
+
+def aliased_labels(value_size: int, uses: int) -> str:
+    """A valid manifest whose one label of ``value_size`` characters is repeated ``uses`` times by aliases."""
+    labels = f'    big: &big "{"x" * value_size}"\n' + "".join(f"    l{i}: *big\n" for i in range(uses))
+    return VALID.replace("  name: llama-chat\n", "  name: llama-chat\n  labels:\n" + labels)
+
+
+def test_aliases_are_counted_in_bytes_not_only_in_values():
+    text = aliased_labels(50_000, 30)  # 52 KB of file, 1.5 MB of labels once expanded
+    assert len(text) < 60_000
+    started = time.perf_counter()
+    [issue] = issues_of(text)
+    assert time.perf_counter() - started < 2
+    assert issue.message.startswith("the document expands to more than 1048576 characters of keys and values")
+    assert (issue.path, issue.line) == ("m.yaml", 6)  # the anchored value the aliases repeat
+    [loaded] = parse(aliased_labels(50_000, 15))  # 0.8 MB expanded: allowed, and written out in full once
+    assert len(loaded.text) > 15 * 50_000 and loaded.text is loaded.text
 
 
 def test_recursive_alias_is_refused():

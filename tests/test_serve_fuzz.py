@@ -49,7 +49,7 @@ def test_schema_fuzzing_gets_no_5xx_no_cut_stream_and_no_traceback(tmp_path):
         chat_manifest(build_chat_model(tmp_path / "chat"), serving=serving))
     (tmp_path / "manifests" / "minilm.yaml").write_text(embed_manifest(minilm_path()))
     report = tmp_path / "fuzz.json"
-    with Server(tmp_path / "manifests", tmp_path / "state", "--control-token", TOKEN) as server:
+    with Server(tmp_path / "manifests", tmp_path / "state", "--control-token", TOKEN, "--openapi") as server:
         started = time.monotonic()
         result = fuzz(server.url, report)
         seconds = time.monotonic() - started

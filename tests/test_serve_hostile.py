@@ -9,6 +9,7 @@ read a stream.
 
 from __future__ import annotations
 
+import concurrent.futures
 import json
 import select
 import socket
@@ -142,6 +143,22 @@ def test_a_seed_beyond_64_bits_is_refused(server):
     assert status == 400 and answer["error"]["param"] == "seed"
 
 
+# ---- a schema pattern that would compile for tens of seconds -----------------------------------------
+
+@pytest.mark.parametrize("pattern, cost", [("^[a-z]{0,20000}$", 20000), ("^(([a-z]{0,100}){0,100})$", 10000)])
+def test_a_pattern_with_large_repetition_counts_is_refused_before_it_compiles(server, pattern, cost):
+    schema = {"type": "object", "properties": {"code": {"type": "string", "pattern": pattern}}, "required": ["code"]}
+    body = {"model": "tiny-chat", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 8,
+            "response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": schema}}}
+    started = time.monotonic()
+    status, answer = post(server, "/v1/chat/completions", body, within=10)  # was: 27 s of compiling, then 400
+    assert status == 400, answer
+    error = answer["error"]
+    assert error["param"].startswith("response_format") and error["code"] == "unsupported_schema", error
+    assert f"pattern repeating {cost} times (at most 1000)" in error["message"] and "#/properties/code" in error["message"]
+    assert time.monotonic() - started < 10
+
+
 # ---- the control API --------------------------------------------------------------------------------
 
 @pytest.mark.parametrize("text, where, fragment", [
@@ -155,6 +172,40 @@ def test_applying_yaml_the_reader_refuses_is_a_located_manifest_error(server, tm
     assert event["event"] == "error" and event["kind"] == "manifest"
     [issue] = event["issues"]
     assert issue.startswith(source + where) and fragment in issue
+
+
+def padded_size_manifest() -> str:
+    """1 MiB of manifest whose shard size is "1", spaces and "#": the pattern ``^\\s*...\\s*$`` took most of
+    an hour on it, holding the GIL (every request, /healthz and every reload stalled)."""
+    head = ("apiVersion: deploykit/v1\nkind: ModelDeployment\nmetadata: {name: big}\nspec:\n"
+            "  model: {path: /nowhere}\n  sharding: {max_shard_size: \"1")
+    return head + " " * (2**20 - len(head) - 8) + '#"}\n'
+
+
+def aliased_manifest() -> str:
+    """52 KB of manifest whose one 50 KB label 30 aliases repeat: 1.5 MB once expanded (and 10 MB of
+    text for the revision's record, from 52 KB, before aliases were counted in bytes)."""
+    labels = f'    big: &big "{"x" * 50_000}"\n' + "".join(f"    l{i}: *big\n" for i in range(30))
+    return ("apiVersion: deploykit/v1\nkind: ModelDeployment\nmetadata:\n  name: big\n  labels:\n" + labels
+            + "spec:\n  model: {path: /nowhere}\n")
+
+
+@pytest.mark.parametrize("path", ["/control/v1/apply", "/control/v1/diff"])
+@pytest.mark.parametrize("text, where, fragment", [
+    (padded_size_manifest(), ":6:30: spec.sharding.max_shard_size:", "a size is at most 64 characters"),
+    (aliased_manifest(), ":6:10:", "expands to more than 1048576 characters of keys and values"),
+], ids=["padded-size", "aliases"])
+def test_a_manifest_that_would_stall_the_server_is_refused_at_once(server, tmp_path, path, text, where, fragment):
+    source = str(tmp_path / "big.yaml")
+    assert len(text.encode()) <= 2**20
+    with concurrent.futures.ThreadPoolExecutor(1) as pool:
+        answer = pool.submit(post, server, path, {"manifest": text, "source": source, "name": "big"}, TOKEN, 30)
+        assert httpx.get(f"{server.url}/healthz", timeout=10).status_code == 200  # no stall meanwhile
+        status, event = answer.result()
+    assert status == 422 and event["kind"] == "manifest", event
+    [issue] = event["issues"]
+    assert issue.startswith(source + where) and fragment in issue, issue
+    assert len(issue) < 400
 
 
 @pytest.mark.parametrize("path, body, param", [

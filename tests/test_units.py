@@ -1,3 +1,5 @@
+import time
+
 import pytest
 
 from deploykit.units import format_duration, format_size, parse_duration, parse_size
@@ -40,3 +42,21 @@ def test_format_duration():
     assert format_duration(0.5) == "500ms"
     assert format_duration(120) == "2m"
     assert format_duration(30) == "30s"
+
+
+@pytest.mark.parametrize("parse, text", [
+    (parse_size, "1" + " " * 2**20 + "#"), (parse_duration, "1" + " " * 2**20 + "#"),
+    (parse_size, " " * 2**20 + "1GiB"), (parse_size, "1" * 2**20),
+])
+def test_long_text_is_refused_before_any_regex_runs(parse, text):
+    started = time.perf_counter()
+    with pytest.raises(ValueError, match="at most 64 characters"):
+        parse(text)
+    assert time.perf_counter() - started < 0.5  # the quadratic pattern took 110 s for 200,000 spaces
+
+
+def test_whitespace_around_and_between_number_and_unit_is_still_read():
+    assert parse_size(" 2GiB\n") == 2 * 2**30 and parse_size("1\t MiB") == 2**20
+    assert parse_duration(" 1\t s ") == 1.0
+    with pytest.raises(ValueError, match="cannot read"):
+        parse_size("1" + " " * 60 + "#")

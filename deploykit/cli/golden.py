@@ -18,7 +18,7 @@ import click
 
 from ..errors import DeploykitError
 from .console import STATE_OPTION, handle_errors
-from .remote import SERVER_OPTION, connect
+from .remote import SERVER_OPTION, connect, given_cacert, opener_for
 
 
 def _prompts(path: Path) -> list[dict[str, Any]]:
@@ -38,14 +38,15 @@ def _prompts(path: Path) -> list[dict[str, Any]]:
     return items
 
 
-def _ask(url: str, api_key: str | None, name: str, item: dict[str, Any], max_tokens: int) -> str:
+def _ask(url: str, api_key: str | None, name: str, item: dict[str, Any], max_tokens: int,
+         cacert: str | None) -> str:
     chat = "messages" in item
     body = {"model": name, **item, "max_tokens": max_tokens, "temperature": 0}
     request = urllib.request.Request(f"{url}/v1/{'chat/completions' if chat else 'completions'}",
                                      data=json.dumps(body).encode(), method="POST",
                                      headers={"content-type": "application/json",
                                               **({"authorization": f"Bearer {api_key}"} if api_key else {})})
-    opener = urllib.request.build_opener(urllib.request.ProxyHandler({}))
+    opener = opener_for(url, cacert)
     try:
         with opener.open(request, timeout=300) as response:
             answer = json.loads(response.read())
@@ -74,9 +75,10 @@ def golden(name: str, prompts_file: Path, max_tokens: int, api_key: str | None, 
     if url is None:
         raise DeploykitError("no deploykit server is running: start `deploykit serve`, or pass --server URL")
     url = url.rstrip("/")
+    cacert = given_cacert() or (remote.cacert if remote is not None else None)
     key = api_key or os.environ.get("DEPLOYKIT_API_KEY")
     for item in _prompts(prompts_file):
-        completion = _ask(url, key, name, item, max_tokens)
+        completion = _ask(url, key, name, item, max_tokens, cacert)
         if not completion:
             raise DeploykitError(f"the model answered {item} with nothing: a golden case needs a completion")
         click.echo(json.dumps({**item, "completion": completion}, ensure_ascii=False))

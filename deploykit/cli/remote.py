@@ -21,22 +21,58 @@ import click
 
 from ..errors import DeploykitError
 
-SERVER_OPTION = click.option("--server", metavar="URL", default=None, envvar="DEPLOYKIT_SERVER",
-                             help="A running `deploykit serve` to send the work to (token: $DEPLOYKIT_TOKEN). "
-                                  "Default: the one in <state dir>/server.json, if it runs; else work alone.")
+_SERVER = click.option("--server", metavar="URL", default=None, envvar="DEPLOYKIT_SERVER",
+                       help="A running `deploykit serve` to send the work to (token: $DEPLOYKIT_TOKEN). "
+                            "Default: the one in <state dir>/server.json, if it runs; else work alone.")
+_CACERT_KEY = "deploykit.cacert"
+
+
+def _remember_cacert(ctx: click.Context, _: click.Parameter, value: str | None) -> None:
+    if value:
+        ctx.meta[_CACERT_KEY] = value
+
+
+_CACERT = click.option("--cacert", metavar="FILE", envvar="DEPLOYKIT_CACERT", expose_value=False,
+                       callback=_remember_cacert, type=click.Path(exists=True, dir_okay=False),
+                       help="CA certificate(s) (PEM) to trust for an https --server (default: $DEPLOYKIT_CACERT, "
+                            "else the system's store; server.json names a local server's own).")
+
+
+def SERVER_OPTION(command: Any) -> Any:  # noqa: N802 - used as the decorator constant it replaces
+    """``--server URL`` and ``--cacert FILE``: where the control API is, and whom to trust for https."""
+    return _SERVER(_CACERT(command))
+
+
+def given_cacert() -> str | None:
+    """The ``--cacert`` (or ``$DEPLOYKIT_CACERT``) of the running command, if any."""
+    ctx = click.get_current_context(silent=True)
+    return ctx.meta.get(_CACERT_KEY) if ctx is not None else os.environ.get("DEPLOYKIT_CACERT")
+
+
+def opener_for(url: str, cacert: str | None) -> urllib.request.OpenerDirector:
+    """A stdlib opener for ``url``: no proxy for loopback (the token stays on this machine), and for
+    https a context that verifies the server against ``cacert`` (else the system's CA store)."""
+    import ssl
+
+    host = urllib.parse.urlsplit(url).hostname or ""
+    handlers: list[urllib.request.BaseHandler] = []
+    if host in ("127.0.0.1", "localhost", "::1"):
+        handlers.append(urllib.request.ProxyHandler({}))
+    if url.startswith("https:"):
+        handlers.append(urllib.request.HTTPSHandler(context=ssl.create_default_context(cafile=cacert)))
+    return urllib.request.build_opener(*handlers)
 TIMEOUT = 60.0  # seconds without a byte from the server (it sends a heartbeat every 5 s while working)
 
 
 class Remote:
     """The control API of one server."""
 
-    def __init__(self, url: str, token: str, origin: str) -> None:
+    def __init__(self, url: str, token: str, origin: str, cacert: str | None = None) -> None:
         self.url = url.rstrip("/")
         self.token = token
         self.origin = origin  # where the URL came from, for messages
-        host = urllib.parse.urlsplit(self.url).hostname or ""
-        handlers = [urllib.request.ProxyHandler({})] if host in ("127.0.0.1", "localhost", "::1") else []
-        self._opener = urllib.request.build_opener(*handlers)
+        self.cacert = cacert
+        self._opener = opener_for(self.url, cacert)
 
     def _open(self, method: str, path: str, payload: Any = None) -> Any:
         data = json.dumps(payload).encode() if payload is not None else None
@@ -127,19 +163,20 @@ def connect(server: str | None, state_dir: str | None) -> Remote | None:
     from ..serve.discovery import find_server, read_server_file
 
     directory = Path(state_dir) if state_dir else default_state_dir()
+    cacert = given_cacert()
     if server:
         token = os.environ.get("DEPLOYKIT_TOKEN")
         recorded = read_server_file(directory)
         if not token and recorded is not None and recorded.url.rstrip("/") == server.rstrip("/"):
-            return Remote(server, recorded.token, str(directory / "server.json"))
+            return Remote(server, recorded.token, str(directory / "server.json"), cacert or recorded.cacert)
         if not token:
             raise DeploykitError(f"--server {server} needs the server's control token in $DEPLOYKIT_TOKEN "
                                  "(it is in server.json in the server's state directory)")
-        return Remote(server, token, "$DEPLOYKIT_TOKEN")
+        return Remote(server, token, "$DEPLOYKIT_TOKEN", cacert)
     info = find_server(directory)
     if info is None:
         return None
-    return Remote(info.url, info.token, str(directory / "server.json"))
+    return Remote(info.url, info.token, str(directory / "server.json"), cacert or info.cacert)
 
 
 def localise(text: str, source: str) -> str:

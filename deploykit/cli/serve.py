@@ -19,10 +19,17 @@ from .console import STATE_OPTION, err, handle_errors, store
               help="Address to listen on; anything but loopback needs --api-key.")
 @click.option("--port", type=int, default=8765, show_default=True, help="Port to listen on.")
 @click.option("--api-key", envvar="DEPLOYKIT_API_KEY", default=None,
-              help="Bearer key every request must send (default: $DEPLOYKIT_API_KEY; none on loopback).")
+              help="Bearer key every request must send (default: $DEPLOYKIT_API_KEY; none on loopback); at least "
+                   "16 characters. On the command line every local user can read it: prefer the variable or "
+                   "--api-key-file.")
+@click.option("--api-key-file", type=click.Path(exists=True, dir_okay=False), default=None,
+              help="Read --api-key from this file (its first line).")
 @click.option("--control-token", envvar="DEPLOYKIT_TOKEN", default=None,
-              help="Bearer token of the control API (default: $DEPLOYKIT_TOKEN, else a random one); "
-                   "written to <state dir>/server.json (mode 0600) for the CLI.")
+              help="Bearer token of the control API (default: $DEPLOYKIT_TOKEN, else a random one); at least 16 "
+                   "characters; written to <state dir>/server.json (mode 0600) for the CLI. Prefer the variable "
+                   "or --control-token-file to the command line.")
+@click.option("--control-token-file", type=click.Path(exists=True, dir_okay=False), default=None,
+              help="Read --control-token from this file (its first line).")
 @click.option("--prune", is_flag=True, help="Remove deployments whose manifest files are removed.")
 @click.option("--devices", metavar="SPEC", default=None, help="Simulated inventory (CPU-only plans).")
 @click.option("--debounce", type=float, default=0.3, show_default=True, help="Seconds a burst of file "
@@ -36,13 +43,33 @@ from .console import STATE_OPTION, err, handle_errors, store
               help="Seconds running requests get to finish on SIGTERM.")
 @click.option("--header-timeout", type=click.FloatRange(min=0, min_open=True), default=10.0, show_default=True,
               help="Seconds a client has to send a request's headers; then 408 and the connection is closed.")
+@click.option("--allow-path", "allow_paths", multiple=True, type=click.Path(file_okay=False), metavar="DIR",
+              help="A directory the control API's manifests may name paths in (model, shards, offload, golden "
+                   "file); repeatable. Default: any path. docs/control.md#security-model.")
+@click.option("--allow-engine-binary", is_flag=True,
+              help="Let the control API name spec.engine.binary (a program this server runs).")
+@click.option("--allow-remote-code", is_flag=True,
+              help="Let the control API set spec.model.trust_remote_code (Python from the checkpoint).")
+@click.option("--allow-cluster", is_flag=True, help="Let the control API name spec.cluster (a Ray cluster to join).")
+@click.option("--tls-cert", type=click.Path(exists=True, dir_okay=False), default=None,
+              help="Serve HTTPS with this certificate (PEM; with --tls-key). The CLI trusts it through "
+                   "server.json, other clients through their CA store.")
+@click.option("--tls-key", type=click.Path(exists=True, dir_okay=False), default=None,
+              help="The private key of --tls-cert (PEM).")
+@click.option("--body-timeout", type=click.FloatRange(min=0, min_open=True), default=30.0, show_default=True,
+              help="Seconds a client has to send a request's body; then 408.")
+@click.option("--openapi", is_flag=True, help="Serve /openapi.json (behind --api-key, if given); off by default.")
 @click.option("--log-level", type=click.Choice(["debug", "info", "warning", "error"]), default="warning",
               show_default=True, help="Least severe log lines written to stderr (loads, frees, client disconnects).")
 @STATE_OPTION
 @handle_errors
-def serve(path: str | None, host: str, port: int, api_key: str | None, control_token: str | None, prune: bool,
+def serve(path: str | None, host: str, port: int, api_key: str | None, api_key_file: str | None,
+          control_token: str | None, control_token_file: str | None, prune: bool,
           devices: str | None, budget: str | None, budget_timeout: float, debounce: float, drain_timeout: float,
-          header_timeout: float, log_level: str, state_dir: str | None) -> None:
+          header_timeout: float, allow_paths: tuple[str, ...], allow_engine_binary: bool, allow_remote_code: bool,
+          allow_cluster: bool, tls_cert: str | None, tls_key: str | None, body_timeout: float, openapi: bool,
+          log_level: str,
+          state_dir: str | None) -> None:
     """Hold every deployment in PATH (a manifest or a directory of manifests), reload them when their
     files change, and serve them: the OpenAI-compatible API (/v1/models, /v1/chat/completions,
     /v1/completions, /v1/embeddings) and /healthz, /readyz, /status, /metrics.
@@ -57,12 +84,20 @@ def serve(path: str | None, host: str, port: int, api_key: str | None, control_t
     from ..control.revisions.state import open_store
     from ..control.live.supervisor import Supervisor
     from ..serve.app import create_app
-    from ..serve.auth import check_bind
+    from ..serve.auth import check_bind, loopback_hosts
     from ..serve.discovery import find_server, new_token, remove_server_file, server_info, write_server_file
-    from ..serve.server import bind, run
+    from ..serve.policy import ControlPolicy
+    from ..serve.server import Listening, bind, run
     from ..threads import ThreadGroup
 
+    api_key = _secret("--api-key", api_key, api_key_file)
+    control_token = _secret("--control-token", control_token, control_token_file)
+    for variable in ("DEPLOYKIT_API_KEY", "DEPLOYKIT_TOKEN"):  # read: no child process inherits them
+        os.environ.pop(variable, None)
     check_bind(host, api_key)
+    _check_tls(tls_cert, tls_key)
+    policy = ControlPolicy.of(path_roots=allow_paths, engine_binary=allow_engine_binary,
+                              remote_code=allow_remote_code, cluster=allow_cluster)
     _log_to_stderr(log_level)
     states = open_store(store(state_dir).directory)
     other = find_server(states.directory)
@@ -75,13 +110,14 @@ def serve(path: str | None, host: str, port: int, api_key: str | None, control_t
     supervisor = Supervisor(Path(path) if path else None, store=states, devices=devices, prune=prune,
                             debounce=debounce, host=budgeted)
     sock = bind(host, port)
-    url = f"http://{host if ':' not in host else f'[{host}]'}:{sock.getsockname()[1]}"
+    scheme = "https" if tls_cert else "http"
+    url = f"{scheme}://{host if ':' not in host else f'[{host}]'}:{sock.getsockname()[1]}"
     written = False
     owned = ThreadGroup()  # the thread that loads the deployments once the server listens
 
     def start() -> None:
         nonlocal written
-        write_server_file(states.directory, server_info(url, token))
+        write_server_file(states.directory, server_info(url, token, cacert=tls_cert))
         written = True
         supervisor.start()
         names = ", ".join(n for n, _ in supervisor.items()) or "none"
@@ -91,11 +127,14 @@ def serve(path: str | None, host: str, port: int, api_key: str | None, control_t
         for file, problem in supervisor.problems().items():
             err.print(f"deploykit serve: {file}: not deployed: {problem}", markup=False)
 
-    err.print(f"deploykit serve: {url} (/v1 API, /healthz /readyz /status /metrics, /control/v1); loading…",
-              markup=False)
+    err.print(f"deploykit serve: {url} (/v1 API, /healthz /readyz /status /metrics, /control/v1); "
+              f"{policy.describe()}; loading…", markup=False)
+    listening = Listening(drain_timeout=drain_timeout, header_timeout=header_timeout, tls_cert=tls_cert,
+                          tls_key=tls_key)
     try:
-        run(create_app(supervisor, api_key=api_key, control_token=token), sock, on_started=start,
-            threads=owned, drain_timeout=drain_timeout, header_timeout=header_timeout)
+        app = create_app(supervisor, api_key=api_key, control_token=token, policy=policy, openapi=openapi,
+                         allowed_hosts=loopback_hosts(host, api_key), body_timeout=body_timeout)
+        run(app, sock, on_started=start, threads=owned, listening=listening)
     finally:
         if written:
             remove_server_file(states.directory, token)
@@ -109,7 +148,50 @@ def serve(path: str | None, host: str, port: int, api_key: str | None, control_t
         # daemon threads (Ray's, engines') may still log while the interpreter shuts down; a write to
         # stderr then aborts the process ("could not acquire lock ... at interpreter shutdown")
         logging.getLogger("deploykit").handlers.clear()
-    os.environ.pop("DEPLOYKIT_API_KEY", None)
+
+
+MIN_SECRET = 16  # characters of an API key or control token: guessing one online must be hopeless
+
+
+def _secret(flag: str, given: str | None, file: str | None) -> str | None:
+    """An API key or control token from its flag, its variable or its file; said on stderr when it was
+    typed on the command line (every local user can read a process's arguments)."""
+    if file is not None:
+        if given is not None and _from_command_line(flag):
+            raise DeploykitError(f"give {flag} or {flag}-file, not both")
+        try:
+            lines = Path(file).read_text(encoding="utf-8").splitlines()
+        except (OSError, UnicodeDecodeError) as exc:
+            raise DeploykitError(f"cannot read {flag}-file {file}: {exc}") from None
+        given = lines[0].strip() if lines else ""
+    elif given is not None and _from_command_line(flag):
+        err.print(f"deploykit serve: warning: {flag} on the command line is visible to every user of this machine "
+                  f"(ps, /proc); use {flag}-file or the environment variable", markup=False)
+    if given is not None and len(given) < MIN_SECRET:
+        raise DeploykitError(f"{flag} must be at least {MIN_SECRET} characters (got {len(given)}); "
+                             "e.g. python -c 'import secrets; print(secrets.token_urlsafe(32))'")
+    return given
+
+
+def _from_command_line(flag: str) -> bool:
+    from click.core import ParameterSource
+
+    name = flag.lstrip("-").replace("-", "_")
+    return click.get_current_context().get_parameter_source(name) == ParameterSource.COMMANDLINE
+
+
+def _check_tls(cert: str | None, key: str | None) -> None:
+    """Both or neither, and a pair that loads: said now, not as a traceback once uvicorn starts."""
+    import ssl
+
+    if (cert is None) != (key is None):
+        raise DeploykitError("--tls-cert and --tls-key go together: give both, or neither")
+    if cert is None:
+        return
+    try:
+        ssl.create_default_context(ssl.Purpose.CLIENT_AUTH).load_cert_chain(cert, key)
+    except (ssl.SSLError, OSError) as exc:
+        raise DeploykitError(f"cannot use --tls-cert {cert} with --tls-key {key}: {exc}") from None
 
 
 def _report_left(names: list[str]) -> None:

@@ -18,11 +18,12 @@ from typing import TYPE_CHECKING, Any
 from fastapi import FastAPI
 
 from . import ops
-from .auth import DEFAULT_MAX_BODY, Guard
+from .auth import BODY_TIMEOUT, DEFAULT_MAX_BODY, Guard
 from .errors import install_handlers
 from .metrics import new_registry
 from .openai import chat, completions, embeddings, models
 from .openai.common import Registry
+from .policy import ControlPolicy
 from .served_by import ServedBy
 
 if TYPE_CHECKING:
@@ -59,14 +60,20 @@ class Deployments:
 
 
 def create_app(registry: Registry, *, api_key: str | None = None, max_body: int = DEFAULT_MAX_BODY,
-               control_token: str | None = None) -> Guard:
+               control_token: str | None = None, policy: ControlPolicy | None = None, openapi: bool = False,
+               allowed_hosts: frozenset[str] | None = None, body_timeout: float = BODY_TIMEOUT) -> Guard:
     """The API over ``registry`` (a ``Supervisor`` or ``Deployments``). ``api_key``: required bearer key.
     ``control_token``: serve the control API (``/control/v1``, docs/control.md) behind this bearer token;
-    the registry must then be a ``Supervisor``. Without it, ``/control/...`` answers 401."""
+    the registry must then be a ``Supervisor``. Without it, ``/control/...`` answers 401. ``policy``: what
+    a manifest sent to the control API may ask for (default ``ControlPolicy()``: no engine binary, remote
+    code or cluster). ``openapi``: serve ``/openapi.json`` (behind the API key, if any; off by default: it
+    maps every route for whoever asks). ``allowed_hosts``/``body_timeout``: ``auth.Guard``'s."""
     from .. import __version__
 
-    app = FastAPI(title="deploykit", version=__version__, docs_url=None, redoc_url=None)
+    app = FastAPI(title="deploykit", version=__version__, docs_url=None, redoc_url=None,
+                  openapi_url="/openapi.json" if openapi else None)
     app.state.registry = registry
+    app.state.policy = policy or ControlPolicy()
     app.state.prometheus, app.state.metrics = new_registry(registry)
     install_handlers(app)
     for module in (models, chat, completions, embeddings, ops):
@@ -75,4 +82,5 @@ def create_app(registry: Registry, *, api_key: str | None = None, max_body: int 
         from . import control
 
         app.include_router(control.router)
-    return Guard(ServedBy(app), api_key=api_key, max_body=max_body, control_token=control_token)
+    return Guard(ServedBy(app), api_key=api_key, max_body=max_body, control_token=control_token,
+                 allowed_hosts=allowed_hosts, body_timeout=body_timeout)

@@ -1,14 +1,22 @@
-"""Bearer API keys and the request body limit, as ASGI middleware in front of every route.
+"""Bearer API keys, the Host check and the request body limits, as ASGI middleware in front of every route.
 
 With a key, every route but ``/healthz`` and ``/readyz`` needs ``Authorization: Bearer <key>``; keys are
 compared in constant time. The control API (``/control/...``) is separate: it needs the control token
 (``control_token``, the one in ``server.json``), never the inference key, and without a control token
-it answers 401 to everyone. Bodies larger than the limit are refused with 413 before they are read
-whole (by Content-Length, or by counting a chunked body as it arrives).
+it answers 401 to everyone. With a key, ``/status`` (paths, process ids, plans, commits) is the
+operator's: it needs the control token too. Bodies larger than the limit are refused with 413 before
+they are read whole (by Content-Length, or by counting a chunked body as it arrives), and a body must
+arrive within ``body_timeout`` seconds (408).
+
+``allowed_hosts`` (set by ``deploykit serve`` when it listens on loopback without a key): a request whose
+``Host`` header names anything else is refused with 421 before any route runs. A web page the browser
+fetched from a name that the page's owner then points at 127.0.0.1 (DNS rebinding) sends its own name as
+``Host``; without the check it could reach an open loopback ``/v1``.
 """
 
 from __future__ import annotations
 
+import asyncio
 import hmac
 import ipaddress
 import json
@@ -20,8 +28,11 @@ from ..errors import DeploykitError
 from .errors import error_body
 
 OPEN_PATHS = frozenset({"/healthz", "/readyz"})
+OPERATOR_PATHS = frozenset({"/status"})  # with an API key: the control token's, not the key's
 CONTROL_PREFIX = "/control/"
 DEFAULT_MAX_BODY = 4 * 2**20
+BODY_TIMEOUT = 30.0
+LOOPBACK_NAMES = frozenset({"localhost", "127.0.0.1", "::1"})
 DRAIN_FACTOR = 16  # bodies up to this many times the limit are read (and dropped) before the 413
 
 
@@ -56,13 +67,27 @@ async def _drain(receive: Receive) -> None:
             return
 
 
+def _host_name(scope: Scope) -> str | None:
+    """The name in the request's ``Host`` header, without its port ("[::1]:8765" -> "::1"); None without
+    one (HTTP/1.0 allows that; a browser always sends it)."""
+    host = dict(scope.get("headers", [])).get(b"host")
+    if host is None:
+        return None
+    text = host.decode("latin-1").strip().lower()
+    if text.startswith("["):
+        return text[1:text.find("]")] if "]" in text else text
+    return text.rsplit(":", 1)[0] if text.count(":") == 1 else text
+
+
 class Guard:
-    """API key check and body size limit for an ASGI app."""
+    """API key check, Host check and body limits for an ASGI app."""
 
     def __init__(self, app: ASGIApp, *, api_key: str | None, max_body: int = DEFAULT_MAX_BODY,
-                 control_token: str | None = None) -> None:
+                 control_token: str | None = None, allowed_hosts: frozenset[str] | None = None,
+                 body_timeout: float = BODY_TIMEOUT) -> None:
         self.app, self.api_key, self.max_body = app, api_key, max_body
         self.control_token = control_token
+        self.allowed_hosts, self.body_timeout = allowed_hosts, body_timeout
 
     @staticmethod
     def _bearer(scope: Scope, key: str) -> bool:
@@ -71,19 +96,31 @@ class Guard:
         scheme, _, token = given.partition(" ")
         return scheme.lower() == "bearer" and hmac.compare_digest(token.strip().encode(), key.encode())
 
+    def _control(self, scope: Scope) -> bool:
+        return bool(self.control_token) and self._bearer(scope, self.control_token)  # type: ignore[arg-type]
+
     def _authorised(self, scope: Scope) -> bool:
         if scope["path"].startswith(CONTROL_PREFIX):  # never open: the control token or nothing
-            return bool(self.control_token) and self._bearer(scope, self.control_token)  # type: ignore[arg-type]
+            return self._control(scope)
         if not self.api_key or scope["path"] in OPEN_PATHS:
             return True
+        if scope["path"] in OPERATOR_PATHS:
+            return self._control(scope)
         return self._bearer(scope, self.api_key)
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
+        if self.allowed_hosts is not None and _host_name(scope) not in self.allowed_hosts | {None}:
+            await _reply(send, 421, "this server answers only requests addressed to "
+                         f"{', '.join(sorted(self.allowed_hosts))} (Host header); it listens on loopback "
+                         "without an API key", "invalid_host")
+            return
+        scope.setdefault("state", {})["control"] = self._control(scope)  # /readyz says more to the operator
         if not self._authorised(scope):
             control = scope["path"].startswith(CONTROL_PREFIX)
+            control = control or scope["path"] in OPERATOR_PATHS
             message = ("missing or wrong control token: send 'Authorization: Bearer <token>' with the token "
                        "from <state dir>/server.json" if control else
                        "missing or wrong API key: send 'Authorization: Bearer <key>'")
@@ -103,8 +140,15 @@ class Guard:
         """Read the body (bounded) before the app sees it, then hand it over unchanged."""
         chunks: list[bytes] = []
         seen = 0
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + self.body_timeout
         while True:
-            message = await receive()
+            try:  # one deadline for the whole body: a client dripping bytes cannot hold the request
+                message = await asyncio.wait_for(receive(), max(0.0, deadline - loop.time()))
+            except asyncio.TimeoutError:
+                await _reply(send, 408, f"the request body did not arrive within {self.body_timeout:g} s",
+                             "request_timeout", [(b"connection", b"close")])
+                return
             if message["type"] != "http.request":  # the client went away
                 return
             chunk = message.get("body", b"")
@@ -131,3 +175,9 @@ class Guard:
 def guard(app: Any, *, api_key: str | None, max_body: int = DEFAULT_MAX_BODY,
           control_token: str | None = None) -> Guard:
     return Guard(app, api_key=api_key, max_body=max_body, control_token=control_token)
+
+
+def loopback_hosts(host: str, api_key: str | None) -> frozenset[str] | None:
+    """The ``Host`` names a server bound to ``host`` answers: loopback names when it listens on loopback
+    without a key (DNS rebinding), else any (None)."""
+    return LOOPBACK_NAMES | {host.lower()} if is_loopback(host) and not api_key else None

@@ -13,7 +13,10 @@ Long operations (apply, rollback, delete) answer with newline-delimited JSON eve
     {"event": "error", "kind": "plan" | "error" | "internal", "message": "..."}
 
 A manifest that cannot be read or validated is answered at once, before any stream: HTTP 422 with the
-``manifest`` error event (its located issues). A field of a body that no operation could take (a NUL in
+``manifest`` error event (its located issues). A manifest that asks for what the server's policy refuses
+(``serve/policy.py``: an engine binary, remote code, a cluster, a path outside the allowed roots) is a 403
+naming the field, before anything else runs: ``{"error": {..., "param": FIELD, "code": "forbidden_by_policy"},
+"event": "error", "kind": "policy", "message": "FILE:LINE:COL: FIELD: ..."}``. A field of a body that no operation could take (a NUL in
 a path, a revision beyond SQLite's integers) is a 400 naming it, as the /v1 API answers.
 
 The work runs on its own thread (never on the event loop) and finishes even if the client goes away:
@@ -37,6 +40,8 @@ from pydantic import AfterValidator, BaseModel, Field
 from starlette.concurrency import run_in_threadpool
 
 from ..errors import DeploykitError, ManifestError, PlanInfeasible
+from .errors import error_body
+from .policy import PolicyError, operator_owned
 
 if TYPE_CHECKING:
     from ..control.live.supervisor import Supervisor
@@ -178,6 +183,16 @@ def _supervisor(request: Request) -> Supervisor:
     return request.app.state.registry
 
 
+def _checked(request: Request, body: ManifestBody) -> LoadedManifest:
+    """The manifest of ``body``, parsed and held to the server's policy (``PolicyError``) unless it is a
+    watched file's own text. Blocking (it may read that file): run it off the event loop."""
+    loaded = _parse(body)
+    supervisor = _supervisor(request)
+    if not operator_owned(loaded, body.manifest, supervisor.manifest_files()):
+        request.app.state.policy.check(loaded)
+    return loaded
+
+
 def _parse(body: ManifestBody) -> LoadedManifest:
     from ..spec.manifest import parse_manifests
 
@@ -192,6 +207,9 @@ def _parse(body: ManifestBody) -> LoadedManifest:
 
 
 def _failed(exc: BaseException, loaded: LoadedManifest | None = None) -> JSONResponse:
+    if isinstance(exc, PolicyError):
+        refused = error_body(403, exc.message, param=exc.field, code="forbidden_by_policy")
+        return JSONResponse({**refused, "event": "error", "kind": "policy", "message": str(exc)}, status_code=403)
     event = error_event(exc, loaded)
     return JSONResponse(event, status_code=422 if event["kind"] == "manifest" else 400)
 
@@ -200,7 +218,7 @@ def _failed(exc: BaseException, loaded: LoadedManifest | None = None) -> JSONRes
 async def apply(request: Request, body: ManifestBody) -> StreamingResponse | JSONResponse:
     supervisor = _supervisor(request)
     try:  # before the stream: a manifest that cannot be read is an error answer, located
-        loaded = await run_in_threadpool(_parse, body)
+        loaded = await run_in_threadpool(_checked, request, body)
     except Exception as exc:
         return _failed(exc)
 
@@ -260,7 +278,7 @@ async def diff(request: Request, body: ManifestBody) -> JSONResponse:
     def work() -> list[str]:
         from ..control.revisions.differ import diff_manifest
 
-        loaded = _parse(body)
+        loaded = _checked(request, body)
         try:
             return diff_manifest(loaded, store=supervisor.store, devices=body.devices or supervisor.devices)
         except PlanInfeasible as exc:

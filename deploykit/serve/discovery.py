@@ -1,6 +1,7 @@
 """``<state dir>/server.json``: how the CLI finds a running ``deploykit serve`` (docs/control.md).
 
-The server writes its URL, its process id and a random control token there (mode 0600, written to a
+The server writes its URL (``https://`` when it serves TLS, with the path of its certificate, which the
+CLI then trusts), its process id and a random control token there (mode 0600, written to a
 temporary file and renamed, so a reader never sees half a file) once it listens, and removes it on a
 clean exit. A file whose process is gone (``kill -9``, a crash, a reboot) is stale: ``find_server``
 ignores it and the next server overwrites it. Stdlib only: the CLI reads this without importing the
@@ -27,6 +28,7 @@ class ServerInfo:
     pid: int
     started_at: float
     version: str = ""
+    cacert: str | None = None  # the server's TLS certificate, which the CLI trusts for an https URL
 
 
 def server_file(state_dir: Path) -> Path:
@@ -68,7 +70,8 @@ def read_server_file(state_dir: Path) -> ServerInfo | None:
     try:
         data = json.loads(server_file(state_dir).read_text())
         return ServerInfo(url=str(data["url"]), token=str(data["token"]), pid=int(data["pid"]),
-                          started_at=float(data.get("started_at", 0)), version=str(data.get("version", "")))
+                          started_at=float(data.get("started_at", 0)), version=str(data.get("version", "")),
+                          cacert=str(data["cacert"]) if data.get("cacert") else None)
     except (OSError, ValueError, KeyError, TypeError):
         return None
 
@@ -98,8 +101,9 @@ def find_server(state_dir: Path) -> ServerInfo | None:
     return info
 
 
-def server_info(url: str, token: str) -> ServerInfo:
-    """The ``ServerInfo`` a server writes for itself."""
+def server_info(url: str, token: str, *, cacert: str | None = None) -> ServerInfo:
+    """The ``ServerInfo`` a server writes for itself (``cacert``: its TLS certificate, if it serves https)."""
     from .. import __version__
 
-    return ServerInfo(url=url, token=token, pid=os.getpid(), started_at=time.time(), version=__version__)
+    return ServerInfo(url=url, token=token, pid=os.getpid(), started_at=time.time(), version=__version__,
+                      cacert=str(Path(cacert).resolve()) if cacert else None)

@@ -1,5 +1,8 @@
 """Operations endpoints: ``/healthz`` (the process runs), ``/readyz`` (every deployment can serve),
-``/status`` (one object per deployment) and ``/metrics`` (Prometheus text)."""
+``/status`` (one object per deployment) and ``/metrics`` (Prometheus text).
+
+``/readyz`` needs no credential, so it says only ready or not; what is not ready (manifest paths, load
+errors, engine logs) is said to the control token's holder alone (``auth.Guard`` marks such requests)."""
 
 from __future__ import annotations
 
@@ -21,7 +24,10 @@ async def healthz() -> dict[str, bool]:
 @router.get("/readyz")
 async def readyz(request: Request) -> JSONResponse:
     ok, missing = await run_in_threadpool(request.app.state.registry.ready)
-    return JSONResponse({"ready": ok, "not_ready": missing}, status_code=200 if ok else 503)
+    answer: dict[str, Any] = {"ready": ok}
+    if request.scope.get("state", {}).get("control"):
+        answer["not_ready"] = missing
+    return JSONResponse(answer, status_code=200 if ok else 503)
 
 
 @router.get("/status")

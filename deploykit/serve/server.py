@@ -9,6 +9,7 @@ import logging
 import signal
 import socket
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 import uvicorn
@@ -54,14 +55,31 @@ class _Server(uvicorn.Server):
             log.exception("loading the deployments failed")
 
 
+MAX_CONNECTIONS = 1024  # open connections and tasks; beyond, uvicorn answers 503 at once
+
+
+@dataclass(frozen=True)
+class Listening:
+    """How ``run`` listens: drain on stop, header deadline, TLS (uvicorn's own ``ssl_certfile`` and
+    ``ssl_keyfile``), and the most connections served at once."""
+
+    drain_timeout: float = 30.0
+    header_timeout: float = HEADER_TIMEOUT
+    tls_cert: str | None = None
+    tls_key: str | None = None
+    max_connections: int = MAX_CONNECTIONS
+
+
 def run(app: Any, sock: socket.socket, *, on_started: Callable[[], None], threads: ThreadGroup,
-        drain_timeout: float = 30.0, header_timeout: float = HEADER_TIMEOUT) -> None:
+        listening: Listening = Listening()) -> None:
     """Serve ``app`` on ``sock`` until a signal; ``on_started`` runs on a thread of ``threads`` (the caller
     joins it) once serving. Connections are ``connections.BoundedH11``: headers bounded in size and in
     time (``header_timeout``)."""
-    config = uvicorn.Config(app, log_level="warning", lifespan="off", timeout_graceful_shutdown=int(drain_timeout),
-                            access_log=False, http=bounded_h11(header_timeout),
-                            h11_max_incomplete_event_size=MAX_HEADER_BYTES)
+    config = uvicorn.Config(app, log_level="warning", lifespan="off",
+                            timeout_graceful_shutdown=int(listening.drain_timeout), access_log=False,
+                            http=bounded_h11(listening.header_timeout), h11_max_incomplete_event_size=MAX_HEADER_BYTES,
+                            ssl_certfile=listening.tls_cert, ssl_keyfile=listening.tls_key,
+                            limit_concurrency=listening.max_connections)
     server = _Server(config, on_started, threads)
     # uvicorn handles SIGTERM/SIGINT while it runs, then raises them again for the handler it found:
     # make that one a no-op, so the caller goes on to free the models and exits 0.

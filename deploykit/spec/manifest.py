@@ -11,6 +11,7 @@ must never import torch or transformers: ``deploykit validate`` stays fast becau
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import cached_property
 from pathlib import Path
 from typing import Any
 
@@ -22,7 +23,7 @@ from .engines import LLAMA_CPP
 from .schema import ModelDeployment
 from .tensor_parallel import heads_issues
 from .validation import header_issues, validation_issues
-from .yamlsource import Document, load_documents
+from .yamlsource import MAX_BYTES, Document, load_documents
 
 
 @dataclass(frozen=True)
@@ -52,9 +53,11 @@ class LoadedManifest:
 
         return "sha256:" + hashlib.sha256(self.text.encode()).hexdigest()
 
-    @property
+    @cached_property
     def text(self) -> str:
-        """This manifest as YAML, for the record of a revision (re-applied by rollback)."""
+        """This manifest as YAML, for the record of a revision (re-applied by rollback); computed once.
+        Aliases are written out in full, so the text is bounded by the reader's expanded-size limit, and
+        refused when it outgrows what a manifest file may be (it is read back by rollback and restore)."""
         import yaml
 
         data = self.manifest.model_dump(mode="json", by_alias=True)
@@ -71,7 +74,12 @@ class LoadedManifest:
         gates = data["spec"]["rollout"].get("gates")
         if gates and gates.get("golden"):
             gates["golden"] = str(self.resolve(Path(gates["golden"])).resolve())
-        return yaml.safe_dump(data, sort_keys=False)
+        text = yaml.safe_dump(data, sort_keys=False)
+        if len(text.encode()) > MAX_BYTES:
+            raise ManifestError([Issue(f"the manifest, its aliases written out, is {len(text.encode())} bytes; a "
+                                       f"manifest may be at most {MAX_BYTES} bytes", self.source, self.document.line,
+                                       1, hint="write shorter values, or fewer of them")])
+        return text
 
     def locate(self, field: str) -> tuple[int, int]:
         parts: tuple[str | int, ...] = tuple(int(p) if p.isdigit() else p for p in field.split("."))

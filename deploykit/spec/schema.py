@@ -36,7 +36,7 @@ __all__ = ["API_VERSION", "KIND", "Canary", "Cluster", "CpuOffload", "DiskOffloa
 
 API_VERSION = "deploykit/v1"
 KIND = "ModelDeployment"
-_NAME_RE = re.compile(r"^[a-z0-9]([a-z0-9-]{0,61}[a-z0-9])?$")
+_NAME_RE = re.compile(r"[a-z0-9]([a-z0-9-]{0,61}[a-z0-9])?")  # fullmatch: "$" would take a trailing newline
 
 
 class ModelSpec(Strict):
@@ -184,7 +184,7 @@ class Offload(Strict):
     disk: DiskOffload | None = Field(None, description="Disk tier; off unless given.")
 
 
-_RAY_ADDRESS_RE = re.compile(r"^(auto|local|(ray://)?[A-Za-z0-9._-]+:\d{1,5})$")
+_RAY_ADDRESS_RE = re.compile(r"auto|local|(ray://)?[A-Za-z0-9._-]+:\d{1,5}")  # fullmatch
 
 
 class Cluster(Strict):
@@ -197,7 +197,7 @@ class Cluster(Strict):
     @field_validator("address")
     @classmethod
     def _ray_address(cls, address: str) -> str:
-        if not _RAY_ADDRESS_RE.match(address.strip()):
+        if not _RAY_ADDRESS_RE.fullmatch(address.strip()):
             raise PydanticCustomError(
                 "ray_address", "not a Ray address: use 'auto', 'local', HOST:PORT or ray://HOST:PORT")
         return address.strip()
@@ -308,7 +308,7 @@ class Metadata(Strict):
     @field_validator("name")
     @classmethod
     def _dns_label(cls, name: str) -> str:
-        if not _NAME_RE.match(name):
+        if not _NAME_RE.fullmatch(name):
             raise PydanticCustomError(
                 "name", "not a valid name: use 1 to 63 of a-z, 0-9 and '-', starting and "
                         "ending with a letter or digit")

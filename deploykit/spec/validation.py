@@ -95,21 +95,37 @@ def _located_message(err: Any, path: tuple[str | int, ...], doc: Document) -> tu
     given = err.get("input")
     if (err["type"] != "literal_error" and given is not None
             and not isinstance(given, (dict, list)) and str(given) not in message):
-        message += f" (got {given!r})"
+        message += f"{_GOT}{_short_repr(given)})"
     return line, column, message
+
+
+_GOT = " (got "
+_MAX_GOT = 80  # a value quoted back in a message; a 1 MiB string is shown by its start
+
+
+def _short_repr(value: object) -> str:
+    text = repr(value)
+    return text if len(text) <= _MAX_GOT else f"{text[:_MAX_GOT]}... ({len(text)} characters)"
+
+
+def _split_got(message: str) -> tuple[str, str]:
+    """``message`` without its trailing `` (got VALUE)``, and that part. String search rather than a
+    regex: ``" \\(got .*\\)$"`` retries ``.*`` from every ``(got`` a hostile value holds (quadratic)."""
+    at = message.find(_GOT)
+    if at < 0 or not message.endswith(")"):
+        return message, ""
+    return message[:at], message[at:]
 
 
 def _merge(issue: Issue, message: str) -> Issue:
     prefix = "Input should be "
-    got = re.search(r" \(got .*\)$", issue.message)
-    first = issue.message[: got.start()] if got else issue.message
-    second = re.sub(r" \(got .*\)$", "", message)
+    first, got = _split_got(issue.message)
+    second, _ = _split_got(message)
     if first.startswith(prefix) and second.startswith(prefix):
         merged = f"{first} or {second[len(prefix):]}"
     else:
         merged = f"{first}; or {second}"
-    return Issue(merged + (got.group(0) if got else ""), issue.path, issue.line, issue.column,
-                 issue.field, issue.hint)
+    return Issue(merged + got, issue.path, issue.line, issue.column, issue.field, issue.hint)
 
 
 def header_issues(doc: Document, source: str) -> list[Issue]:

@@ -5,7 +5,9 @@ booleans (YAML 1.1) and expands aliases without limit. deploykit composes the no
 and builds plain Python values itself, so that:
 
 - every mapping key and value has a (line, column), looked up by field path (``("spec", "gpus", 1)``);
-- duplicate keys, merge keys and runaway alias expansion ("billion laughs") are errors, not surprises;
+- duplicate keys, merge keys and runaway alias expansion ("billion laughs") are errors, not surprises:
+  aliases are counted in values and in bytes, so a few large values repeated by aliases cannot grow
+  past what a file of ``MAX_BYTES`` could hold;
 - booleans are YAML 1.2's ``true``/``false`` only;
 - input that is empty, binary, not UTF-8 or too large is refused before parsing.
 
@@ -24,6 +26,7 @@ from ..errors import Issue, ManifestError
 
 MAX_BYTES = 1 << 20  # a manifest is a page of text; 1 MiB is generous
 MAX_NODES = 20_000  # values built after alias expansion; a real manifest has a few dozen
+MAX_EXPANDED_BYTES = MAX_BYTES  # text of keys and values after alias expansion: what the file could hold
 MAX_DEPTH = 64
 
 Path_ = tuple[str | int, ...]
@@ -85,6 +88,7 @@ class _Builder:
         self.source = source
         self.loader = loader
         self.nodes = 0
+        self.bytes = 0  # scalar text built so far, aliases counted each time they are used
         self.issues: list[Issue] = []
 
     def issue(self, message: str, mark: yaml.Mark, path: Path_, hint: str | None = None) -> None:
@@ -94,7 +98,10 @@ class _Builder:
     def build(self, node: yaml.Node, path: Path_, doc: Document, depth: int = 0) -> Any:
         self.nodes += 1
         if self.nodes > MAX_NODES or depth > MAX_DEPTH:
-            raise _TooLarge(node.start_mark)
+            raise _TooLarge(node.start_mark, f"the document expands to more than {MAX_NODES} values or nests "
+                                             f"deeper than {MAX_DEPTH} levels (an alias bomb?)")
+        if isinstance(node, yaml.ScalarNode):
+            self._count(node)
         # A block mapping or list starts on the line after its key: point at the key instead.
         if isinstance(node, yaml.ScalarNode) or getattr(node, "flow_style", False) or not path:
             doc.values.setdefault(path, (node.start_mark.line + 1, node.start_mark.column + 1))
@@ -103,6 +110,12 @@ class _Builder:
         if isinstance(node, yaml.SequenceNode):
             return [self.build(item, path + (i,), doc, depth + 1) for i, item in enumerate(node.value)]
         return self.loader.construct_object(node, deep=True)
+
+    def _count(self, node: yaml.ScalarNode) -> None:
+        self.bytes += len(node.value)
+        if self.bytes > MAX_EXPANDED_BYTES:
+            raise _TooLarge(node.start_mark, f"the document expands to more than {MAX_EXPANDED_BYTES} characters "
+                                             "of keys and values (an alias repeats its value in full each time)")
 
     def _mapping(self, node: yaml.MappingNode, path: Path_, doc: Document, depth: int) -> dict:
         result: dict[Any, Any] = {}
@@ -115,6 +128,7 @@ class _Builder:
             if not isinstance(key_node, yaml.ScalarNode):
                 self.issue("a mapping key must be a plain scalar", key_node.start_mark, path)
                 continue
+            self._count(key_node)
             key = self.loader.construct_object(key_node)
             if not isinstance(key, (str, int)):
                 key = str(key)
@@ -130,8 +144,10 @@ class _Builder:
 
 
 class _TooLarge(Exception):
-    def __init__(self, mark: yaml.Mark) -> None:
+    def __init__(self, mark: yaml.Mark, message: str) -> None:
+        super().__init__(message)
         self.mark = mark
+        self.message = message
 
 
 def _dotted(path: Path_) -> str:
@@ -212,10 +228,8 @@ def load_documents(data: bytes, source: str) -> tuple[list[Document], list[Issue
             try:
                 doc.data = builder.build(node, (), doc)
             except _TooLarge as big:
-                builder.issues.append(Issue(
-                    f"the document expands to more than {MAX_NODES} values or nests deeper than "
-                    f"{MAX_DEPTH} levels (an alias bomb?)", source, big.mark.line + 1, big.mark.column + 1,
-                    hint="write the values out instead of nesting aliases"))
+                builder.issues.append(Issue(big.message, source, big.mark.line + 1, big.mark.column + 1,
+                                            hint="write the values out instead of nesting aliases"))
                 break
             documents.append(doc)
             index += 1

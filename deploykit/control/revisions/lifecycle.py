@@ -45,16 +45,37 @@ def rollback(store: StateStore, name: str, *, to_revision: int | None = None,
 
 
 def remove_shards(store: StateStore, name: str) -> list[Path]:
-    """Remove every shard directory deploykit wrote for ``name`` (never a checkpoint used in place)."""
-    from ...artifacts.verify import read_lock
-
+    """Remove every shard directory deploykit laid out for ``name`` inside its own shards root (never a
+    checkpoint used in place, nor a directory `deploykit reshard` wrote for the user)."""
     removed = []
     for revision in store.history(name):
-        path = Path(revision.shards_path) if revision.shards_path else None
-        if path is not None and path.is_dir() and read_lock(path) is not None:
+        path = _laid_out(store, revision)
+        if path is not None and path not in removed:
             shutil.rmtree(path, ignore_errors=True)
             removed.append(path)
     return removed
+
+
+def _laid_out(store: StateStore, revision: Revision) -> Path | None:
+    """The revision's shards directory when deploykit laid it out: a directory of its own directly under
+    the shards root its manifest names (``layouts.shards_root``), holding a lock file, and not the model
+    it was laid out from. A lock file alone proves nothing: `deploykit reshard` leaves one in its
+    destination, and a checkpoint whose layout fits is recorded as the revision's shards path."""
+    from ...artifacts.verify import read_lock
+    from .layouts import shards_root
+
+    if not revision.shards_path:
+        return None
+    path = Path(revision.shards_path).resolve()
+    try:
+        loaded = recorded_manifest(revision)
+    except DeploykitError:
+        return None  # cannot say where its own root was: keep the files
+    model = loaded.model_path.resolve()
+    if (path.parent != shards_root(loaded, store) or path == model or path in model.parents
+            or not path.is_dir() or read_lock(path) is None):
+        return None
+    return path
 
 
 def delete(store: StateStore, name: str, *, keep_shards: bool = False, reason: str = "deleted") -> None:

@@ -128,8 +128,8 @@ class StateStore:
 
     def __init__(self, directory: Path | None = None) -> None:
         self.directory = Path(directory) if directory is not None else default_state_dir()
-        try:
-            self.directory.mkdir(parents=True, exist_ok=True)
+        try:  # it holds the control token (server.json) and every manifest: the owner's alone
+            self.directory.mkdir(mode=0o700, parents=True, exist_ok=True)
         except OSError as exc:
             raise ApplyError(f"cannot create the state directory {self.directory}: {exc.strerror} "
                              "(set DEPLOYKIT_STATE to a writable directory)") from None
@@ -140,6 +140,8 @@ class StateStore:
             self._setup()
 
     def _setup(self) -> None:
+        if not self.path.exists():  # created 0600, not with the umask's mode (SQLite's WAL files follow it)
+            os.close(os.open(self.path, os.O_WRONLY | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600))
         setup = sqlite3.connect(self.path, timeout=30, isolation_level=None)
         try:
             setup.execute("PRAGMA journal_mode=WAL")

@@ -6,6 +6,10 @@ body is cancelled where it waits. Releasing the lease inside the body therefore 
 generation per early disconnect. Here the response itself ends the runs and releases the lease when it
 is done, whether the body ran to its end, stopped halfway or never started.
 
+A client that stops reading (its socket buffers full) would hold the stream, its lease and so its
+generation for ever, across reloads: each send must complete within ``SEND_TIMEOUT`` seconds, else the
+stream ends as if the client had gone.
+
 A failure once the stream started (a generation that fails, a bug) cannot change the status any more:
 the stream then ends with an OpenAI-shaped error event and ``data: [DONE]``, as vLLM's do, rather than
 a connection cut without a word.
@@ -30,6 +34,7 @@ if TYPE_CHECKING:
     from .generation import Run
 
 log = logging.getLogger(__name__)
+SEND_TIMEOUT = 30.0  # seconds one chunk may wait for a client that does not read
 
 
 class LeasedStream(StreamingResponse):
@@ -53,10 +58,17 @@ class LeasedStream(StreamingResponse):
         self.finished = True
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        async def bounded(message: Any) -> None:
+            with anyio.fail_after(SEND_TIMEOUT):
+                await send(message)
+
         try:
-            await super().__call__(scope, receive, send)
+            await super().__call__(scope, receive, bounded)
         except ClientDisconnect:  # the client closed the connection while a chunk was being sent
             pass
+        except TimeoutError:  # the client stopped reading: the same as gone
+            log.warning("%s: a stream's client read nothing for %g s; the stream is ended", self.model,
+                        SEND_TIMEOUT)
         finally:
             with anyio.CancelScope(shield=True):  # the body's own cleanup, even while being cancelled
                 await _close(self._body)
