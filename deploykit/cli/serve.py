@@ -95,7 +95,8 @@ def serve(path: str | None, host: str, port: int, api_key: str | None, control_t
               markup=False)
     try:
         run(create_app(supervisor, api_key=api_key, control_token=token), sock, on_started=start,
-            threads=owned, drain_timeout=drain_timeout, header_timeout=header_timeout)
+            threads=owned, drain_timeout=drain_timeout, header_timeout=header_timeout,
+            on_stopping=supervisor.interrupt)
     finally:
         if written:
             remove_server_file(states.directory, token)

@@ -36,11 +36,20 @@ def bind(host: str, port: int) -> socket.socket:
 
 
 class _Server(uvicorn.Server):
-    """uvicorn's server that starts ``on_started`` (on a thread of ``threads``) once it listens."""
+    """uvicorn's server that starts ``on_started`` (on a thread of ``threads``) once it listens, and
+    ``on_stopping`` (on another) as soon as a signal asks it to stop, before it drains."""
 
-    def __init__(self, config: uvicorn.Config, on_started: Callable[[], None], threads: ThreadGroup) -> None:
+    def __init__(self, config: uvicorn.Config, on_started: Callable[[], None], threads: ThreadGroup,
+                 on_stopping: Callable[[], None] | None = None) -> None:
         super().__init__(config)
-        self._on_started, self._threads = on_started, threads
+        self._on_started, self._threads, self._on_stopping = on_started, threads, on_stopping
+        self._stopping = False
+
+    def handle_exit(self, sig: int, frame: Any) -> None:
+        super().handle_exit(sig, frame)
+        if self._on_stopping is not None and not self._stopping:  # once: a second signal forces the exit
+            self._stopping = True
+            self._threads.start(self._on_stopping, name="deploykit-stopping")  # never block the handler
 
     async def startup(self, sockets: list[socket.socket] | None = None) -> None:
         await super().startup(sockets=sockets)
@@ -55,14 +64,16 @@ class _Server(uvicorn.Server):
 
 
 def run(app: Any, sock: socket.socket, *, on_started: Callable[[], None], threads: ThreadGroup,
-        drain_timeout: float = 30.0, header_timeout: float = HEADER_TIMEOUT) -> None:
+        drain_timeout: float = 30.0, header_timeout: float = HEADER_TIMEOUT,
+        on_stopping: Callable[[], None] | None = None) -> None:
     """Serve ``app`` on ``sock`` until a signal; ``on_started`` runs on a thread of ``threads`` (the caller
-    joins it) once serving. Connections are ``connections.BoundedH11``: headers bounded in size and in
-    time (``header_timeout``)."""
+    joins it) once serving, ``on_stopping`` on another as soon as a signal arrives (a canary's step must
+    not outlast the drain: an apply streaming its progress would hold its connection open). Connections
+    are ``connections.BoundedH11``: headers bounded in size and in time (``header_timeout``)."""
     config = uvicorn.Config(app, log_level="warning", lifespan="off", timeout_graceful_shutdown=int(drain_timeout),
                             access_log=False, http=bounded_h11(header_timeout),
                             h11_max_incomplete_event_size=MAX_HEADER_BYTES)
-    server = _Server(config, on_started, threads)
+    server = _Server(config, on_started, threads, on_stopping)
     # uvicorn handles SIGTERM/SIGINT while it runs, then raises them again for the handler it found:
     # make that one a no-op, so the caller goes on to free the models and exits 0.
     previous = {sig: signal.signal(sig, lambda *_: None) for sig in (signal.SIGTERM, signal.SIGINT)}

@@ -412,8 +412,15 @@ class Supervisor:
         not_ready += [f"{f}: {e}" for f, e in self._unserved_errors(items)]
         return (not not_ready and bool(items)), not_ready
 
+    def interrupt(self, reason: str = "the server is stopping") -> None:
+        """The server is stopping (SIGTERM): every gated rollout in progress ends now, and none starts, so
+        that nothing waits behind a canary's step (any thread; ``close`` follows)."""
+        for _, dep in self.items():
+            dep.interrupt(reason)
+
     def close(self) -> None:
         self.served.close()  # requests waiting for a load are answered: the server is stopping
+        self.interrupt()  # first: an apply waiting on a canary's step ends, so its task can be joined
         if self._watcher is not None:
             self._watcher.stop()
         if self._starting:
@@ -422,6 +429,7 @@ class Supervisor:
         if left:
             log.warning("still loading after %gs: %s", self.close_timeout, ", ".join(left))
         for _, dep in self.items():
+            dep.interrupt("the server is stopping")  # loaded meanwhile: the same reason
             dep.close()
         if self.host is not None:
             self.host.stop()
