@@ -158,3 +158,30 @@ def test_errors_are_written_under_the_lock_that_readers_hold(model, watched):
         stop.set()
         reader.join()
     assert failures == []
+
+
+def test_an_api_apply_racing_a_new_file_of_the_same_name_leaves_one_live_deployment(model, tmp_path, watched):
+    """The API claims the name before it loads, and the file's load waits for the name's turn: it then finds
+    the API's deployment and shows a conflict, where it used to load a second one that displaced the first
+    (whose change thread and model were never freed)."""
+    directory, supervisor = watched
+    supervisor.start()
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    [given] = load_manifests(write_manifest(elsewhere, model))
+    file: list[Path] = []
+
+    def during_the_load(step: str) -> None:
+        if not file:  # once, while the API's apply loads: a watched file declaring the same name appears
+            file.append(write_manifest(directory, model, shard="300KiB"))
+            wait_for(lambda: any(t.name.startswith("deploykit-add") for t in threading.enumerate()),
+                     what="for the file's load to start")
+
+    supervisor.apply_manifest(given, on_step=during_the_load)
+    wait_for(lambda: not any(t.name.startswith("deploykit-add") for t in threading.enumerate()),
+             what="for the file's load to end")
+    changing = [t for t in threading.enumerate() if t.name == "deploykit-change-tiny"]
+    assert len(changing) == 1, changing  # one live Deployment of the name
+    dep = supervisor.get("tiny")
+    assert dep is not None and supervisor.owner("tiny") is None  # the API's, as it claimed first
+    wait_for(lambda: str(file[0]) in (dep.status()["last_error"] or ""), what="for the conflict to show")

@@ -134,7 +134,7 @@ def serve(path: str | None, host: str, port: int, api_key: str | None, api_key_f
     try:
         app = create_app(supervisor, api_key=api_key, control_token=token, policy=policy, openapi=openapi,
                          allowed_hosts=loopback_hosts(host, api_key), body_timeout=body_timeout)
-        run(app, sock, on_started=start, threads=owned, listening=listening)
+        run(app, sock, on_started=start, threads=owned, listening=listening, on_stopping=supervisor.interrupt)
     finally:
         if written:
             remove_server_file(states.directory, token)

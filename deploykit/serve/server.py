@@ -37,11 +37,20 @@ def bind(host: str, port: int) -> socket.socket:
 
 
 class _Server(uvicorn.Server):
-    """uvicorn's server that starts ``on_started`` (on a thread of ``threads``) once it listens."""
+    """uvicorn's server that starts ``on_started`` (on a thread of ``threads``) once it listens, and
+    ``on_stopping`` (on another) as soon as a signal asks it to stop, before it drains."""
 
-    def __init__(self, config: uvicorn.Config, on_started: Callable[[], None], threads: ThreadGroup) -> None:
+    def __init__(self, config: uvicorn.Config, on_started: Callable[[], None], threads: ThreadGroup,
+                 on_stopping: Callable[[], None] | None = None) -> None:
         super().__init__(config)
-        self._on_started, self._threads = on_started, threads
+        self._on_started, self._threads, self._on_stopping = on_started, threads, on_stopping
+        self._stopping = False
+
+    def handle_exit(self, sig: int, frame: Any) -> None:
+        super().handle_exit(sig, frame)
+        if self._on_stopping is not None and not self._stopping:  # once: a second signal forces the exit
+            self._stopping = True
+            self._threads.start(self._on_stopping, name="deploykit-stopping")  # never block the handler
 
     async def startup(self, sockets: list[socket.socket] | None = None) -> None:
         await super().startup(sockets=sockets)
@@ -71,16 +80,17 @@ class Listening:
 
 
 def run(app: Any, sock: socket.socket, *, on_started: Callable[[], None], threads: ThreadGroup,
-        listening: Listening = Listening()) -> None:
+        listening: Listening = Listening(), on_stopping: Callable[[], None] | None = None) -> None:
     """Serve ``app`` on ``sock`` until a signal; ``on_started`` runs on a thread of ``threads`` (the caller
-    joins it) once serving. Connections are ``connections.BoundedH11``: headers bounded in size and in
-    time (``header_timeout``)."""
+    joins it) once serving, ``on_stopping`` on another as soon as a signal arrives (a canary's step must
+    not outlast the drain: an apply streaming its progress would hold its connection open). Connections
+    are ``connections.BoundedH11``: headers bounded in size and in time (``header_timeout``)."""
     config = uvicorn.Config(app, log_level="warning", lifespan="off",
                             timeout_graceful_shutdown=int(listening.drain_timeout), access_log=False,
                             http=bounded_h11(listening.header_timeout), h11_max_incomplete_event_size=MAX_HEADER_BYTES,
                             ssl_certfile=listening.tls_cert, ssl_keyfile=listening.tls_key,
                             limit_concurrency=listening.max_connections)
-    server = _Server(config, on_started, threads)
+    server = _Server(config, on_started, threads, on_stopping)
     # uvicorn handles SIGTERM/SIGINT while it runs, then raises them again for the handler it found:
     # make that one a no-op, so the caller goes on to free the models and exits 0.
     previous = {sig: signal.signal(sig, lambda *_: None) for sig in (signal.SIGTERM, signal.SIGINT)}

@@ -32,8 +32,19 @@ class Canary(Strict):
     steps: list[Annotated[int, Field(ge=1, le=100)]] = Field(
         default=[10, 50, 100], description="Percent of new requests sent to the new generation, one step after "
                                            "another: increasing, ending at 100 (the new generation alone).")
-    step_seconds: Duration = Field(30.0, description="How long each step lasts: its traffic gates are checked "
-                                                     "on the requests of that window.")
+    step_seconds: Duration = Field(30.0, description="How long each step lasts at least: its traffic gates are "
+                                                     "checked on the new generation's requests of that step.")
+    min_requests: int = Field(10, ge=0, description="Requests the new generation must finish in each step before "
+                                                    "the step may pass: a step extends until it has them (up to "
+                                                    "max_step_seconds), then fails. 0: a step passes on its time.")
+    max_step_seconds: Duration | None = Field(None, description="Longest a step may extend waiting for "
+                                                                "min_requests before the rollout fails (default: "
+                                                                "10 times step_seconds).")
+
+    @property
+    def step_limit(self) -> float:
+        """Seconds after which a step without its min_requests fails."""
+        return self.max_step_seconds if self.max_step_seconds is not None else 10 * self.step_seconds
 
     @field_validator("steps")
     @classmethod
@@ -45,6 +56,14 @@ class Canary(Strict):
             raise PydanticCustomError("canary_steps", "steps must increase strictly; got {steps}",
                                       {"steps": steps})
         return steps
+
+    @model_validator(mode="after")
+    def _limit_after_step(self) -> Canary:
+        if self.max_step_seconds is not None and self.max_step_seconds < self.step_seconds:
+            raise PydanticCustomError("canary_limit", "max_step_seconds ({m:g}s) must be at least step_seconds "
+                                                      "({s:g}s)", {"m": self.max_step_seconds, "s": self.step_seconds,
+                                                                   "at": "max_step_seconds"})
+        return self
 
 
 class Gates(Strict):

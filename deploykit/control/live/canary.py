@@ -40,8 +40,8 @@ log = logging.getLogger(__name__)
 class GateFailed(ApplyError):
     """A gate ended the rollout; the serving generation keeps every request."""
 
-    def __init__(self, result: GateResult) -> None:
-        super().__init__(result.describe())
+    def __init__(self, result: GateResult, where: str = "") -> None:
+        super().__init__(result.describe() + where)
         self.result = result
 
 
@@ -63,34 +63,92 @@ class CanaryProgress:
     gates: tuple[GateResult, ...] = ()
     message: str | None = None
     requests: dict[str, int] = field(default_factory=dict)  # per generation, since the rollout started
+    step_requests: int = 0  # the new generation's finished requests in this step (its evidence)
+    min_requests: int = 0  # what a step needs before it may pass
 
     def to_dict(self) -> dict[str, object]:
         return {"revision": self.revision, "serving_generation": self.serving_generation,
                 "new_generation": self.new_generation, "steps": list(self.steps), "step": self.step,
                 "share": self.share, "stage": self.stage, "gates": [g.to_dict() for g in self.gates],
-                "message": self.message, "requests": dict(self.requests)}
+                "message": self.message, "requests": dict(self.requests), "step_requests": self.step_requests,
+                "min_requests": self.min_requests}
 
 
 class AbortSignal:
-    """Set from any thread (a rollback) to end the running gated rollout at its next check."""
+    """How other threads end the gated rollout a deployment's change thread runs, and how that thread waits.
+
+    The rollout ``arm``s it when it starts and waits on it between checks (``wait``: an abort, a finished
+    request (``poke``) or its deadline, whichever comes first; never a sleep). ``abort`` (a rollback, a new
+    change) ends the armed rollout at its next check; ``close`` (the deployment or the server stopping) also
+    ends every rollout armed later. ``commit`` is the rollout's point of no return (promotion): an abort that
+    came first ends it instead, and one that comes after returns False, so a caller of ``abort`` that got True
+    knows the candidate will not be promoted.
+    """
 
     def __init__(self) -> None:
-        self._event = threading.Event()
-        self.reason = ""
+        self._cond = threading.Condition()
+        self._armed = False
+        self._reason: str | None = None
+        self._closed: str | None = None  # the deployment is closing: every rollout from now on aborts
+        self._pokes = 0
 
-    def set(self, reason: str) -> None:
-        self.reason = reason
-        self._event.set()
+    def arm(self) -> None:
+        with self._cond:
+            self._armed, self._reason = True, self._closed
 
-    def clear(self) -> None:
-        self._event.clear()
-
-    def wait(self, seconds: float) -> bool:
-        return self._event.wait(seconds)
+    def disarm(self) -> None:
+        with self._cond:
+            self._armed, self._reason = False, None
 
     @property
-    def is_set(self) -> bool:
-        return self._event.is_set()
+    def armed(self) -> bool:
+        with self._cond:
+            return self._armed
+
+    def abort(self, reason: str) -> bool:
+        """End the armed rollout at its next check; False when none is armed (or it is past its commit)."""
+        with self._cond:
+            if not self._armed:
+                return False
+            self._reason = self._reason or reason
+            self._cond.notify_all()
+            return True
+
+    def close(self, reason: str) -> None:
+        """``abort`` now and every rollout armed from now on (the deployment is closing)."""
+        with self._cond:
+            self._closed = self._closed or reason
+        self.abort(reason)
+
+    @property
+    def reason(self) -> str | None:
+        with self._cond:
+            return self._reason
+
+    def commit(self) -> None:
+        """The rollout promotes: raise ``Aborted`` if an abort came first, else refuse aborts from now on."""
+        with self._cond:
+            if self._reason is not None:
+                raise Aborted(f"rollout aborted before its promotion: {self._reason}")
+            self._armed = False
+
+    def poke(self) -> None:
+        """Something to look at (a request ended): wake the rollout's ``wait``."""
+        with self._cond:
+            self._pokes += 1
+            self._cond.notify_all()
+
+    def token(self) -> int:
+        """Taken before reading what ``poke`` announces, passed to ``wait``: no poke in between is lost."""
+        with self._cond:
+            return self._pokes
+
+    def wait(self, seconds: float, token: int | None = None) -> bool:
+        """Wait up to ``seconds`` for an abort (True) or a poke after ``token`` (False)."""
+        with self._cond:
+            self._cond.wait_for(lambda: self._reason is not None or (token is not None and self._pokes != token),
+                                timeout=max(0.0, seconds))
+            return self._reason is not None
 
 
 @dataclass(frozen=True)
@@ -111,22 +169,27 @@ class GatedRollout:
         self.progress: CanaryProgress | None = None
 
     def run(self, model: LoadedModel, plan: Plan | None, revision: int, serving: ServingSpec) -> Generation:
-        """Stage, judge and promote; on any failure give the candidate up, record the revision Failed, raise."""
+        """Stage, judge and promote; on any failure give the candidate up, record the revision Failed, raise.
+        Everything after the candidate exists is inside the ``try``: it is promoted or freed, never left."""
         serving_gen = self.pool.current
         if serving_gen is None:
             raise ApplyError("a gated rollout needs a serving generation to compare with")
-        gen = self.pool.stage(model, plan, revision, "canary" if self.how.canary else "blue-green", serving)
         steps = tuple(self.how.canary.steps) if self.how.canary else ()
-        self._show(CanaryProgress(revision, serving_gen.number, gen.number, steps))
+        self.abort.arm()
         try:
+            gen = self.pool.stage(model, plan, revision, "canary" if self.how.canary else "blue-green", serving)
+            self._show(CanaryProgress(revision, serving_gen.number, gen.number, steps))
             self._golden(serving_gen, gen)
             if self.how.canary is not None:
                 self._steps(serving_gen, gen, self.how.canary)
+            self.abort.commit()  # from here an abort comes too late: the candidate is promoted
+            finish_gated(self.loaded, self.store, revision, ready=True, reason=self._passed())
+            self.pool.promote()
         except BaseException as exc:
             self._roll_back(revision, exc)
             raise
-        finish_gated(self.loaded, self.store, revision, ready=True, reason=self._passed())
-        self.pool.promote()
+        finally:
+            self.abort.disarm()
         self._show(self._now(stage="promoted", share=100))
         return gen
 
@@ -149,34 +212,59 @@ class GatedRollout:
         self._check(results)
 
     def _steps(self, serving: Generation, new: Generation, canary: Canary) -> None:
-        for number, percent in enumerate(canary.steps, start=1):
-            started = time.monotonic()
-            self.pool.route(percent)
-            self._show(self._now(stage="traffic", step=number, share=percent))
-            if self.abort.wait(canary.step_seconds):
-                raise Aborted(f"canary aborted at step {number} ({percent}%): {self.abort.reason}")
-            if self.how.gates is not None and self.how.gates.traffic:
-                results = traffic_gates(self.how.gates, new.traffic.window(started))
-                kept = tuple(g for g in self._now().gates if g.gate not in {r.gate for r in results})
-                self._show(self._now(gates=kept + tuple(results),
-                                     requests=self._requests(serving, new)))
-                self._check(results)
-            else:
-                self._show(self._now(requests=self._requests(serving, new)))
+        new.traffic.watch = serving.traffic.watch = self.abort.poke  # a finished request wakes the step
+        try:
+            for number, percent in enumerate(canary.steps, start=1):
+                self._step(serving, new, canary, number, percent)
+        finally:
+            new.traffic.watch = serving.traffic.watch = None
+
+    def _step(self, serving: Generation, new: Generation, canary: Canary, number: int, percent: int) -> None:
+        """One step: ``percent`` of new requests to ``new`` until ``step_seconds`` passed and it finished
+        ``min_requests`` (the step extends for them up to ``step_limit``, then fails). Its traffic gates are
+        checked each time a request ends, once the evidence is in; an abort ends it at once."""
+        started = time.monotonic()
+        deadline, limit = started + canary.step_seconds, started + canary.step_limit
+        self.pool.route(percent)
+        self._show(self._now(stage="traffic", step=number, share=percent, min_requests=canary.min_requests,
+                             step_requests=0))
+        while True:
+            token = self.abort.token()
+            window = new.traffic.window(started)
+            enough = window.requests >= canary.min_requests
+            results = traffic_gates(self.how.gates, window) if enough and self.how.gates is not None else []
+            self._show_step(serving, new, window.requests, results)
+            self._check(results, f"at step {number} ({percent}%)")
+            now = time.monotonic()
+            if enough and now >= deadline:
+                return
+            if now >= limit:
+                raise GateFailed(GateResult("min_requests", float(window.requests), canary.min_requests, False),
+                                 f" at step {number} ({percent}%) after {now - started:.0f}s")
+            if self.abort.wait((deadline if now < deadline else limit) - now, token):
+                self._check([], f"at step {number} ({percent}%)")
+
+    def _show_step(self, serving: Generation, new: Generation, step_requests: int,
+                   results: list[GateResult]) -> None:
+        kept = tuple(g for g in self._now().gates if g.gate not in {r.gate for r in results})
+        self._show(self._now(gates=kept + tuple(results), requests=self._requests(serving, new),
+                             step_requests=step_requests))
 
     @staticmethod
     def _requests(serving: Generation, new: Generation) -> dict[str, int]:
         return {str(serving.number): serving.traffic.total, str(new.number): new.traffic.total}
 
-    def _check(self, results: list[GateResult]) -> None:
+    def _check(self, results: list[GateResult], where: str = "") -> None:
         failed = first_failure(results)
         if failed is not None:
             raise GateFailed(failed)
-        if self.abort.is_set:
-            raise Aborted(f"rollout aborted: {self.abort.reason}")
+        reason = self.abort.reason
+        if reason is not None:
+            what = "canary" if self.how.canary is not None and where else "rollout"
+            raise Aborted(f"{what} aborted{' ' + where if where else ''}: {reason}")
 
     def _roll_back(self, revision: int, exc: BaseException) -> None:
-        self.pool.discard()  # first: no new request goes to it from here
+        self.pool.discard()  # first: no new request goes to it from here (the staged one, if it was staged)
         reason = str(exc) or type(exc).__name__
         log.warning("%s: revision %d rolled back; generation %s keeps serving: %s", self.pool.name, revision,
                     self.pool.current.number if self.pool.current else "none", reason)
@@ -188,7 +276,8 @@ class GatedRollout:
         return "; ".join(g.describe() for g in gates) if gates else "promoted"
 
     def _now(self, **changes: object) -> CanaryProgress:
-        assert self.progress is not None
+        if self.progress is None:  # failed before it was staged: nothing to show but the failure
+            return CanaryProgress(0, 0, 0, (), **changes)  # type: ignore[arg-type]
         return replace(self.progress, **changes)  # type: ignore[arg-type]
 
     def _show(self, progress: CanaryProgress) -> None:

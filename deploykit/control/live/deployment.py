@@ -25,7 +25,6 @@ in its events. A later reload that succeeds, or finds nothing to change, clears 
 from __future__ import annotations
 
 import logging
-from collections import deque
 from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -164,8 +163,8 @@ class Deployment(EmbeddedApi):
         return self.loads.last_outcome
 
     @property
-    def reloads(self) -> deque[ReloadRecord]:
-        """The latest reloads, oldest first (``ReloadLog.records``)."""
+    def reloads(self) -> tuple[ReloadRecord, ...]:
+        """The latest reloads, oldest first (a copy: ``ReloadLog.records``)."""
         return self.reload_log.records
 
     @property
@@ -245,6 +244,7 @@ class Deployment(EmbeddedApi):
         the file; it becomes this deployment's manifest. Unlike ``reload`` it raises on failure (after
         recording it as a reload failure: the serving generation stays). ``change``: ``loaded`` already
         checked and planned by the caller."""
+        self._supersede(loaded)
         return self._worker.call(lambda: self._roll(loaded, force=force, progress=progress, on_step=on_step,
                                                     change=change))
 
@@ -252,6 +252,7 @@ class Deployment(EmbeddedApi):
                   on_step: StepSink = None) -> RolloutResult:
         """Roll out the manifest file as it is now (what a save of it does) and raise the real reason
         when that fails; the serving generation stays. ``deploykit apply`` of a watched file."""
+        self._supersede(self._file_manifest())
         return self._worker.call(lambda: self._roll(None, force=force, progress=progress, on_step=on_step,
                                                     change=None))
 
@@ -320,21 +321,22 @@ class Deployment(EmbeddedApi):
 
     @property
     def rolling(self) -> bool:
-        """A gated rollout (canary, or blue-green with gates) is in progress."""
-        progress = self.rollout_progress
-        return progress is not None and progress.stage in ("golden", "traffic")
+        """A gated rollout (canary, or blue-green with gates) is in progress and may still be aborted."""
+        return self._abort.armed
 
     def wait_idle(self) -> None:
         """Return once the change in progress on the worker (if any) has ended."""
         self._worker.call(lambda: None)
 
     def abort_rollout(self, reason: str) -> bool:
-        """End the gated rollout in progress at its next check (any thread; the worker does the rollback).
-        False when none is in progress."""
-        if not self.rolling:
-            return False
-        self._abort.set(reason)
-        return True
+        """End the gated rollout in progress at once (any thread; the worker does the rollback). True: it
+        will not be promoted; False when none is in progress (or it is already being promoted)."""
+        return self._abort.abort(reason)
+
+    def interrupt(self, reason: str) -> None:
+        """The deployment is about to close (the server is stopping): end a gated rollout in progress, and
+        any that would start, now, so that ``close`` does not wait behind a canary's step."""
+        self._abort.close(reason)
 
     def _finish_reload(self, result: RolloutResult, clock: ReloadClock) -> bool:
         if result.outcome is not None:
@@ -358,8 +360,28 @@ class Deployment(EmbeddedApi):
 
     def request_reload(self) -> None:
         """Reload on this deployment's worker (returns at once; bursts coalesce), so one deployment's
-        slow reload never delays another's."""
+        slow reload never delays another's. A gated rollout of another manifest in progress ends first."""
+        self._supersede(self._file_manifest())
         self._worker.request(self.reload)
+
+    def _file_manifest(self) -> LoadedManifest | None:
+        """The manifest file as it is now (None when it cannot be read: that change fails on the worker)."""
+        if self._given is not None:
+            return None
+        try:
+            return manifest_named(self.manifest_path, self._wanted_name)
+        except DeploykitError:
+            return None
+
+    def _supersede(self, loaded: LoadedManifest | None) -> None:
+        """A change of ``loaded`` is asked for while a gated rollout of another manifest runs: end that
+        rollout now (its step would otherwise run out before the change could start)."""
+        progress = self.rollout_progress
+        if loaded is None or progress is None or not self.rolling:
+            return
+        rolling = self.store.get(self.name, progress.revision)
+        if rolling is not None and rolling.manifest_digest != loaded.digest:
+            self._abort.abort("superseded by a newer change of the manifest")
 
     def watch(self, *, debounce: float = 0.3) -> None:
         """Reload on the worker whenever the manifest's content changes."""
@@ -390,14 +412,17 @@ class Deployment(EmbeddedApi):
     def close(self, timeout: float = 30.0) -> None:
         """Stop watching, let in-flight calls finish (up to ``timeout``), free the model, and join the
         worker."""
+        self.interrupt("the deployment is closing")  # first: a canary's step must not hold the worker
         if self._watcher is not None:
             self._watcher.stop()
             self._watcher = None
         try:
-            self._worker.call(lambda: self._close(timeout))
+            self._worker.call(lambda: self._close(timeout), timeout=2 * timeout)
         except ApplyError:  # closed already
             pass
-        self._worker.stop()
+        except TimeoutError:  # a load that cannot be interrupted still runs: the process may exit anyway
+            log.warning("%s: the change in progress did not end within %gs of close", self.name, 2 * timeout)
+        self._worker.stop(timeout)
 
     def _close(self, timeout: float) -> None:
         self._closed = True

@@ -117,12 +117,20 @@ class EmbeddedApi(ABC):
     @contextmanager
     def _text_runtime(self) -> Iterator[TextRuntime]:
         from ...engine.runtime import TextRuntime
+        from ...engine.text import RequestError
 
         gen = self.pin()
         try:
             if not isinstance(gen.runtime, TextRuntime):
                 raise ApplyError(f"{self.name!r} ({gen.task}) does not generate text")
-            yield gen.runtime
+            try:
+                yield gen.runtime
+            except (RequestError, ApplyError):  # the caller's request, not the generation, is to blame
+                raise
+            except Exception:
+                gen.traffic.record(ttft=None, failed=True)  # a canary's evidence, as the API's requests are
+                raise
+            gen.traffic.record(ttft=None, failed=False)
         finally:
             self.unpin(gen)
 

@@ -30,6 +30,8 @@ class GateResult:
             return f"gate {self.gate}: nothing measured (limit {self.limit:g})"
         if self.gate == "max_nll_increase":
             return f"gate {self.gate}: {self.value:+.2f} nats {'<=' if self.passed else '>'} {self.limit:.2f}"
+        if self.gate == "min_requests":
+            return f"gate min_requests: {self.value:.0f} {'>=' if self.passed else '<'} {self.limit:g} requests"
         if self.gate == "max_ttft_p95":
             return f"gate {self.gate}: {self.value:.3f}s {'<=' if self.passed else '>'} {self.limit:g}s"
         op = (">=" if self.passed else "<") if self.gate.startswith("min_") else ("<=" if self.passed else ">")
@@ -56,8 +58,8 @@ def golden_gates(gates: Gates, comparison: GoldenComparison) -> list[GateResult]
 
 
 def traffic_gates(gates: Gates, window: TrafficWindow) -> list[GateResult]:
-    """The traffic gates the manifest sets, on one step's requests of the new generation. A step without
-    requests (or without a first token) measures nothing and passes: there is no evidence against it."""
+    """The traffic gates the manifest sets, on one step's requests of the new generation (the canary checks
+    them once the step has its ``min_requests``; a gate with nothing to measure, e.g. no first token, passes)."""
     rate = window.error_rate if window.requests else None
     return (_at_most("max_error_rate", rate, gates.max_error_rate)
             + _at_most("max_ttft_p95", p95(window.ttfts), gates.max_ttft_p95))

@@ -218,7 +218,9 @@ class GenerationPool:
 
     def stage(self, loaded: LoadedModel, plan: Plan | None, revision: int, strategy: str,
               serving: ServingSpec) -> Generation:
-        """Hold ``loaded`` beside the current generation as the candidate, taking no requests yet."""
+        """Hold ``loaded`` beside the current generation as the candidate, taking no requests yet (a candidate
+        left from before is given up first: never overwritten while it holds memory)."""
+        self.discard()
         gen = self._numbered(loaded, plan, revision, strategy, serving)
         with self._cond:
             self._candidate, self._split = gen, Split(0)

@@ -7,6 +7,7 @@ where the state store keeps it (``store_failure``).
 from __future__ import annotations
 
 import logging
+import threading
 import time
 from collections import deque
 from dataclasses import dataclass
@@ -40,15 +41,29 @@ class ReloadLog:
     every reload that swapped or failed (``count``), and those that failed (``failures``)."""
 
     def __init__(self, keep: int = RELOAD_HISTORY) -> None:
-        self.records: deque[ReloadRecord] = deque(maxlen=keep)
+        self._lock = threading.Lock()  # the change thread appends while /status and /metrics read
+        self._records: deque[ReloadRecord] = deque(maxlen=keep)
         self.count = 0
         self.failures = 0
 
     def record(self, record: ReloadRecord) -> None:
-        if not record.ok:
-            self.failures += 1
-        self.count += 1
-        self.records.append(record)
+        with self._lock:
+            if not record.ok:
+                self.failures += 1
+            self.count += 1
+            self._records.append(record)
+
+    @property
+    def records(self) -> tuple[ReloadRecord, ...]:
+        """A copy, oldest first (a reader never iterates what the change thread appends to)."""
+        with self._lock:
+            return tuple(self._records)
+
+    def summary(self) -> dict[str, float]:
+        """Counts and the longest reload, read together."""
+        with self._lock:
+            longest = max((r.seconds for r in self._records), default=0.0)
+            return {"total": self.count, "failed": self.failures, "longest_seconds": round(longest, 3)}
 
 
 class ReloadClock:

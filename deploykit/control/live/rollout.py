@@ -140,7 +140,6 @@ class Rollout:
         if outcome.status == "unchanged" or outcome.loaded is None:
             return RolloutResult(False, "none", outcome)
         model, outcome.loaded = outcome.loaded, None  # the pool owns the model now
-        self.abort.clear()
         run = GatedRollout(self.pool, self.store, loaded, gated, abort=self.abort, publish=self.publish)
         run.run(model, outcome.plan, outcome.revision or 0, serving_of(loaded))
         return RolloutResult(True, str(Strategy.CANARY if gated.canary else Strategy.BLUE_GREEN), outcome)

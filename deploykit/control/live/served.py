@@ -40,9 +40,10 @@ class ServedSet:
             self._changed.notify_all()
 
     def hold(self, name: str, dep: Deployment) -> bool:
-        """Serve ``dep`` as ``name``; False (nothing held) once closing."""
+        """Serve ``dep`` as ``name``; False (nothing held) once closing, or when another deployment serves
+        the name (never overwritten: the displaced one would leak its thread and its model)."""
         with self._changed:
-            if self._closing:
+            if self._closing or self._deployments.get(name, dep) is not dep:
                 return False
             self._deployments[name] = dep
             self._changed.notify_all()

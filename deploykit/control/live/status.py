@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING, Any
 
 from ...names import Phase
 from ...placement.inventory import process_rss
-from ..revisions.report import status_report
+from ..revisions.report import Held, status_report
 from ..revisions.state import StateStore
 
 if TYPE_CHECKING:
@@ -90,8 +90,7 @@ def live_status(gen: Generation | None, state: State, *, name: str, pool: Genera
         budget=host.describe(name) if host is not None else None,
         in_flight=gen.refs if gen else 0, last_error=state.message, manifest=str(manifest),
         serialize_forward=bool(gen and gen.forward_lock),
-        reloads={"total": reloads.count, "failed": reloads.failures,
-                 "longest_seconds": round(max((r.seconds for r in reloads.records), default=0.0), 3)},
+        reloads=reloads.summary(),
         memory={"rss": process_rss(), "baseline_rss": pool.baseline_rss},
         plan=[PlacedDevice(d.device, list(d.blocks), d.bytes) for d in gen.plan.devices if d.blocks]
         if gen and gen.plan else None,
@@ -104,10 +103,9 @@ def served_status(store: StateStore, name: str, live: LiveStatus | None) -> dict
     """One deployment as a server shows it (``/status``, ``deploykit status`` through a server): the
     store's record (``status_report``) and, where this process holds it, its live state, which decides
     the phase and the error (a pending broken change, a conflict)."""
-    report = status_report(store, name)
-    if live is not None:
-        report["last_error"] = live.last_error or report["last_error"]
-        report["phase"] = live.phase.value
+    held = None if live is None else Held(progressing=live.phase == Phase.PROGRESSING, error=live.last_error,
+                                          activity=_activity(live.rollout))
+    report = status_report(store, name, held)  # one place decides phase, error and conditions
     report["serving"] = bool(live and live.serving)
     report["serving_revision"] = live.revision if live else None
     report["generation"] = live.generation if live else None
@@ -119,3 +117,13 @@ def served_status(store: StateStore, name: str, live: LiveStatus | None) -> dict
         report["engine_process"] = asdict(live.engine_process)
     report["rollout"] = live.rollout.to_dict() if live and live.rollout else None
     return report
+
+
+def _activity(rollout: CanaryProgress | None) -> str | None:
+    """What a gated rollout in progress is doing, in a word for the Progressing condition."""
+    if rollout is None or rollout.stage not in ("golden", "traffic"):
+        return None
+    if rollout.stage == "golden":
+        return "scoring the golden references on both generations"
+    return (f"canary step {rollout.step} of {len(rollout.steps)}: {rollout.share}% of new requests "
+            f"({rollout.step_requests} of {rollout.min_requests} requests needed so far)")

@@ -140,28 +140,44 @@ class Supervisor:
 
     def _add_one(self, file: Path, name: str) -> Deployment | None:
         """Deploy ``name`` from ``file`` if the file owns it (None when it does not, or it serves already)."""
-        try:
-            claim = self.owners.claim_for_file(name, file)
-            if claim.conflict is not None:
-                log.error("%s", claim.conflict)
+        with self._turns.exclusive(name, "load"):
+            return self._add_owned(file, name)
+
+    def _add_owned(self, file: Path, name: str) -> Deployment | None:
+        """``_add_one`` with the name's turn held."""
+        def claim() -> bool:
+            found = self.owners.claim_for_file(name, file)
+            if found.conflict is not None:
+                log.error("%s", found.conflict)
                 self._show_conflict(name)
-            if not claim.ok or self.get(name) is not None:
+            return found.ok
+
+        dep = self._create(name, claim, lambda: Deployment.from_manifest(
+            file, name=name, devices=self.devices, store=self.store, host=self.host))
+        if dep is not None:
+            log.info("%s: serving %s (generation %d)", file, name, dep.generation)
+        return dep
+
+    def _create(self, name: str, claim: Callable[[], bool], build: Callable[[], Deployment]) -> Deployment | None:
+        """The one way a deployment comes to exist. The caller holds ``name``'s turn (``Turns``): ownership
+        is claimed before anything loads (``claim``: False when another owner has it), nothing is built
+        for a name that serves already, and what ``build`` made is held at once, so two live
+        ``Deployment``s of one name cannot both exist. None when nothing was built."""
+        try:
+            if self.served.closing or not claim() or self.get(name) is not None:
                 return None
-            if self.served.closing:
-                return None
-            dep = self._hold(name, Deployment.from_manifest(file, name=name, devices=self.devices, store=self.store,
-                                                            host=self.host))
+            self.served.begin_loading([name])
+            return self._hold(name, build())
         finally:
             self.served.end_loading(name)
-        log.info("%s: serving %s (generation %d)", file, name, dep.generation)
-        return dep
 
     def _hold(self, name: str, dep: Deployment) -> Deployment:
         """Serve ``dep`` as ``name`` (before it stops loading: a reader always finds it in one of the two
         lists); one that finished loading while the supervisor closes is closed instead."""
         if not self.served.hold(name, dep):
             dep.close()
-            raise DeploykitError(f"{name!r} loaded while the server was stopping; not served")
+            raise DeploykitError(f"{name!r} loaded while the server was stopping, or another deployment of it "
+                                 "serves; not served")
         return dep
 
     def _show_conflict(self, name: str) -> None:
@@ -226,18 +242,28 @@ class Supervisor:
         try:
             with self._turns.exclusive(name, "restore"):
                 current = self.store.current(name)
-                if current is None or self.get(name) is not None or self.served.closing:
+                if current is None:
                     return
-                dep = Deployment.from_loaded(recorded_manifest(current), devices=self.devices, store=self.store,
-                                             host=self.host)
-                self.owners.claim_for_api(name)
-                self._hold(name, dep)
-                log.info("restored %s (revision %s)", name, current.revision)
+                dep = self._create(name, self._claim_for_api(name), lambda: Deployment.from_loaded(
+                    recorded_manifest(current), devices=self.devices, store=self.store, host=self.host))
+                if dep is not None:
+                    log.info("restored %s (revision %s)", name, current.revision)
         except Exception as exc:
             self.served.set_error(f"revision of {name}", f"{name}: could not be restored: {exc}")
             log.exception("%s could not be restored", name)
         finally:
             self.served.end_loading(name)
+
+    def _claim_for_api(self, name: str) -> Callable[[], bool]:
+        """The claim ``_create`` makes for a deployment of the control API: refused when a watched file
+        owns the name (it may have claimed it while this change waited for its turn)."""
+        def claim() -> bool:
+            if self.owners.file_of(name) is not None:
+                raise DeploykitError(f"{name!r} is owned by the watched file {self.owners.file_of(name)}: change "
+                                     "that file, not the control API")
+            self.owners.claim_for_api(name)
+            return True
+        return claim
 
     def owner(self, name: str) -> Path | None:
         """The watched file that owns ``name``, if any (it alone may change the deployment)."""
@@ -273,17 +299,27 @@ class Supervisor:
                 result = dep.roll_to(loaded, force=force, progress=progress, on_step=on_step, change=change)
                 assert result.outcome is not None
                 return result.outcome
-            self.served.begin_loading([name])
             try:
-                dep = Deployment.from_loaded(loaded, devices=self.devices, store=self.store, force=force,
-                                             progress=progress, on_step=on_step, host=self.host, change=change)
-                self.owners.claim_for_api(name)
-                self._hold(name, dep)
-                self.served.set_error(f"revision of {name}", None)
-            finally:
-                self.served.end_loading(name)
+                dep = self._create(name, self._claim_for_api(name), lambda: Deployment.from_loaded(
+                    loaded, devices=self.devices, store=self.store, force=force, progress=progress,
+                    on_step=on_step, host=self.host, change=change))
+            except BaseException:
+                self._release_if_unserved(name)
+                raise
+            if dep is None:
+                raise DeploykitError(f"{name!r} was not deployed: the server is stopping")
+            self.served.set_error(f"revision of {name}", None)
             assert dep.last_outcome is not None
             return dep.last_outcome
+
+    def _release_if_unserved(self, name: str) -> None:
+        """An API deployment that never served gives its name up (a file in conflict on it takes it)."""
+        if self.get(name) is not None or not self.owners.owned_by_api(name):
+            return
+        heir = self.owners.release(name)
+        if heir is not None:
+            self.served.begin_loading([name])
+            self._adds.start(self._add, heir, [name], name="deploykit-add")
 
     def dry_run(self, change: Change, *, force: bool = False) -> ApplyOutcome:
         """What applying ``change`` would do here (planned against this server's inventory), changing nothing."""
@@ -300,8 +336,7 @@ class Supervisor:
         with self._turns.exclusive(name, "apply", on_wait):
             dep = self.get(name)
             if dep is None:  # the file's deployment never loaded: try again now
-                self.served.begin_loading([name])
-                dep = self._add_one(file, name)
+                dep = self._add_owned(file, name)
                 if dep is None:
                     raise DeploykitError(f"{name!r} could not be deployed from {file}")
                 self._set_error(file, None)
@@ -412,8 +447,15 @@ class Supervisor:
         not_ready += [f"{f}: {e}" for f, e in self._unserved_errors(items)]
         return (not not_ready and bool(items)), not_ready
 
+    def interrupt(self, reason: str = "the server is stopping") -> None:
+        """The server is stopping (SIGTERM): every gated rollout in progress ends now, and none starts, so
+        that nothing waits behind a canary's step (any thread; ``close`` follows)."""
+        for _, dep in self.items():
+            dep.interrupt(reason)
+
     def close(self) -> None:
         self.served.close()  # requests waiting for a load are answered: the server is stopping
+        self.interrupt()  # first: an apply waiting on a canary's step ends, so its task can be joined
         if self._watcher is not None:
             self._watcher.stop()
         if self._starting:
@@ -422,6 +464,7 @@ class Supervisor:
         if left:
             log.warning("still loading after %gs: %s", self.close_timeout, ", ".join(left))
         for _, dep in self.items():
+            dep.interrupt("the server is stopping")  # loaded meanwhile: the same reason
             dep.close()
         if self.host is not None:
             self.host.stop()

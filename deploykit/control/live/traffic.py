@@ -1,8 +1,9 @@
 """What one generation's requests did, for a canary's traffic gates, and how new requests are split
 between two generations.
 
-``TrafficLog`` is written by the serving layer as each request ends (its time to first token, whether it
-failed with a 5xx) and read by the canary at each step's end for that step's window. ``Split`` decides,
+``TrafficLog`` is written by the serving layer (and the library's calls) as each request ends (its time to
+first token, whether it failed with a 5xx) and read by the canary for its step's window each time one ends
+(``watch``: the canary's wake-up). ``Split`` decides,
 request by request, whether a new request goes to the new generation: deterministic (the k-th request of a
 step goes to the new generation when ``floor((k + 1) * p) > floor(k * p)``), so a step's measured share is
 its configured one to within one request, where a random draw would wander by several points on the few
@@ -15,6 +16,7 @@ import math
 import threading
 import time
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass
 
 MAX_RECORDS = 100_000  # bounded: the latest requests of one generation
@@ -49,11 +51,15 @@ class TrafficLog:
         self._lock = threading.Lock()
         self._records: deque[tuple[float, float | None, bool]] = deque(maxlen=MAX_RECORDS)
         self.total = 0
+        self.watch: Callable[[], None] | None = None  # called after each record (a canary waiting on its step)
 
     def record(self, *, ttft: float | None, failed: bool, at: float | None = None) -> None:
         with self._lock:
             self._records.append((time.monotonic() if at is None else at, ttft, failed))
             self.total += 1
+            watch = self.watch
+        if watch is not None:
+            watch()
 
     def window(self, since: float, until: float | None = None) -> TrafficWindow:
         end = math.inf if until is None else until

@@ -36,13 +36,14 @@ class ChangeWorker:
         self._stopped = False
         self._thread: threading.Thread | None = None
 
-    def call(self, fn: Callable[[], T]) -> T:
-        """Run ``fn`` on the worker and return its result (its exception is raised here)."""
+    def call(self, fn: Callable[[], T], timeout: float | None = None) -> T:
+        """Run ``fn`` on the worker and return its result (its exception is raised here). ``timeout``: the
+        most seconds to wait for it (``TimeoutError`` then; the job still runs when its turn comes)."""
         if threading.current_thread() is self._thread:
             return fn()
         future: Future[T] = Future()
         self._put((fn, future))
-        return future.result()
+        return future.result(timeout)
 
     def request(self, fn: Callable[[], object]) -> None:
         """Run ``fn`` once soon, without waiting; a request already queued covers this one."""

@@ -8,6 +8,7 @@ Kept apart from the store: the store records facts; this module decides what the
 from __future__ import annotations
 
 import time
+from dataclasses import dataclass
 from typing import Any
 
 from ...errors import DeploykitError
@@ -25,6 +26,17 @@ def phase_of(*, progressing: bool, last_error: str | None, current: bool) -> Pha
     if last_error:
         return Phase.FAILED
     return Phase.READY if current else Phase.PENDING
+
+
+@dataclass(frozen=True)
+class Held:
+    """What the process that holds a deployment knows of it now, which the store can only guess: whether a
+    change runs (a canary's steps hold no apply lock, yet run), the error its live state shows, and what the
+    change in progress is doing (e.g. "canary step 1 of 2: 50% of new requests")."""
+
+    progressing: bool
+    error: str | None
+    activity: str | None = None
 
 
 def _open_failure(store: StateStore, name: str, latest: Revision | None, running: bool) -> str | None:
@@ -50,12 +62,18 @@ def _plan_summary(plan: Plan | None) -> dict[str, Any] | None:
                         for d in plan.devices if d.blocks]}
 
 
-def status_report(store: StateStore, name: str) -> dict[str, Any]:
+def status_report(store: StateStore, name: str, held: Held | None = None) -> dict[str, Any]:
     """Phase (Pending | Progressing | Ready | Failed), conditions with reasons, the serving revision's
-    plan summary and the error that still matters: the shape of `deploykit status -o json`."""
+    plan summary and the error that still matters: the shape of `deploykit status -o json`. ``held``: the
+    live state of the process that holds it, which decides whether a change runs and its error (the store
+    alone must guess from the apply lock whether a Progressing revision still runs)."""
     current, latest = store.current(name), store.latest(name)
-    running = latest is not None and latest.phase == Phase.PROGRESSING and store.apply_running(name)
-    last_error = _open_failure(store, name, latest, running)
+    if held is None:
+        running = latest is not None and latest.phase == Phase.PROGRESSING and store.apply_running(name)
+        last_error = _open_failure(store, name, latest, running)
+    else:
+        running = held.progressing
+        last_error = held.error if running else held.error or _open_failure(store, name, latest, running)
     phase = phase_of(progressing=running, last_error=last_error, current=current is not None)
     failed = latest.revision if last_error and latest is not None and latest.phase != Phase.READY else None
     subject = f"revision {failed}" if failed else "the last change"
@@ -65,7 +83,7 @@ def status_report(store: StateStore, name: str) -> dict[str, Any]:
          "message": (f"revision {current.revision} is deployed" if current else "nothing deployed yet")},
         {"type": "Progressing", "status": running,
          "reason": "ApplyRunning" if running else "Idle",
-         "message": f"revision {latest.revision} is being applied" if running and latest else ""},
+         "message": _progressing_message(latest, running, held)},
         {"type": "Failed", "status": last_error is not None,
          "reason": f"Revision{failed}Failed" if failed else ("ChangeRejected" if last_error else "None"),
          "message": (f"{subject} failed: {last_error}"
@@ -84,6 +102,15 @@ def status_report(store: StateStore, name: str) -> dict[str, Any]:
         "last_error": last_error,
         "manifest": row.get("manifest_path"),
     }
+
+
+def _progressing_message(latest: Revision | None, running: bool, held: Held | None) -> str:
+    if not running:
+        return ""
+    what = f"revision {latest.revision}" if latest is not None else "a change"
+    if held is not None and held.activity:
+        return f"{what}: {held.activity}"
+    return f"{what} is being applied"
 
 
 def history_rows(store: StateStore, name: str) -> list[dict[str, Any]]:
