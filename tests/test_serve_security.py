@@ -15,6 +15,7 @@ import ipaddress
 import json
 import os
 import socket
+import ssl
 import stat
 import subprocess
 import sys
@@ -59,6 +60,11 @@ def self_signed(directory: Path) -> tuple[Path, Path]:
     return cert_path, key_path
 
 
+def trusting(server: Server) -> ssl.SSLContext | bool:
+    """What httpx verifies the server with: its own certificate for https, else the default."""
+    return ssl.create_default_context(cafile=server.cafile) if server.cafile else True
+
+
 def evil_binary(directory: Path) -> tuple[Path, Path]:
     """A program that leaves a mark when it runs, and says it is a llama-server."""
     marker, script = directory / "ran", directory / "evil.sh"
@@ -89,18 +95,19 @@ def strict(root):
 
 @pytest.fixture(scope="module")
 def permissive(root):
-    """Everything allowed, an API key, /openapi.json, a 2 s body deadline; the secrets read from files."""
+    """Everything allowed, an API key, /openapi.json, 2 s deadlines for a body and for a stream's send; the
+    secrets read from files."""
     (root / "token").write_text(TOKEN + "\n")
     (root / "key").write_text(KEY + "\n")
     with Server(root / "manifests", root / "state-permissive", "--control-token-file", str(root / "token"),
                 "--allow-engine-binary", "--allow-remote-code", "--allow-cluster", "--api-key-file", str(root / "key"),
-                "--openapi", "--body-timeout", "2") as s:
+                "--openapi", "--body-timeout", "2", "--stream-send-timeout", "2") as s:
         yield s
 
 
 def control(server: Server, path: str, body: dict[str, Any]) -> tuple[int, Any]:
     """One control API call; a streamed answer is read to its last event."""
-    with httpx.Client(verify=server.cafile or True, timeout=120) as client:
+    with httpx.Client(verify=trusting(server), timeout=120) as client:
         response = client.post(f"{server.url}/control/v1{path}", json=body,
                                headers={"Authorization": f"Bearer {TOKEN}"})
     lines = [json.loads(line) for line in response.text.splitlines() if line.strip()]
@@ -184,7 +191,7 @@ def test_tls_with_the_openai_client_and_the_cli(strict, root):
     assert strict.url.startswith("https://")
     cafile = strict.cafile
     client = openai.OpenAI(base_url=f"{strict.url}/v1", api_key="none", max_retries=0,
-                           http_client=httpx.Client(verify=cafile, timeout=60))
+                           http_client=httpx.Client(verify=trusting(strict), timeout=60))
     answer = client.chat.completions.create(model="tiny-chat", messages=[{"role": "user", "content": "hi"}],
                                             max_tokens=4, temperature=0)
     assert answer.choices[0].message.content is not None
@@ -236,7 +243,7 @@ def test_delete_leaves_a_checkpoint_used_in_place_intact(permissive, root, tmp_p
 def test_readyz_says_ready_or_not_and_the_details_only_to_the_control_token(strict, root):
     broken = root / "manifests" / "broken.yaml"
     broken.write_text(chat_manifest(root / "allowed" / "nowhere", name="broken"))
-    with httpx.Client(verify=strict.cafile, timeout=30) as client:
+    with httpx.Client(verify=trusting(strict), timeout=30) as client:
         try:
             wait_until(lambda: client.get(f"{strict.url}/readyz").status_code == 503, 60, "broken is seen")
             plain = client.get(f"{strict.url}/readyz")
@@ -250,7 +257,7 @@ def test_readyz_says_ready_or_not_and_the_details_only_to_the_control_token(stri
 
 
 def test_openapi_is_off_unless_asked_and_then_behind_the_key(strict, permissive):
-    assert httpx.get(f"{strict.url}/openapi.json", verify=strict.cafile, timeout=30).status_code == 404
+    assert httpx.get(f"{strict.url}/openapi.json", verify=trusting(strict), timeout=30).status_code == 404
     assert httpx.get(f"{permissive.url}/openapi.json", timeout=30).status_code == 401
     schema = httpx.get(f"{permissive.url}/openapi.json", headers={"Authorization": f"Bearer {KEY}"}, timeout=30)
     assert schema.status_code == 200 and "/v1/chat/completions" in schema.json()["paths"]
@@ -267,7 +274,7 @@ def test_status_behind_an_api_key_needs_the_control_token(permissive):
 
 def test_a_loopback_server_without_a_key_answers_only_its_own_host_names(strict):
     port = strict.port
-    with httpx.Client(verify=strict.cafile, timeout=30) as client:
+    with httpx.Client(verify=trusting(strict), timeout=30) as client:
         for host in (f"127.0.0.1:{port}", f"localhost:{port}", "127.0.0.1"):
             assert client.get(f"{strict.url}/v1/models", headers={"Host": host}).status_code == 200, host
         for host in (f"rebound.example:{port}", "attacker.test", f"127.0.0.1.evil.test:{port}"):
@@ -287,6 +294,37 @@ def test_a_body_that_does_not_arrive_in_time_is_a_408(permissive):
     head, _, body = received.partition(b"\r\n\r\n")
     assert head.startswith(b"HTTP/1.1 408 "), received[:300]
     assert json.loads(body)["error"]["code"] == "request_timeout"
+
+
+def test_a_stream_whose_client_stops_reading_is_ended_and_its_generation_released(tmp_path):
+    """About 6 MB of events (8 choices of 2000 tokens, 20 top logprobs each; 1000 tokens made 2.9 MB): more
+    than the server's socket (its send buffer grows to 4 MiB here) and uvicorn's buffer hold, so its sends
+    wait on a client that reads nothing."""
+    (tmp_path / "manifests").mkdir()
+    model = build_chat_model(tmp_path / "long", context=2100)
+    (tmp_path / "manifests" / "long.yaml").write_text(
+        chat_manifest(model, serving="{max_tokens: 2000, default_max_tokens: 16}"))
+    body = json.dumps({"model": "tiny-chat", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2000,
+                       "n": 8, "logprobs": True, "top_logprobs": 20, "temperature": 1.0, "stream": True}).encode()
+    with Server(tmp_path / "manifests", tmp_path / "state", "--stream-send-timeout", "2") as server:
+        sock = socket.socket()
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+        try:
+            sock.connect(("127.0.0.1", server.port))
+            sock.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: 127.0.0.1\r\n"
+                         b"Content-Type: application/json\r\nContent-Length: %d\r\n\r\n" % len(body) + body)
+            held = lambda: server.metric("deploykit_in_flight_requests", deployment="tiny-chat")  # noqa: E731
+            wait_until(lambda: held() == 1, 30, "the stream holds its generation")
+            # the client reads nothing: a send waits; 2 s later the server ends the stream
+            wait_until(lambda: held() == 0, 120, "the unread stream released its generation")
+            sock.settimeout(30)
+            received = b""
+            while chunk := sock.recv(65536):
+                received += chunk
+        finally:
+            sock.close()
+    assert received.startswith(b"HTTP/1.1 200 ") and b"data: [DONE]" not in received, len(received)
+    assert "read nothing for 2 s; the stream is ended" in server.stderr
 
 
 def test_the_state_directory_and_its_database_are_the_owner_s_alone(strict, root):

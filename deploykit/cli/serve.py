@@ -58,6 +58,9 @@ from .console import STATE_OPTION, err, handle_errors, store
               help="The private key of --tls-cert (PEM).")
 @click.option("--body-timeout", type=click.FloatRange(min=0, min_open=True), default=30.0, show_default=True,
               help="Seconds a client has to send a request's body; then 408.")
+@click.option("--stream-send-timeout", type=click.FloatRange(min=0, min_open=True), default=30.0, show_default=True,
+              help="Seconds a stream waits for its client to take a chunk; then the stream ends and its "
+                   "generation is released.")
 @click.option("--openapi", is_flag=True, help="Serve /openapi.json (behind --api-key, if given); off by default.")
 @click.option("--log-level", type=click.Choice(["debug", "info", "warning", "error"]), default="warning",
               show_default=True, help="Least severe log lines written to stderr (loads, frees, client disconnects).")
@@ -67,9 +70,8 @@ def serve(path: str | None, host: str, port: int, api_key: str | None, api_key_f
           control_token: str | None, control_token_file: str | None, prune: bool,
           devices: str | None, budget: str | None, budget_timeout: float, debounce: float, drain_timeout: float,
           header_timeout: float, allow_paths: tuple[str, ...], allow_engine_binary: bool, allow_remote_code: bool,
-          allow_cluster: bool, tls_cert: str | None, tls_key: str | None, body_timeout: float, openapi: bool,
-          log_level: str,
-          state_dir: str | None) -> None:
+          allow_cluster: bool, tls_cert: str | None, tls_key: str | None, body_timeout: float,
+          stream_send_timeout: float, openapi: bool, log_level: str, state_dir: str | None) -> None:
     """Hold every deployment in PATH (a manifest or a directory of manifests), reload them when their
     files change, and serve them: the OpenAI-compatible API (/v1/models, /v1/chat/completions,
     /v1/completions, /v1/embeddings) and /healthz, /readyz, /status, /metrics.
@@ -133,7 +135,8 @@ def serve(path: str | None, host: str, port: int, api_key: str | None, api_key_f
                           tls_key=tls_key)
     try:
         app = create_app(supervisor, api_key=api_key, control_token=token, policy=policy, openapi=openapi,
-                         allowed_hosts=loopback_hosts(host, api_key), body_timeout=body_timeout)
+                         allowed_hosts=loopback_hosts(host, api_key), body_timeout=body_timeout,
+                         stream_send_timeout=stream_send_timeout)
         run(app, sock, on_started=start, threads=owned, listening=listening, on_stopping=supervisor.interrupt)
     finally:
         if written:

@@ -15,9 +15,10 @@ Long operations (apply, rollback, delete) answer with newline-delimited JSON eve
 A manifest that cannot be read or validated is answered at once, before any stream: HTTP 422 with the
 ``manifest`` error event (its located issues). A manifest that asks for what the server's policy refuses
 (``serve/policy.py``: an engine binary, remote code, a cluster, a path outside the allowed roots) is a 403
-naming the field, before anything else runs: ``{"error": {..., "param": FIELD, "code": "forbidden_by_policy"},
-"event": "error", "kind": "policy", "message": "FILE:LINE:COL: FIELD: ..."}``. A field of a body that no operation could take (a NUL in
-a path, a revision beyond SQLite's integers) is a 400 naming it, as the /v1 API answers.
+naming the field, before anything else runs: ``{"error": {..., "param": FIELD, "code":
+"forbidden_by_policy"}, "event": "error", "kind": "policy", "message": "FILE:LINE:COL: FIELD: ..."}``. A
+field of a body that no operation could take (a NUL in a path, a revision beyond SQLite's integers) is a
+400 naming it, as the /v1 API answers.
 
 The work runs on its own thread (never on the event loop) and finishes even if the client goes away:
 a change either completes or leaves the last good revision serving.

@@ -18,8 +18,8 @@ log = logging.getLogger(__name__)
 
 _TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
           404: "invalid_request_error", 405: "invalid_request_error", 408: "invalid_request_error",
-          413: "invalid_request_error", 421: "invalid_request_error", 422: "invalid_request_error", 429: "rate_limit_error",
-          431: "invalid_request_error", 503: "service_unavailable"}
+          413: "invalid_request_error", 421: "invalid_request_error", 422: "invalid_request_error",
+          429: "rate_limit_error", 431: "invalid_request_error", 503: "service_unavailable"}
 
 
 class APIError(Exception):

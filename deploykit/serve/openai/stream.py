@@ -7,8 +7,9 @@ generation per early disconnect. Here the response itself ends the runs and rele
 is done, whether the body ran to its end, stopped halfway or never started.
 
 A client that stops reading (its socket buffers full) would hold the stream, its lease and so its
-generation for ever, across reloads: each send must complete within ``SEND_TIMEOUT`` seconds, else the
-stream ends as if the client had gone.
+generation for ever, across reloads: each send must complete within ``SEND_TIMEOUT`` seconds (``deploykit serve
+--stream-send-timeout``: the app's ``state.stream_send_timeout``), else the stream ends as if the client
+had gone.
 
 A failure once the stream started (a generation that fails, a bug) cannot change the status any more:
 the stream then ends with an OpenAI-shaped error event and ``data: [DONE]``, as vLLM's do, rather than
@@ -58,8 +59,10 @@ class LeasedStream(StreamingResponse):
         self.finished = True
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        timeout = getattr(scope["app"].state, "stream_send_timeout", SEND_TIMEOUT) if "app" in scope else SEND_TIMEOUT
+
         async def bounded(message: Any) -> None:
-            with anyio.fail_after(SEND_TIMEOUT):
+            with anyio.fail_after(timeout):
                 await send(message)
 
         try:
@@ -67,8 +70,7 @@ class LeasedStream(StreamingResponse):
         except ClientDisconnect:  # the client closed the connection while a chunk was being sent
             pass
         except TimeoutError:  # the client stopped reading: the same as gone
-            log.warning("%s: a stream's client read nothing for %g s; the stream is ended", self.model,
-                        SEND_TIMEOUT)
+            log.warning("%s: a stream's client read nothing for %g s; the stream is ended", self.model, timeout)
         finally:
             with anyio.CancelScope(shield=True):  # the body's own cleanup, even while being cancelled
                 await _close(self._body)
