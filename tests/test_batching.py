@@ -133,8 +133,8 @@ def test_a_small_kv_budget_runs_requests_one_after_another(llama: Any, reference
 
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_cancel_frees_the_slot(llama: Any, backend: str) -> None:
-    with engine(llama, backend=backend, max_batch_size=2, max_queued=2) as eng:
-        h = eng.submit(GenerationRequest([5, 6, 7], max_new_tokens=10_000))
+    with engine(llama, backend=backend, max_batch_size=2, max_queued=2, context_length=16_384) as eng:
+        h = eng.submit(GenerationRequest([5, 6, 7], max_new_tokens=10_000))  # runs until cancelled
         next(iter(h))
         eng.cancel(h)
         res = h.result(timeout=5)
@@ -197,10 +197,54 @@ def test_the_continuous_backend_refuses_a_request_longer_than_its_cache(llama: A
     """transformers' manager ends its thread on a request its paged cache cannot hold: refused at submit."""
     p = prompts(1, seed=10)[0]
     expected = reference(p, 8)
-    with engine(llama, backend="continuous", kv_cache_bytes=1) as eng:  # the smallest cache: 2 pages of 64
+    with engine(llama, backend="continuous", max_batch_size=1, context_length=128) as eng:  # 2 pages of 64
         with pytest.raises(ValueError, match="exceeds the 128 tokens"):
             eng.submit(GenerationRequest(list(range(4, 104)), max_new_tokens=64))
         assert eng.submit(GenerationRequest(p, max_new_tokens=8)).result(timeout=120).token_ids == expected
+
+
+def transformers_footprint(model: Any, cfg: Any) -> int:
+    """The footprint transformers' own ``PagedAttentionMemoryHandler`` computes for ``cfg.num_blocks`` (what
+    ``_check_footprint`` compares with the memory it sees when the manager starts), with the sector geometry
+    its ``PagedAttentionCache`` computes, built on the meta device."""
+    from dataclasses import replace
+
+    from transformers.generation.continuous_batching.cache import (PagedAttentionCache,
+                                                                   PagedAttentionMemoryHandler)
+    from transformers.generation.continuous_batching.distributed import DistributedHelper
+
+    text, keeps = model.config.get_text_config(), model._supports_logits_to_keep()
+    geometry = PagedAttentionCache(text, replace(cfg, num_blocks=1), device="meta", dtype=model.dtype,
+                                   distributed_helper=DistributedHelper(None, None),
+                                   model_supports_logits_to_keep=keeps)
+    block = 2 * text.num_hidden_layers * text.num_key_value_heads * text.head_dim * cfg.page_size * 2  # bf16 K, V
+    handler = PagedAttentionMemoryHandler(
+        config=text, cb_config=cfg, dtype=model.dtype, bytes_per_sector=geometry.bytes_per_sector,
+        tokens_per_sector=geometry.tokens_per_sector, bytes_per_block=block,
+        attn_types=list(geometry.cache_allocators), model_supports_logits_to_keep=keeps)
+    return int(handler.compute_memory_footprint(cfg.max_batch_tokens, handler.num_sectors_from_config()))
+
+
+@pytest.mark.parametrize("budget,tokens", [(131_000_000_000, 16 * 8192), (3_000_000_000, None)])
+def test_the_continuous_cache_fits_transformers_footprint_within_the_budget(budget: int, tokens: int | None) -> None:
+    """A Llama-3.2-1B-shaped model (bfloat16, on the meta device) and what a GPU tier has left: the paged
+    cache's footprint by transformers' arithmetic (K and V read back per cached token, masks, activations)
+    stays within the budget, and the cache holds no more than 16 requests of 8192 tokens."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from deploykit.engine.continuous import cache_config
+
+    config = AutoConfig.from_pretrained(Path(__file__).parents[1] / "gpucheck" / "configs" / "llama-3.2-1b.json")
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)
+    cfg, size = cache_config(model, page_size=64, max_batch_size=16, max_queued=64, budget=budget,
+                             context_length=8192)
+    footprint = transformers_footprint(model, cfg)
+    assert footprint == size.footprint and footprint <= min(budget, size.budget)
+    if tokens is not None:  # the engine's own limit, not the memory, sizes it
+        assert size.tokens == tokens == cfg.num_blocks * 64
+    else:  # the budget sizes it: one block more would not fit
+        assert size.tokens < 16 * 8192 and footprint > budget - (footprint // cfg.num_blocks) * 2
 
 
 def test_bad_requests_are_refused_at_submit(llama: Any) -> None:

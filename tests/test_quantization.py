@@ -452,3 +452,37 @@ def test_quantization_with_tensor_parallel_is_refused_where_it_is_written(tmp_pa
     [issue] = err.value.issues
     assert (issue.line, issue.column, issue.field) == (8, 19, "spec.model.quantization")
     assert "not available with tensor_parallel" in issue.message
+
+
+def _held_bytes(module) -> dict[str, int]:
+    """Bytes of ``module``'s parameters and buffers per device, a tensor shared by two names counted once."""
+    seen: set[tuple[str, int]] = set()
+    held: dict[str, int] = {}
+    for t in [*module.parameters(), *module.buffers()]:
+        key = (str(t.device), t.data_ptr())
+        if key not in seen:
+            seen.add(key)
+            held[t.device.type] = held.get(t.device.type, 0) + t.nbytes
+    return held
+
+
+@pytest.mark.parametrize("name", ["llama", "llama-tied"])
+@pytest.mark.parametrize("scheme", ["int8", "int4"])
+def test_a_bfloat16_quantized_model_holds_its_plans_bytes(tiny_model, tmp_path, store, name, scheme):
+    """Loaded at bfloat16, the quantized linears hold what the plan sizes: int8 / int4 weights with scales
+    and zeros at bfloat16 (as the shards store them), not at float32. Their parameters are what a GPU
+    holds (the CPU's kernels repack int4 into a layout of the same size). The rotary frequencies stay
+    float32, which the plan sizes at dtype."""
+    import torch
+
+    from deploykit.engine.quantized import QuantizedLinear
+
+    manifest = _quantized_manifest(tmp_path, tiny_model(name), scheme)
+    manifest.write_text(manifest.read_text().replace("dtype: float32", "dtype: bfloat16"))
+    outcome = _apply(manifest, store, keep_model=True)
+    model = outcome.loaded.model
+    rotary = sum(b.nbytes // 2 for b in model.buffers() if b.dtype == torch.float32)
+    planned = {d.tier: d.weight_bytes for d in outcome.plan.devices if d.weight_bytes}
+    assert _held_bytes(model) == {"cpu": planned["cpu"] + rotary} and list(planned) == ["cpu"]
+    quantized = [m for m in model.modules() if isinstance(m, QuantizedLinear)]
+    assert quantized and {m.weight_scale.dtype for m in quantized} == {torch.bfloat16}

@@ -26,11 +26,12 @@ from collections.abc import Callable
 from typing import Any, Literal, Protocol
 
 from .admission import Admission, FinishReason, QueueFull
-from .types import eos_set
+from .types import Limits, eos_set
 from .continuous import ContinuousBackend
 from .grammar import Grammars
 from .padded import PaddedBackend
 from .requests import GenerationRequest, GenerationResult, RequestHandle
+from .runtime import context_length as runtime_context
 from .sampling import TokenLogprobs, request_generator
 
 __all__ = ["Engine", "FinishReason", "GenerationRequest", "GenerationResult", "QueueFull", "RequestHandle",
@@ -57,7 +58,7 @@ class Engine:
     def __init__(self, model: Any, tokenizer: Any, *, backend: Literal["padded", "continuous"] = "padded",
                  max_batch_size: int = 16, max_queued: int = 64, kv_cache_bytes: int = 256 << 20,
                  forward_lock: threading.Lock | None = None, cb_page_size: int = 64, prefix_cache_bytes: int = 0,
-                 prefill_chunk: int = 256) -> None:
+                 prefill_chunk: int = 256, context_length: int | None = None) -> None:
         if forward_lock is not None:
             backend = "padded"  # offload hooks: deploykit's loop takes the lock around each forward
         self.model, self.tokenizer, self.backend = model.eval(), tokenizer, backend
@@ -65,6 +66,7 @@ class Engine:
         self.eos_ids: set[int] = _eos_ids(model)
         self.kv_bytes_per_token = _kv_bytes_per_token(model)
         self.prefix_cache_bytes, self.prefill_chunk = prefix_cache_bytes, prefill_chunk
+        self.context_length = context_length or runtime_context(model.config, Limits())  # the longest request
         self._queue = Admission(max_queued=max_queued)  # request ids and closing; padded: the waiting requests
         self._batcher: Backend = self._start_backend(backend, forward_lock, cb_page_size)
         self.grammars = None if backend == "continuous" else grammars_for(model, tokenizer, self.eos_ids)
@@ -75,7 +77,7 @@ class Engine:
         if backend == "continuous":
             return ContinuousBackend(self.model, self.tokenizer, self._queue.closing, eos_ids=self.eos_ids,
                                      max_batch_size=self.max_batch_size, max_queued=self.max_queued,
-                                     kv_cache_bytes=self.kv_cache_bytes, kv_bytes_per_token=self.kv_bytes_per_token,
+                                     kv_cache_bytes=self.kv_cache_bytes, context_length=self.context_length,
                                      page_size=cb_page_size)
         return PaddedBackend(self.model, self.tokenizer, self._queue, eos_ids=self.eos_ids,
                              max_batch_size=self.max_batch_size, kv_cache_bytes=self.kv_cache_bytes,

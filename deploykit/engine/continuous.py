@@ -1,6 +1,6 @@
 """The ``"continuous"`` backend of the batching engine: transformers' ``ContinuousBatchingManager``
 (paged KV cache), sized explicitly from ``kv_cache_bytes``, on the CPU at most ``CB_CACHE_BYTES`` (its default
-takes ~60% of host RAM), and started with one token before it serves; a request longer than its cache is
+takes ~60% of host RAM), by transformers' own footprint arithmetic (``paged_cache``), and started with one token before it serves; a request longer than its cache is
 refused at submit (it would end the manager's thread). Plain greedy only: transformers reads
 ``do_sample`` and the seed once per manager (why deploykit's own loop is the default: ``padded.py``).
 
@@ -15,6 +15,7 @@ import time
 from typing import Any
 
 from .admission import FinishReason, QueueFull, stop_reason
+from .paged_cache import PagedCacheSize, paged_cache_size
 from .requests import RequestHandle
 
 CB_CACHE_BYTES = 1 << 30  # the continuous backend's paged cache is allocated up front: at most this much
@@ -25,13 +26,13 @@ class ContinuousBackend:
     thread. Starting it answers one token first, so a manager that cannot serve fails here."""
 
     def __init__(self, model: Any, tokenizer: Any, closing: threading.Event, *, eos_ids: set[int],
-                 max_batch_size: int, max_queued: int, kv_cache_bytes: int, kv_bytes_per_token: int,
+                 max_batch_size: int, max_queued: int, kv_cache_bytes: int, context_length: int,
                  page_size: int) -> None:
         self.tokenizer, self.eos_ids, self._closing = tokenizer, eos_ids, closing
         self.max_batch_size, self.max_queued = max_batch_size, max_queued
         self.manager, self.cache_tokens = _start_manager(
             model, eos_ids=eos_ids, max_batch_size=max_batch_size, max_queued=max_queued,
-            kv_cache_bytes=kv_cache_bytes, kv_bytes_per_token=kv_bytes_per_token, page_size=page_size)
+            kv_cache_bytes=kv_cache_bytes, context_length=context_length, page_size=page_size)
         self._handles: dict[str, RequestHandle] = {}  # request id -> handle
 
     def submit(self, h: RequestHandle) -> RequestHandle:
@@ -91,24 +92,17 @@ class ContinuousBackend:
 
 
 def _start_manager(model: Any, *, eos_ids: set[int], max_batch_size: int, max_queued: int, kv_cache_bytes: int,
-                   kv_bytes_per_token: int, page_size: int) -> tuple[Any, int]:
-    """A started ContinuousBatchingManager and the tokens its cache holds, sized explicitly (its default
-    takes 60% of host RAM on CPU). Its paged cache is allocated up front: on the CPU it takes at most
-    CB_CACHE_BYTES of ``kv_cache_bytes`` (what the tier has left, often most of the host); on a GPU what the
-    GPU has left (unverified here); capped so sdpa's [M, N + M] paged mask stays under 1/4 of that. The
-    manager answers one token before the engine is used: a manager whose thread died while it started
-    (its cache did not fit) fails the load here instead of every request later."""
-    from transformers import ContinuousBatchingConfig, GenerationConfig
-    m = 512
-    budget = kv_cache_bytes if model.device.type == "cuda" else min(kv_cache_bytes, CB_CACHE_BYTES)
-    tokens = min(budget // kv_bytes_per_token, budget // 4 // (m * model.dtype.itemsize) - m)
-    blocks = max(2, tokens // page_size)
+                   context_length: int, page_size: int) -> tuple[Any, int]:
+    """A started ContinuousBatchingManager and the tokens its cache holds (``cache_config``). The manager
+    answers one token before the engine is used: a manager whose thread died while it started fails the
+    load here instead of every request later."""
+    from transformers import GenerationConfig
+
     gen = GenerationConfig(  # type: ignore[no-untyped-call,unused-ignore]  # do_sample is CB-wide; unset=True!
         do_sample=False, max_new_tokens=64, eos_token_id=sorted(eos_ids) or -1)
-    cfg = ContinuousBatchingConfig(
-        page_size=page_size, num_blocks=blocks, max_batch_tokens=m,
-        max_requests_per_batch=max_batch_size, max_queue_size=max_queued,
-        allow_block_sharing=False, auto_switch_to_flash=False)
+    budget = kv_cache_bytes if model.device.type == "cuda" else min(kv_cache_bytes, CB_CACHE_BYTES)
+    cfg, size = cache_config(model, page_size=page_size, max_batch_size=max_batch_size, max_queued=max_queued,
+                             budget=budget, context_length=context_length)
     manager = model.init_continuous_batching(generation_config=gen, continuous_batching_config=cfg)
     manager.start()
     try:
@@ -116,7 +110,27 @@ def _start_manager(model: Any, *, eos_ids: set[int], max_batch_size: int, max_qu
     except BaseException:
         manager.stop(block=True, timeout=30)
         raise
-    return manager, blocks * page_size
+    return manager, size.tokens
+
+
+def cache_config(model: Any, *, page_size: int, max_batch_size: int, max_queued: int, budget: int,
+                 context_length: int) -> tuple[Any, PagedCacheSize]:
+    """The manager's ContinuousBatchingConfig, its paged cache sized explicitly (its default takes 60% of host
+    RAM on CPU). The cache is allocated up front from ``budget``: on the CPU at most CB_CACHE_BYTES of what the
+    tier has left (often most of the host), on a GPU what the tier has left. Within that, ``paged_cache``
+    sizes it by transformers' own footprint arithmetic, for at most ``max_batch_size`` requests of
+    ``context_length`` tokens. What the footprint depends on is set here, not resolved later."""
+    from transformers import ContinuousBatchingConfig
+    from transformers.generation.continuous_batching.initialization import resolve_max_memory_percent
+
+    cfg = ContinuousBatchingConfig(
+        page_size=page_size, max_batch_tokens=512, max_requests_per_batch=max_batch_size,
+        max_queue_size=max_queued, max_blocks_per_request=0, use_async_batching=False,
+        allow_block_sharing=False, auto_switch_to_flash=False)
+    resolve_max_memory_percent(cfg, has_logit_processors=False, device=model.device)
+    size = paged_cache_size(model, cfg, budget=budget, max_tokens=max_batch_size * context_length)
+    cfg.num_blocks = size.num_blocks
+    return cfg, size
 
 
 def _answers_once(manager: Any, timeout: float = 300.0) -> None:

@@ -175,7 +175,7 @@ def load(plan: Plan, checkpoint_dir: Path, options: LoadOptions) -> LoadedModel:
     if plan.is_quantized:
         from .quantized import quantization_config
 
-        kwargs["quantization_config"] = quantization_config(plan.quantization, quantized)
+        kwargs["quantization_config"] = quantization_config(plan.quantization, quantized, dtype)
     try:
         with BUILD_LOCK, quiet_transformers(progress=show_progress):  # see model.hf.BUILD_LOCK
             model, info = auto_class(task).from_pretrained(str(checkpoint_dir), **kwargs)

@@ -91,12 +91,13 @@ class TextRuntime:
 
         if loaded.tokenizer is None:
             raise RequestError("this model ships no tokenizer: it cannot serve text", code="no_tokenizer")
+        length = context_length(loaded.model.config, limits)
         engine = Engine(loaded.model, loaded.tokenizer, max_batch_size=limits.max_concurrent,
                         max_queued=limits.max_queued, kv_cache_bytes=kv_cache_bytes, forward_lock=forward_lock,
                         backend="continuous" if limits.batching == "continuous" else "padded",
-                        prefix_cache_bytes=limits.prefix_cache_bytes, prefill_chunk=limits.prefill_chunk)
-        return cls(engine, loaded.tokenizer, limits, context_length=context_length(loaded.model.config, limits),
-                   loaded=loaded)
+                        prefix_cache_bytes=limits.prefix_cache_bytes, prefill_chunk=limits.prefill_chunk,
+                        context_length=length)
+        return cls(engine, loaded.tokenizer, limits, context_length=length, loaded=loaded)
 
     def check_grammar(self, constraint: Constraint) -> None:
         """Compile ``constraint`` now (off the engine's thread; cached for its requests), or RequestError:
