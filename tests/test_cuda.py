@@ -167,3 +167,22 @@ def test_grammar_scoring_and_embeddings_on_the_gpu(tmp_path):
     vectors, _ = embed(bert, tokenizer, ["a cat", "a dog"], pooling=Pooling("mean", True), max_length=64,
                        device="cuda:0")
     assert len(vectors) == 2 and len(vectors[0]) == 32
+
+
+def test_continuous_batching_starts_on_a_gpu_given_all_it_has_left(tiny_model):
+    """The plan hands the engine what the GPU has left for its KV cache (on a large GPU, over 100 GiB):
+    transformers' paged cache must be sized so its own footprint fits (it failed to start on an H200 when
+    it was given all of it), and greedy rows equal ``generate``."""
+    from transformers import AutoModelForCausalLM
+
+    from deploykit.engine.batching import GenerationRequest
+    from test_batching import CharTokenizer, prompts
+    from test_devices import answers
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_model("llama"), dtype=torch.float32,
+                                                 device_map="cuda:0").eval()
+    greedy = [GenerationRequest(p, max_new_tokens=12) for p in prompts(4, seed=5)]
+    expected = [_on_gpu_greedy(model, r.prompt_ids, r.max_new_tokens) for r in greedy]
+    free, _ = torch.cuda.mem_get_info(0)
+    got = answers(model, CharTokenizer(), greedy, backend="continuous", kv_cache_bytes=free)
+    assert [tokens for tokens, *_ in got] == expected
