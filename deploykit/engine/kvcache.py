@@ -11,6 +11,9 @@ code and the engine see what ``DynamicLayer`` would give them. When the engine r
 
 from __future__ import annotations
 
+import inspect
+from collections.abc import Callable
+from functools import cache
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -53,6 +56,23 @@ class GrowingLayer(DynamicLayer):
         self.lazy_initialization(keys, values)
         self._buffers = (keys, values)
         self.keys, self.values = keys[:, :, :n], values[:, :, :n]
+
+
+def with_cache(model: Any, past: Any) -> dict[str, Any]:
+    """The keyword argument that hands ``past`` to ``model``'s forward: ``cache`` where its forward names it so
+    (transformers renamed its models' ``past_key_values`` to ``cache``; the old name warns, FutureWarning, and
+    goes in 5.40), ``past_key_values`` in the versions before and in models not renamed yet."""
+    return {_cache_keyword(type(model).forward): past}
+
+
+def returned_cache(out: Any) -> Any:
+    """The cache a forward returned, read under the name it has (``out.past_key_values`` warns once renamed)."""
+    return out["cache"] if "cache" in out else out["past_key_values"]
+
+
+@cache
+def _cache_keyword(forward: Callable[..., Any]) -> str:
+    return "cache" if "cache" in inspect.signature(forward).parameters else "past_key_values"
 
 
 def _views(keys: torch.Tensor, buffer: torch.Tensor, n: int) -> bool:

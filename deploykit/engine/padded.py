@@ -38,11 +38,12 @@ from ..threads import release_openmp_threads
 from .admission import Admission, FinishReason, stop_reason
 from .devices import input_device
 from .kvcache import (
-    GrowingLayer,
     all_pad_columns,
     growing_cache,
     merged,
     read_hits,
+    returned_cache,
+    with_cache,
 )
 from .prefill import ChunkSizer, Prefill
 from .prefixcache import Hit, PrefixCache
@@ -183,8 +184,8 @@ class PaddedBackend:
         with self._forward_lock:
             out = self.model(input_ids=torch.tensor([[h.tokens[-1]] for h in rows], device=mask.device),
                              attention_mask=mask, position_ids=mask.sum(1, keepdim=True) - 1,
-                             past_key_values=cache, use_cache=True, logits_to_keep=1)
-        return out.logits[:, -1].float(), out.past_key_values, mask
+                             use_cache=True, logits_to_keep=1, **with_cache(self.model, cache))
+        return out.logits[:, -1].float(), returned_cache(out), mask
 
     def _decode_apart(self, rows: list[RequestHandle], cache: Any, mask: torch.Tensor
                       ) -> tuple[list[RequestHandle], torch.Tensor | None, Any, torch.Tensor]:
@@ -312,8 +313,8 @@ class PaddedBackend:
             h.cached_tokens = k
         with self._forward_lock:
             out = self.model(input_ids=ids, attention_mask=nmask, position_ids=pos, use_cache=True,
-                             past_key_values=past, logits_to_keep=1)
-        return (out.logits[:, -1].float(), *merged(cache, mask, out.past_key_values, nmask))
+                             logits_to_keep=1, **with_cache(self.model, past))
+        return (out.logits[:, -1].float(), *merged(cache, mask, returned_cache(out), nmask))
 
     def _drop_done(self, rows: list[RequestHandle], cache: Any, mask: torch.Tensor
                    ) -> tuple[list[RequestHandle], Any, torch.Tensor]:
