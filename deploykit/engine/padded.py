@@ -40,7 +40,9 @@ from .devices import input_device
 from .kvcache import (
     all_pad_columns,
     growing_cache,
+    kept,
     merged,
+    peak_positions,
     read_hits,
     returned_cache,
     with_cache,
@@ -66,7 +68,7 @@ class PaddedBackend:
         self.kv_bytes_per_token = kv_bytes_per_token
         self.prefill_chunk = prefill_chunk
         self._chunks = ChunkSizer(prefill_chunk)  # the chunk size while rows decode
-        growing_cache(model.config)  # a model whose attention this loop cannot serve fails here, not per request
+        self._layers = len(growing_cache(model.config).layers)  # a model this loop cannot serve fails here
         self.prefix = PrefixCache(prefix_cache_bytes) if prefix_cache_bytes > 0 else None
         self._hits: dict[str, Hit] = {}  # request id -> its cached beginning, from _route to its prefill
 
@@ -286,7 +288,8 @@ class PaddedBackend:
 
         def fits(taken: list[RequestHandle], h: RequestHandle) -> bool:
             need = [size(r) for r in rows + taken]
-            worst = (len(need) + 1) * (width + max(need + [size(h)]))  # padded cache if all rows run to the end
+            # the padded cache if all rows run to the end, with its headroom and one layer in transit
+            worst = peak_positions(len(need) + 1, width + max(need + [size(h)]), self._layers)
             return not need or worst * self.kv_bytes_per_token <= self.kv_cache_bytes  # else wait for rows to end
 
         return self._queue.take(self.max_batch_size - len(rows), fits)
@@ -342,8 +345,6 @@ def _drop_done(rows: list[RequestHandle], cache: Any, mask: torch.Tensor
         return rows, cache, mask
     idx, rows = torch.tensor(keep, dtype=torch.long, device=mask.device), [rows[i] for i in keep]
     lead = all_pad_columns(mask[idx])
-    mask, cache = mask[idx, lead:], cache if rows else None
-    for layer in cache.layers if rows else []:
-        at = idx.to(layer.keys.device)  # each layer's cache is on its layer's device
-        layer.keys, layer.values = layer.keys[at, :, lead:], layer.values[at, :, lead:]
-    return rows, cache, mask
+    if rows:
+        kept(cache, idx, lead)
+    return rows, cache if rows else None, mask[idx, lead:]
