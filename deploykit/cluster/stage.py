@@ -141,6 +141,8 @@ class Stage:
         import torch
         from transformers import DynamicCache
 
+        from ..engine.kvcache import with_cache
+
         try:
             with torch.inference_mode():
                 cache = self.caches.get(request)
@@ -149,8 +151,8 @@ class Stage:
                 device = self.spec.device
                 x, mask, positions = x.to(device), mask.to(device), positions.to(device)
                 inputs = {"input_ids": x} if self.spec.first else {"inputs_embeds": x}
-                out = self.model.model(attention_mask=mask, position_ids=positions, past_key_values=cache,
-                                       use_cache=True, **inputs)
+                out = self.model.model(attention_mask=mask, position_ids=positions, use_cache=True, **inputs,
+                                       **with_cache(self.model.model, cache))
                 hidden = out.last_hidden_state
                 if not self.spec.last:
                     return hidden.cpu()

@@ -11,6 +11,9 @@ code and the engine see what ``DynamicLayer`` would give them. When the engine r
 
 from __future__ import annotations
 
+import inspect
+from collections.abc import Callable
+from functools import cache
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -53,6 +56,23 @@ class GrowingLayer(DynamicLayer):
         self.lazy_initialization(keys, values)
         self._buffers = (keys, values)
         self.keys, self.values = keys[:, :, :n], values[:, :, :n]
+
+
+def with_cache(model: Any, past: Any) -> dict[str, Any]:
+    """The keyword argument that hands ``past`` to ``model``'s forward: ``cache`` where its forward names it so
+    (transformers renamed its models' ``past_key_values`` to ``cache``; the old name warns, FutureWarning, and
+    goes in 5.40), ``past_key_values`` in the versions before and in models not renamed yet."""
+    return {_cache_keyword(type(model).forward): past}
+
+
+def returned_cache(out: Any) -> Any:
+    """The cache a forward returned, read under the name it has (``out.past_key_values`` warns once renamed)."""
+    return out["cache"] if "cache" in out else out["past_key_values"]
+
+
+@cache
+def _cache_keyword(forward: Callable[..., Any]) -> str:
+    return "cache" if "cache" in inspect.signature(forward).parameters else "past_key_values"
 
 
 def _views(keys: torch.Tensor, buffer: torch.Tensor, n: int) -> bool:
@@ -110,20 +130,51 @@ def read_hits(past: Any, hits: list[Hit | None], kept: list[int], width: int, *,
         layer.preset(buffers[0], buffers[1], width)
 
 
+def peak_positions(rows: int, width: int, layers: int) -> int:
+    """The most cached positions (one token of one row, in every layer: ``kv_bytes_per_token`` each) that
+    the batch's cache holds with ``rows`` rows of at most ``width`` positions: buffers ``HEADROOM`` longer,
+    and one layer's buffers twice while that layer grows or rows join or leave (each layer's old buffer is
+    freed before the next layer's new one is made). What admission counts against the KV budget."""
+    return -(-rows * (width + HEADROOM) * (layers + 1) // layers)
+
+
 def merged(cache: Any, mask: torch.Tensor, add: Any, add_mask: torch.Tensor) -> tuple[Any, torch.Tensor]:
     """The batch's cache and mask with the rows of ``add`` appended below, both left-padded to one width
-    (RoPE is already applied to cached keys: padding is safe)."""
+    (RoPE is already applied to cached keys: padding is safe). ``add``'s layers are emptied as they are
+    copied, so that only one layer is ever held twice."""
     if cache is None:
         return add, add_mask
     width = max(mask.shape[1], add_mask.shape[1])
     for old, new in zip(cache.layers, add.layers):
-        if type(old) is GrowingLayer and old.keys is not None and old.values is not None:
-            # one copy, into buffers the next decode steps append to
-            old.preset(_stacked(old.keys, new.keys, width), _stacked(old.values, new.values, width), width)
-        else:
-            old.keys = torch.cat([left_pad(old.keys, width, 2), left_pad(new.keys, width, 2)])
-            old.values = torch.cat([left_pad(old.values, width, 2), left_pad(new.values, width, 2)])
+        # one copy, into buffers the next decode steps append to
+        old.preset(_stacked(old.keys, new.keys, width), _stacked(old.values, new.values, width), width)
+        _release(new)
     return cache, torch.cat([left_pad(mask, width), left_pad(add_mask, width)])
+
+
+def kept(cache: Any, rows: torch.Tensor, lead: int) -> None:
+    """Keep only ``rows`` of every layer of ``cache``, without their first ``lead`` positions: each layer's
+    rows copied into a new buffer with ``HEADROOM`` more positions, which replaces the old one before the
+    next layer is copied (slicing the cache kept the old buffers alive beside the copies, and the next
+    update then made a third: near three times the batch's KV at once)."""
+    for layer in cache.layers:
+        at = rows.to(layer.keys.device)  # each layer's cache is on its layer's device
+        width = layer.keys.shape[2] - lead
+        keys, values = _copy_rows(layer.keys, at, lead), _copy_rows(layer.values, at, lead)
+        _release(layer)
+        layer.preset(keys, values, width)
+
+
+def _copy_rows(x: torch.Tensor, rows: torch.Tensor, lead: int) -> torch.Tensor:
+    out = x.new_empty(len(rows), x.shape[1], x.shape[2] - lead + HEADROOM, x.shape[3])
+    torch.index_select(x[:, :, lead:], 0, rows, out=out[:, :, :x.shape[2] - lead])
+    return out
+
+
+def _release(layer: Any) -> None:
+    """Drop ``layer``'s references to its tensors (its buffers are freed once nothing else holds them)."""
+    layer.keys = layer.values = None
+    layer._buffers = None
 
 
 def _stacked(top: torch.Tensor, below: torch.Tensor, width: int) -> torch.Tensor:

@@ -38,11 +38,14 @@ from ..threads import release_openmp_threads
 from .admission import Admission, FinishReason, stop_reason
 from .devices import input_device
 from .kvcache import (
-    GrowingLayer,
     all_pad_columns,
     growing_cache,
+    kept,
     merged,
+    peak_positions,
     read_hits,
+    returned_cache,
+    with_cache,
 )
 from .prefill import ChunkSizer, Prefill
 from .prefixcache import Hit, PrefixCache
@@ -65,7 +68,7 @@ class PaddedBackend:
         self.kv_bytes_per_token = kv_bytes_per_token
         self.prefill_chunk = prefill_chunk
         self._chunks = ChunkSizer(prefill_chunk)  # the chunk size while rows decode
-        growing_cache(model.config)  # a model whose attention this loop cannot serve fails here, not per request
+        self._layers = len(growing_cache(model.config).layers)  # a model this loop cannot serve fails here
         self.prefix = PrefixCache(prefix_cache_bytes) if prefix_cache_bytes > 0 else None
         self._hits: dict[str, Hit] = {}  # request id -> its cached beginning, from _route to its prefill
 
@@ -183,8 +186,8 @@ class PaddedBackend:
         with self._forward_lock:
             out = self.model(input_ids=torch.tensor([[h.tokens[-1]] for h in rows], device=mask.device),
                              attention_mask=mask, position_ids=mask.sum(1, keepdim=True) - 1,
-                             past_key_values=cache, use_cache=True, logits_to_keep=1)
-        return out.logits[:, -1].float(), out.past_key_values, mask
+                             use_cache=True, logits_to_keep=1, **with_cache(self.model, cache))
+        return out.logits[:, -1].float(), returned_cache(out), mask
 
     def _decode_apart(self, rows: list[RequestHandle], cache: Any, mask: torch.Tensor
                       ) -> tuple[list[RequestHandle], torch.Tensor | None, Any, torch.Tensor]:
@@ -285,7 +288,8 @@ class PaddedBackend:
 
         def fits(taken: list[RequestHandle], h: RequestHandle) -> bool:
             need = [size(r) for r in rows + taken]
-            worst = (len(need) + 1) * (width + max(need + [size(h)]))  # padded cache if all rows run to the end
+            # the padded cache if all rows run to the end, with its headroom and one layer in transit
+            worst = peak_positions(len(need) + 1, width + max(need + [size(h)]), self._layers)
             return not need or worst * self.kv_bytes_per_token <= self.kv_cache_bytes  # else wait for rows to end
 
         return self._queue.take(self.max_batch_size - len(rows), fits)
@@ -312,8 +316,8 @@ class PaddedBackend:
             h.cached_tokens = k
         with self._forward_lock:
             out = self.model(input_ids=ids, attention_mask=nmask, position_ids=pos, use_cache=True,
-                             past_key_values=past, logits_to_keep=1)
-        return (out.logits[:, -1].float(), *merged(cache, mask, out.past_key_values, nmask))
+                             logits_to_keep=1, **with_cache(self.model, past))
+        return (out.logits[:, -1].float(), *merged(cache, mask, returned_cache(out), nmask))
 
     def _drop_done(self, rows: list[RequestHandle], cache: Any, mask: torch.Tensor
                    ) -> tuple[list[RequestHandle], Any, torch.Tensor]:
@@ -341,8 +345,6 @@ def _drop_done(rows: list[RequestHandle], cache: Any, mask: torch.Tensor
         return rows, cache, mask
     idx, rows = torch.tensor(keep, dtype=torch.long, device=mask.device), [rows[i] for i in keep]
     lead = all_pad_columns(mask[idx])
-    mask, cache = mask[idx, lead:], cache if rows else None
-    for layer in cache.layers if rows else []:
-        at = idx.to(layer.keys.device)  # each layer's cache is on its layer's device
-        layer.keys, layer.values = layer.keys[at, :, lead:], layer.values[at, :, lead:]
-    return rows, cache, mask
+    if rows:
+        kept(cache, idx, lead)
+    return rows, cache if rows else None, mask[idx, lead:]

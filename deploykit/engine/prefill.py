@@ -16,7 +16,7 @@ from typing import Any
 import torch
 
 from .devices import input_device
-from .kvcache import growing_cache
+from .kvcache import growing_cache, with_cache
 from .prefixcache import Hit
 from .requests import RequestHandle
 
@@ -80,8 +80,8 @@ class Prefill:
         with lock:
             out = model(input_ids=torch.tensor([prompt[self.done:end]], device=device),
                         attention_mask=torch.ones(1, end, dtype=torch.long, device=device),
-                        position_ids=torch.arange(self.done, end, device=device)[None], past_key_values=self.cache,
-                        use_cache=True, logits_to_keep=1)
+                        position_ids=torch.arange(self.done, end, device=device)[None], use_cache=True,
+                        logits_to_keep=1, **with_cache(model, self.cache))
         if sizer is not None:
             sizer.read(end - self.done, time.perf_counter() - start)
         self.done = end

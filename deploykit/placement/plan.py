@@ -70,7 +70,7 @@ class Plan:
     nodes: tuple[NodePlan, ...] = ()
     device_nodes: tuple[int, ...] = ()  # the node of each entry of ``devices``
     quantization: str = "none"  # spec.model.quantization: block sizes are the quantized bytes
-    prefix_cache_bytes: int = 0  # spec.serving.prefix_cache, held beside the input embeddings
+    prefix_cache_bytes: int = 0  # spec.serving.prefix_cache, spread as the KV is (placement.kv)
 
     @property
     def is_quantized(self) -> bool:

@@ -26,9 +26,10 @@ class PrefixCache(Strict):
     enabled: bool = Field(False, description="Keep and reuse prompt prefixes (padded batching of a causal LM "
                                              "in one process or Ray Serve replica; others keep none). Off by "
                                              "default: its max_bytes count in the plan and the host budget.")
-    max_bytes: Size = Field(256 * 2**20, description="Most bytes the kept KV may hold, on the device of the "
-                                                    "input embeddings; least recently used evicted first. "
-                                                    "Part of the plan's bytes (and of the host budget).")
+    max_bytes: Size = Field(256 * 2**20, description="Most bytes the kept KV may hold, spread as the model's "
+                                                    "KV is (each layer's on the device that runs it); least "
+                                                    "recently used evicted first. Part of the plan's bytes "
+                                                    "(and of the host budget).")
 
 
 class Serving(Strict):

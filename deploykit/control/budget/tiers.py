@@ -14,6 +14,7 @@ from dataclasses import dataclass
 
 from ...errors import DeploykitError
 from ...placement.inventory import Inventory
+from ...placement.kv import prefix_cache_tiers
 from ...placement.plan import Plan
 from ...units import SIZE_UNITS_TEXT, format_size, parse_size
 
@@ -88,17 +89,15 @@ def serve_budget(text: str | None, devices: str | None, *, source: str = "--budg
 
 def plan_tiers(plan: Plan) -> dict[str, int]:
     """What ``plan`` holds in each budget tier (disk blocks are read in place: no tier); its prefix cache
-    counts where its first blocks (the input embeddings) are."""
+    counts where its KV lives, on the devices that run its layers (``placement.kv``)."""
     tiers: dict[str, int] = {}
     for device in plan.devices:
         if device.tier == "disk" or not device.bytes:
             continue
         tier = "cpu" if device.tier == "cpu" else f"gpu{device.device}"
         tiers[tier] = tiers.get(tier, 0) + device.bytes
-    first = next((d for d in plan.devices if d.blocks), None)
-    if plan.prefix_cache_bytes and first is not None:
-        tier = f"gpu{first.device}" if first.tier not in ("cpu", "disk") else "cpu"
-        tiers[tier] = tiers.get(tier, 0) + plan.prefix_cache_bytes
+    for tier, held in prefix_cache_tiers(plan).items():
+        tiers[tier] = tiers.get(tier, 0) + held
     return tiers
 
 

@@ -24,6 +24,7 @@ from typing import TYPE_CHECKING
 
 from ...errors import ApplyError
 from ...placement.inventory import process_rss
+from ...placement.kv import kv_budget
 from ...placement.plan import Plan
 from ...threads import ThreadGroup
 from .traffic import Split, TrafficLog
@@ -60,16 +61,13 @@ class Generation:
 
 
 def kv_cache_budget(plan: Plan | None) -> int:
-    """Bytes the KV cache may take: what the input device's tier has left after the weights and the
-    prefix cache (the plan knows them), else 1 GiB. Sizing it here keeps a batching engine from guessing
-    from host RAM."""
+    """Bytes the KV cache may take: as much as fits, on every device that holds a share of it (each layer's
+    on the device that runs it), beside the weights and the prefix cache (the plan knows them:
+    ``placement.kv.kv_budget``), else 1 GiB. Sizing it here keeps a batching engine from guessing from
+    host RAM."""
     default = 1 << 30
-    if plan is None:
-        return default
-    first = next((d for d in plan.devices if d.blocks), None)
-    if first is None or first.budget is None:
-        return default
-    return max(64 << 20, first.budget - first.bytes - plan.prefix_cache_bytes)
+    room = kv_budget(plan) if plan is not None else None
+    return default if room is None else max(64 << 20, room)
 
 
 def new_generation(number: int, loaded: LoadedModel, plan: Plan | None, revision: int, strategy: str,

@@ -205,14 +205,16 @@ class RankModel:
         import torch
         from transformers import DynamicCache
 
+        from ..kvcache import with_cache
+
         try:
             with torch.inference_mode():
                 cache = self.caches.get(group)
                 if cache is None:
                     cache = self.caches[group] = DynamicCache(config=self.config)
                 ids, mask, positions = (t.to(self.device) for t in (ids, mask, positions))
-                out = self.model(input_ids=ids, attention_mask=mask, position_ids=positions, past_key_values=cache,
-                                 use_cache=True, logits_to_keep=1)
+                out = self.model(input_ids=ids, attention_mask=mask, position_ids=positions, use_cache=True,
+                                 logits_to_keep=1, **with_cache(self.model, cache))
                 return out.logits[:, -1].float().cpu() if self.spec.rank == 0 else None
         except Exception:
             self.caches.pop(group, None)

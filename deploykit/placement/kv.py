@@ -1,0 +1,48 @@
+"""Where a plan's KV cache lives, and how much of it the plan leaves room for.
+
+Each decoder layer keeps its keys and values on the device that runs it: its GPU; a layer the plan puts on
+the CPU or disk tier runs, in a plan with GPUs, on the first GPU (accelerate's hooks bring its weights
+there, and its KV is made from its outputs there), in a plan without GPUs on the CPU. So a batch's KV, and
+the prefix cache's, is spread over those devices in proportion to their layers; charging it all to the
+device of the input embeddings (as before) let a split model's cache outgrow the devices that hold it.
+Pure: reads the plan only.
+"""
+
+from __future__ import annotations
+
+import re
+from collections import Counter
+
+from .plan import Device, Plan
+
+_LAYER = re.compile(r"\.\d+$")  # a decoder layer's device_map key: "model.layers.7", "transformer.h.3"
+
+
+def kv_shares(plan: Plan) -> dict[Device, float]:
+    """The share of the KV cache on each device that holds some (they add up to 1)."""
+    gpus = sorted(d for d in set(plan.device_map.values()) if isinstance(d, int))
+    runs_on = [d if isinstance(d, int) else gpus[0] if gpus else "cpu"
+               for key, d in plan.device_map.items() if _LAYER.search(key)]
+    if not runs_on:  # no numbered layers: where the first blocks are
+        first = next((d.device for d in plan.devices if d.blocks), "cpu")
+        return {first if isinstance(first, int) or not gpus else gpus[0]: 1.0}
+    return {device: n / len(runs_on) for device, n in Counter(runs_on).items()}
+
+
+def kv_budget(plan: Plan) -> int | None:
+    """The most KV bytes (all layers together) that fit beside the weights and the prefix cache on every
+    device that holds a share of it; None when no such device has a budget."""
+    budgets = {("cpu" if d.tier != "gpu" else d.device): d for d in plan.devices if d.tier != "disk"}
+    room = []
+    for device, share in kv_shares(plan).items():
+        held = budgets.get(device)
+        if held is not None and held.budget is not None:
+            free = held.budget - held.bytes - plan.prefix_cache_bytes * share
+            room.append(int(max(0.0, free) / share))
+    return min(room) if room else None
+
+
+def prefix_cache_tiers(plan: Plan) -> dict[str, int]:
+    """The prefix cache's bytes on each budget tier ("cpu", "gpu0", ...), spread as its KV is."""
+    return {("cpu" if device == "cpu" else f"gpu{device}"): round(plan.prefix_cache_bytes * share)
+            for device, share in kv_shares(plan).items()} if plan.prefix_cache_bytes else {}
