@@ -38,3 +38,30 @@ def _ids(base: Path, text: str, vocab: int) -> list[int]:
 
         return list(AutoTokenizer.from_pretrained(base)(text)["input_ids"])
     return [b % vocab for b in text.encode()]
+
+
+def peft_reference(base: Path, adapter: Path | None, prompt_ids: list[int], max_new_tokens: int) -> str:
+    """peft's own greedy ``generate`` with ``adapter`` (the base's without one): the text up to EOS."""
+    import torch
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    model = AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32)
+    if adapter is not None:
+        model = PeftModel.from_pretrained(model, adapter)
+    tokenizer = AutoTokenizer.from_pretrained(base)
+    with torch.inference_mode():
+        out = model.generate(input_ids=torch.tensor([prompt_ids]), max_new_tokens=max_new_tokens, do_sample=False,
+                             attention_mask=torch.ones(1, len(prompt_ids), dtype=torch.long))
+    new = out[0, len(prompt_ids):].tolist()
+    if tokenizer.eos_token_id in new:
+        new = new[:new.index(tokenizer.eos_token_id)]
+    return str(tokenizer.decode(new, skip_special_tokens=True))
+
+
+def chat_ids(base: Path, content: str) -> list[int]:
+    from transformers import AutoTokenizer
+
+    ids = AutoTokenizer.from_pretrained(base).apply_chat_template(
+        [{"role": "user", "content": content}], add_generation_prompt=True, tokenize=True)
+    return list(ids["input_ids"] if hasattr(ids, "keys") else ids)
