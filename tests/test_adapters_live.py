@@ -108,6 +108,14 @@ def test_adapters_added_and_removed_live_under_streaming_load(lora: Any, tmp_pat
         assert [a for client_answers in load.answers for a in client_answers
                 if a[2] != expected[(a[0], a[1])]] == []  # the base and pirate answered the same throughout
         assert _models(client) == {"chat", "chat:pirate"}
+        # a change of anything else reloads as before, the adapters loaded into the new generation
+        replace_like_an_editor(path, adapters_manifest(lora.base, {"pirate": lora.pirate}, max_tokens=48))
+        wait_until(lambda: _status(server.url)["generation"] == removed["generation"] + 1, timeout=120,
+                   what="a new generation serves")
+        reply = client.chat.completions.create(model="chat:pirate", messages=[{"role": "user", "content": "hello"}],
+                                               max_tokens=TOKENS, temperature=0)
+        assert reply.choices[0].message.content == expected[("chat:pirate", "hello")]
+        assert _models(client) == {"chat", "chat:pirate"}
     # one generation served it all; each change was a revision of its own (waited for above)
     assert before["generation"] == added["generation"] == removed["generation"]
     sizes = {s: {a["name"]: a["bytes"] for a in st["adapters"]} for s, st in (("added", added), ("removed", removed))}

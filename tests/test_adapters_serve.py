@@ -19,10 +19,10 @@ TOKENS = 24
 PROMPTS = ["hi", "hello there", "what is it"]
 
 
-def adapters_manifest(base: Path, adapters: dict[str, Path], name: str = "chat") -> str:
+def adapters_manifest(base: Path, adapters: dict[str, Path], name: str = "chat", max_tokens: int = 64) -> str:
     text = (f"apiVersion: deploykit/v1\nkind: ModelDeployment\nmetadata: {{name: {name}}}\nspec:\n"
             f"  model: {{path: {base}, dtype: float32}}\n  placement: {{gpus: []}}\n"
-            f"  serving: {{max_tokens: 64, max_concurrent: 16}}\n")
+            f"  serving: {{max_tokens: {max_tokens}, max_concurrent: 16}}\n")
     if adapters:
         text += "  adapters:\n" + "".join(f"    - {{name: {n}, path: {p}}}\n" for n, p in adapters.items())
     return text

@@ -73,7 +73,7 @@ class Adapters:
 
     def release(self, name: str) -> None:
         with self._changed:
-            self._held[name] -= 1
+            self._held[name] = self._held.get(name, 1) - 1
             self._changed.notify_all()
 
     def load(self, source: AdapterSource) -> None:
