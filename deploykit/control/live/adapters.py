@@ -49,8 +49,10 @@ def live_adapter_diff(store: StateStore, gen: Generation | None, loaded: LoadedM
     """The adapters to change when ``loaded`` differs from the revision ``gen`` serves in ``spec.adapters``
     alone; None when it is not such a change (or nothing changed: the apply says so)."""
     adapters: Adapters | None = getattr(gen.runtime, "adapters", None) if gen is not None else None
-    current = store.current(loaded.name)
+    current = store.current(loaded.name) if adapters is not None else None
     if gen is None or adapters is None or current is None or current.revision != gen.revision:
+        return None
+    if not loaded.manifest.spec.adapters and not adapters.names():  # no adapters before or after
         return None
     if current.manifest_digest == loaded.digest:
         return None
