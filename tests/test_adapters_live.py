@@ -121,3 +121,20 @@ def test_adapters_added_and_removed_live_under_streaming_load(lora: Any, tmp_pat
     sizes = {s: {a["name"]: a["bytes"] for a in st["adapters"]} for s, st in (("added", added), ("removed", removed))}
     assert sizes["added"]["polite"] > 0 and sizes["added"]["pirate"] == sizes["removed"]["pirate"]
     assert set(sizes["removed"]) == {"pirate"}  # its memory went with it: the accounting holds the rest only
+
+
+def test_under_a_host_budget_a_live_adapter_change_counts_its_bytes(lora: Any, tmp_path: Path) -> None:
+    manifests = tmp_path / "m"
+    manifests.mkdir()
+    path = manifests / "chat.yaml"
+    path.write_text(adapters_manifest(lora.base, {"pirate": lora.pirate}))
+    with Server(manifests, tmp_path / "state", "--budget", "cpu=1GiB") as server:
+        client = openai.OpenAI(base_url=f"{server.url}/v1", api_key="none", max_retries=0, timeout=120)
+        before = _status(server.url)
+        replace_like_an_editor(path, adapters_manifest(lora.base, {"pirate": lora.pirate, "polite": lora.polite}))
+        after = wait_until(lambda: (st := _status(server.url))["revision"] == before["revision"] + 1 and st,
+                           timeout=120, what="the added adapter's revision is current")
+        assert "chat:polite" in _models(client)
+    polite = next(a["bytes"] for a in after["adapters"] if a["name"] == "polite")
+    assert after["generation"] == before["generation"]  # applied live, not as a second generation
+    assert after["budget"]["bytes"] == before["budget"]["bytes"] + polite

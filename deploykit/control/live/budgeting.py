@@ -91,7 +91,9 @@ def roll_budgeted(loads: Loads, host: Host, change: Change, *, force: bool = Fal
     rollout = Rollout(loads.pool, loads.store, devices=loads.devices, acquire_timeout=loads.acquire_timeout,
                       abort=abort, publish=publish)
     if not force and live_adapter_diff(loads.store, loads.pool.current, loaded) is not None:
-        return rollout.run(loaded, progress=progress, on_step=on_step, change=change)  # no second generation
+        # spec.adapters alone, on the serving generation: room for its new size, not for a second generation
+        with host.rolling(loads.name), host.room(loads.name, need, reason="rollout"):
+            return rollout.run(loaded, progress=progress, on_step=on_step, change=change)
     with host.rolling(loads.name):
         requested = loaded.manifest.spec.rollout.strategy
         if loads.pool.current is not None and requested != Strategy.RECREATE:
