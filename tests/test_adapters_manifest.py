@@ -108,3 +108,14 @@ def test_a_quantized_base_is_refused_at_quantization(lora: Any, tmp_path: Path) 
     with pytest.raises(ManifestError) as err:
         load_manifests(file)
     assert [i.field for i in err.value.issues] == ["spec.model.quantization"]
+
+
+def test_deploykit_validate_says_file_line_and_field(lora: Any, tmp_path: Path) -> None:
+    from click.testing import CliRunner
+
+    from deploykit.cli import main
+
+    file = _write(tmp_path, lora.base, [("pirate", lora.pirate), ("gpt", lora.gpt2)])
+    result = CliRunner().invoke(main, ["validate", str(file)])
+    assert result.exit_code == 2, result.output
+    assert f"{file}:13:13: spec.adapters.1.path: adapter 'gpt'" in result.output.replace("\n", "")
