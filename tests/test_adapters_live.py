@@ -123,15 +123,19 @@ def test_adapters_added_and_removed_live_under_streaming_load(lora: Any, tmp_pat
     assert set(sizes["removed"]) == {"pirate"}  # its memory went with it: the accounting holds the rest only
 
 
-def test_under_a_host_budget_a_live_adapter_change_counts_its_bytes(lora: Any, tmp_path: Path) -> None:
+def test_under_a_host_budget_a_live_adapter_change_needs_room_for_its_bytes_only(lora: Any, tmp_path: Path) -> None:
+    """Two generations do not fit in this budget (blue-green could not reload), one with its adapters does."""
     manifests = tmp_path / "m"
     manifests.mkdir()
     path = manifests / "chat.yaml"
-    path.write_text(adapters_manifest(lora.base, {"pirate": lora.pirate}))
-    with Server(manifests, tmp_path / "state", "--budget", "cpu=1GiB") as server:
+    blue_green = "  rollout: {strategy: blue-green}\n"
+    path.write_text(adapters_manifest(lora.base, {"pirate": lora.pirate}) + blue_green)
+    with Server(manifests, tmp_path / "state", "--budget", "cpu=600KiB") as server:
         client = openai.OpenAI(base_url=f"{server.url}/v1", api_key="none", max_retries=0, timeout=120)
         before = _status(server.url)
-        replace_like_an_editor(path, adapters_manifest(lora.base, {"pirate": lora.pirate, "polite": lora.polite}))
+        assert 2 * before["budget"]["bytes"] > 600 * 1024  # a second generation would not fit
+        replace_like_an_editor(path, adapters_manifest(lora.base, {"pirate": lora.pirate, "polite": lora.polite})
+                               + blue_green)
         after = wait_until(lambda: (st := _status(server.url))["revision"] == before["revision"] + 1 and st,
                            timeout=120, what="the added adapter's revision is current")
         assert "chat:polite" in _models(client)
