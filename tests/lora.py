@@ -1,6 +1,6 @@
 """Real PEFT LoRA adapters for tests: trained a few steps with peft on a tiny real model, so that the adapter
 visibly changes the model's greedy answers, and saved with ``save_pretrained`` (adapter_config.json +
-adapter_model.safetensors)."""
+adapter_model.safetensors); peft's own greedy answers to compare with, and manifests that serve them."""
 
 from __future__ import annotations
 
@@ -65,3 +65,12 @@ def chat_ids(base: Path, content: str) -> list[int]:
     ids = AutoTokenizer.from_pretrained(base).apply_chat_template(
         [{"role": "user", "content": content}], add_generation_prompt=True, tokenize=True)
     return list(ids["input_ids"] if hasattr(ids, "keys") else ids)
+
+
+def adapters_manifest(base: Path, adapters: dict[str, Path], name: str = "chat", max_tokens: int = 64) -> str:
+    text = (f"apiVersion: deploykit/v1\nkind: ModelDeployment\nmetadata: {{name: {name}}}\nspec:\n"
+            f"  model: {{path: {base}, dtype: float32}}\n  placement: {{gpus: []}}\n"
+            f"  serving: {{max_tokens: {max_tokens}, max_concurrent: 16}}\n")
+    if adapters:
+        text += "  adapters:\n" + "".join(f"    - {{name: {n}, path: {p}}}\n" for n, p in adapters.items())
+    return text

@@ -13,10 +13,9 @@ from typing import Any
 import openai
 
 from helpers import wait_until
-from lora import chat_ids, peft_reference
+from lora import adapters_manifest, chat_ids, peft_reference
 from manifests import replace_like_an_editor
 from servers import Server
-from test_adapters_serve import adapters_manifest
 
 TOKENS = 16
 

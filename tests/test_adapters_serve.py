@@ -5,27 +5,17 @@ deployment's own name: the base's), alone and in mixed concurrent batches, plain
 from __future__ import annotations
 
 import threading
-from pathlib import Path
 from typing import Any
 
 import openai
 import pytest
 
-from lora import chat_ids, peft_reference
+from lora import adapters_manifest, chat_ids, peft_reference
 from servers import Server, get
 
 KEY = "sk-deploykit-test"
 TOKENS = 24
 PROMPTS = ["hi", "hello there", "what is it"]
-
-
-def adapters_manifest(base: Path, adapters: dict[str, Path], name: str = "chat", max_tokens: int = 64) -> str:
-    text = (f"apiVersion: deploykit/v1\nkind: ModelDeployment\nmetadata: {{name: {name}}}\nspec:\n"
-            f"  model: {{path: {base}, dtype: float32}}\n  placement: {{gpus: []}}\n"
-            f"  serving: {{max_tokens: {max_tokens}, max_concurrent: 16}}\n")
-    if adapters:
-        text += "  adapters:\n" + "".join(f"    - {{name: {n}, path: {p}}}\n" for n, p in adapters.items())
-    return text
 
 
 @pytest.fixture(scope="module")
