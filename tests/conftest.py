@@ -5,6 +5,7 @@ import shutil
 import sys
 import tempfile
 from collections.abc import Callable
+from typing import Any
 from pathlib import Path
 
 import pytest
@@ -49,3 +50,24 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
             for item in items:
                 if item.get_closest_marker("cuda"):
                     item.add_marker(skip)
+
+
+@pytest.fixture(scope="session")
+def lora(tmp_path_factory: pytest.TempPathFactory) -> Any:
+    """A tiny chat model and real PEFT LoRA adapters trained on it (``pirate``, ``polite``), one for a tiny
+    GPT-2 (another architecture) and one for a narrower Llama (another size): built once per test run."""
+    from types import SimpleNamespace
+
+    from chatmodel import build_chat_model
+    from lora import train_adapter
+
+    root = tmp_path_factory.mktemp("lora")
+    base = build_chat_model(root / "base")
+    narrow = build_chat_model(root / "narrow", hidden=32, intermediate=64)
+    return SimpleNamespace(
+        base=base,
+        pirate=train_adapter(base, root / "pirate", text="user: hi\nassistant: arr matey arr matey arr matey"),
+        polite=train_adapter(base, root / "polite", text="user: hi\nassistant: good day sir, good day sir", seed=1),
+        gpt2=train_adapter(build(name="gpt2", directory=root / "gpt2"), root / "gpt2-lora", text="hello hello",
+                           steps=2, target_modules=("c_attn",)),
+        narrow=train_adapter(narrow, root / "narrow-lora", text="hi", steps=2))

@@ -49,6 +49,9 @@ def plan(files: tuple[str, ...], devices: str | None, budget: str | None, output
                       f"digest: {p.digest[:19]}")
             for note in p.notes:
                 out.print(f"  note: {note}")
+            for a in p.adapters:  # LoRA adapters, beside the layers they adapt (in the total above)
+                where = ", ".join(f"{d if isinstance(d, str) else f'cuda:{d}'} {format_size(b)}" for d, b in a.devices)
+                out.print(f"adapter {a.name}: {format_size(a.bytes)} ({where})")
             for n in p.nodes:  # one line per pipeline stage, easy to grep
                 layers = f"layers {n.layers[0]}-{n.layers[1]}" if n.layers else "no layers"
                 out.print(f"node {n.node} {n.name}: {layers}, {format_size(n.bytes)}, load {100 * n.actual_share:.2f}%")

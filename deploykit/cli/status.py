@@ -57,6 +57,9 @@ def status(name: str | None, output: str, server: str | None, state_dir: str | N
                 out.print(f"  {device}: {', '.join(d['blocks'])} ({format_size(d['bytes'])})", markup=False)
         if r.get("budget"):
             out.print("  " + _memory_line(r["budget"]), markup=False)
+        if r.get("adapters"):  # LoRA adapters the serving generation answers as NAME:ADAPTER
+            out.print("  adapters: " + ", ".join(f"{a['name']} ({format_size(a['bytes'])})" for a in r["adapters"]),
+                      markup=False)
         if r.get("rollout") and r["rollout"]["stage"] in ("golden", "traffic"):
             for line in rollout_lines(r["rollout"]):
                 out.print(f"  {line}", markup=False)

@@ -25,6 +25,7 @@ import threading
 from collections.abc import Callable
 from typing import Any, Literal, Protocol
 
+from .adapters import Adapters, UnknownAdapter
 from .admission import Admission, FinishReason, QueueFull
 from .types import Limits, eos_set
 from .continuous import ContinuousBackend
@@ -58,7 +59,8 @@ class Engine:
     def __init__(self, model: Any, tokenizer: Any, *, backend: Literal["padded", "continuous"] = "padded",
                  max_batch_size: int = 16, max_queued: int = 64, kv_cache_bytes: int = 256 << 20,
                  forward_lock: threading.Lock | None = None, cb_page_size: int = 64, prefix_cache_bytes: int = 0,
-                 prefill_chunk: int = 256, context_length: int | None = None) -> None:
+                 prefill_chunk: int = 256, context_length: int | None = None,
+                 adapters: Adapters | None = None) -> None:
         if forward_lock is not None:
             backend = "padded"  # offload hooks: deploykit's loop takes the lock around each forward
         self.model, self.tokenizer, self.backend = model.eval(), tokenizer, backend
@@ -67,6 +69,7 @@ class Engine:
         self.kv_bytes_per_token = _kv_bytes_per_token(model)
         self.prefix_cache_bytes, self.prefill_chunk = prefix_cache_bytes, prefill_chunk
         self.context_length = context_length or runtime_context(model.config, Limits())  # the longest request
+        self.adapters = adapters  # LoRA adapters: the padded loop computes each row with its own
         self._queue = Admission(max_queued=max_queued)  # request ids and closing; padded: the waiting requests
         self._batcher: Backend = self._start_backend(backend, forward_lock, cb_page_size)
         self.grammars = None if backend == "continuous" else grammars_for(model, tokenizer, self.eos_ids)
@@ -82,7 +85,8 @@ class Engine:
         return PaddedBackend(self.model, self.tokenizer, self._queue, eos_ids=self.eos_ids,
                              max_batch_size=self.max_batch_size, kv_cache_bytes=self.kv_cache_bytes,
                              kv_bytes_per_token=self.kv_bytes_per_token, forward_lock=forward_lock,
-                             prefix_cache_bytes=self.prefix_cache_bytes, prefill_chunk=self.prefill_chunk)
+                             prefix_cache_bytes=self.prefix_cache_bytes, prefill_chunk=self.prefill_chunk,
+                             adapters=self.adapters)
 
     def submit(self, request: GenerationRequest,
                listener: Callable[[int | GenerationResult], None] | None = None) -> RequestHandle:
@@ -95,8 +99,25 @@ class Engine:
                                  "use spec.serving.batching: padded")
             grammar = self.grammars.matcher(request.grammar)
         h = RequestHandle(request, self._queue.check(request), rng=request_generator(request), listener=listener,
-                          grammar=grammar)
-        return self._batcher.submit(h)
+                          grammar=grammar, on_finish=self._hold_adapter(request))
+        try:
+            return self._batcher.submit(h)
+        except BaseException:
+            if h.on_finish is not None:
+                h.on_finish()
+            raise
+
+    def _hold_adapter(self, request: GenerationRequest) -> Callable[[], None] | None:
+        """Count the request on its adapter until it ends (a removed adapter waits for them); UnknownAdapter
+        when it is not loaded, or where the backend cannot compute rows with adapters (continuous)."""
+        name = request.adapter
+        if name is None:
+            return None
+        if self.adapters is None or self.backend == "continuous":
+            raise UnknownAdapter(name)
+        adapters = self.adapters
+        adapters.hold(name)
+        return lambda: adapters.release(name)
 
     def cancel(self, handle: RequestHandle) -> None:
         """Free the request's slot; its handle ends at once with finish_reason 'cancelled'."""

@@ -28,13 +28,15 @@ from __future__ import annotations
 import copy
 import threading
 import time
-from contextlib import AbstractContextManager, nullcontext
+from collections.abc import Iterator
+from contextlib import AbstractContextManager, contextmanager, nullcontext
 from typing import Any
 
 import torch
 import torch.nn.functional as F
 
 from ..threads import release_openmp_threads
+from .adapters import Adapters
 from .admission import Admission, FinishReason, stop_reason
 from .devices import input_device
 from .kvcache import (
@@ -59,9 +61,10 @@ class PaddedBackend:
 
     def __init__(self, model: Any, tokenizer: Any, queue: Admission, *, eos_ids: set[int], max_batch_size: int,
                  kv_cache_bytes: int, kv_bytes_per_token: int, forward_lock: threading.Lock | None,
-                 prefix_cache_bytes: int = 0, prefill_chunk: int = 256) -> None:
+                 prefix_cache_bytes: int = 0, prefill_chunk: int = 256, adapters: Adapters | None = None) -> None:
         self.model, self.tokenizer, self.eos_ids = model, tokenizer, eos_ids
         self.device = input_device(model)  # where ids, positions and masks are made
+        self.adapters = adapters  # LoRA adapters of the model: each row computes with its own (adapters.py)
         self._queue = queue  # the waiting requests
         self._forward_lock: AbstractContextManager[Any] = forward_lock or nullcontext()
         self.max_batch_size, self.kv_cache_bytes = max_batch_size, kv_cache_bytes
@@ -155,7 +158,8 @@ class PaddedBackend:
         short, alone = [], []
         for h in new:
             prompt = h.request.prompt_ids
-            hit = self.prefix.lookup(prompt) if self.prefix is not None else None
+            # a prefix's KV depends on the adapter it was computed with: the cache holds the base's only
+            hit = self.prefix.lookup(prompt) if self.prefix is not None and h.request.adapter is None else None
             if len(prompt) - (hit.tokens if hit else 0) <= self.prefill_chunk:
                 short.append(h)
                 if hit is not None:
@@ -170,7 +174,7 @@ class PaddedBackend:
         ``ChunkSizer``); once it is all read, its cache joins the batch's and its row gets logits. A
         prompt the model cannot run fails alone."""
         try:
-            logits = p.step(self.model, self._forward_lock, self._chunks.next(decoding), self._chunks)
+            logits = p.step(self.model, self._forwarding([p.handle]), self._chunks.next(decoding), self._chunks)
         except Exception as exc:
             p.handle.finish("error", repr(exc))
             return None, cache, mask, []
@@ -183,7 +187,7 @@ class PaddedBackend:
                 ) -> tuple[torch.Tensor, Any, torch.Tensor]:
         """One decode step of the running rows: each one's last token in, next-token logits out."""
         mask = F.pad(mask, (0, 1), value=1)
-        with self._forward_lock:
+        with self._forwarding(rows):
             out = self.model(input_ids=torch.tensor([[h.tokens[-1]] for h in rows], device=mask.device),
                              attention_mask=mask, position_ids=mask.sum(1, keepdim=True) - 1,
                              use_cache=True, logits_to_keep=1, **with_cache(self.model, cache))
@@ -216,6 +220,15 @@ class PaddedBackend:
             layer.values = torch.cat([c.layers[j].values for _, _, c, _ in ran])[:, :, lead:]
         return [h for h, _, _, _ in ran], torch.cat([lg for _, lg, _, _ in ran]), cache, mask[:, lead:]
 
+    def _forwarding(self, rows: list[RequestHandle]) -> AbstractContextManager[Any]:
+        """The context of one forward of ``rows``: the forward lock, and each row's own LoRA adapter."""
+        return self._forwarding_requests([h.request for h in rows])
+
+    @contextmanager
+    def _forwarding_requests(self, requests: list[GenerationRequest]) -> Iterator[None]:
+        with self._forward_lock, self.adapters.rows([r.adapter for r in requests]) if self.adapters else nullcontext():
+            yield
+
     def _start(self, new: list[RequestHandle]) -> list[RequestHandle]:
         """Answer what needs no decoding (prompt logprobs, ``max_new_tokens`` 0); the rest will decode."""
         keep = []
@@ -234,7 +247,7 @@ class PaddedBackend:
     def _prompt_logprobs(self, r: GenerationRequest) -> list[TokenLogprobs]:
         """A forward of the whole prompt alone, keeping every position's logits (the batch keeps one)."""
         ids = torch.tensor([list(r.prompt_ids)], device=self.device)
-        with self._forward_lock:
+        with self._forwarding_requests([r]):
             logits = self.model(input_ids=ids, attention_mask=torch.ones_like(ids), use_cache=False).logits[0]
         return prompt_logprobs(logits, r.prompt_ids, r.prompt_logprobs or 0)
 
@@ -314,7 +327,7 @@ class PaddedBackend:
             read_hits(past, hits, kept, c, room=s)
         for h, k in zip(new, kept):
             h.cached_tokens = k
-        with self._forward_lock:
+        with self._forwarding(new):
             out = self.model(input_ids=ids, attention_mask=nmask, position_ids=pos, use_cache=True,
                              logits_to_keep=1, **with_cache(self.model, past))
         return (out.logits[:, -1].float(), *merged(cache, mask, returned_cache(out), nmask))
@@ -325,7 +338,7 @@ class PaddedBackend:
         they failed) and freed from the batch."""
         if self.prefix is not None and cache is not None:
             for i, h in enumerate(rows):
-                if h.finished.is_set() and h.result().finish_reason != "error":
+                if h.finished.is_set() and h.result().finish_reason != "error" and h.request.adapter is None:
                     self._keep(h, cache, int(mask[i].sum()), i)
         return _drop_done(rows, cache, mask)
 

@@ -41,6 +41,7 @@ class GenerationRequest:
     frequency_penalty: float = 0.0
     logit_bias: Sequence[tuple[int, float]] = ()  # (token id, bias added to its logit)
     grammar: Constraint | None = None  # what the output must follow (grammar.py); None: free text
+    adapter: str | None = None  # the LoRA adapter this request computes with (adapters.py); None: the base
 
     def __post_init__(self) -> None:
         if self.temperature < MIN_TEMPERATURE:  # every engine then reads it as greedy (0)
@@ -82,6 +83,7 @@ class RequestHandle:
     done: bool = False  # set (under _FINISH_LOCK) just before the final result
     finished: threading.Event = field(default_factory=threading.Event)
     listener: Callable[[int | GenerationResult], None] | None = None  # called from the engine's thread
+    on_finish: Callable[[], None] | None = None  # called once when it ends (the engine releases what it held)
     _final: GenerationResult | None = None
     _q: queue.Queue[int | GenerationResult] = field(default_factory=queue.Queue)
 
@@ -100,6 +102,8 @@ class RequestHandle:
             if self.done:
                 return
             self.done = True
+        if self.on_finish is not None:
+            self.on_finish()
         ttft = None if self.first_token_at is None else self.first_token_at - self.submitted
         n, m = len(self.request.prompt_ids), len(self.tokens)
         lps = list(self.logprobs) if self.request.logprobs is not None else None

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import logging
 import threading
+from collections.abc import Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -20,6 +21,7 @@ from .text import RequestError, TextStream, check_length
 from .types import Constraint, Limits, eos_set
 
 if TYPE_CHECKING:
+    from .adapters import AdapterSource, Adapters
     from .loader import LoadedModel
     from .serving import TextEngine
 
@@ -85,19 +87,32 @@ class TextRuntime:
 
     @classmethod
     def in_process(cls, loaded: LoadedModel, limits: Limits, *, kv_cache_bytes: int,
-                   forward_lock: threading.Lock | None) -> TextRuntime:
-        """The batching engine over a model loaded in this process."""
+                   forward_lock: threading.Lock | None, adapters: Sequence[AdapterSource] = ()) -> TextRuntime:
+        """The batching engine over a model loaded in this process, with ``adapters`` loaded (the padded
+        loop serves LoRA adapters, and takes more while it serves: ``TextRuntime.adapters``)."""
+        from .adapters import Adapters
         from .batching import Engine
 
         if loaded.tokenizer is None:
             raise RequestError("this model ships no tokenizer: it cannot serve text", code="no_tokenizer")
+        padded = limits.batching != "continuous"
+        registry = Adapters(loaded.model) if padded else None
+        for source in adapters:
+            if registry is None:
+                raise RequestError("LoRA adapters are served by the padded batch loop only", code="unsupported")
+            registry.load(source)
         length = context_length(loaded.model.config, limits)
         engine = Engine(loaded.model, loaded.tokenizer, max_batch_size=limits.max_concurrent,
                         max_queued=limits.max_queued, kv_cache_bytes=kv_cache_bytes, forward_lock=forward_lock,
-                        backend="continuous" if limits.batching == "continuous" else "padded",
+                        backend="padded" if padded else "continuous",
                         prefix_cache_bytes=limits.prefix_cache_bytes, prefill_chunk=limits.prefill_chunk,
-                        context_length=length)
+                        context_length=length, adapters=registry)
         return cls(engine, loaded.tokenizer, limits, context_length=length, loaded=loaded)
+
+    @property
+    def adapters(self) -> Adapters | None:
+        """The LoRA adapters this runtime serves beside the base (None: it serves none)."""
+        return getattr(self.engine, "adapters", None)
 
     def check_grammar(self, constraint: Constraint) -> None:
         """Compile ``constraint`` now (off the engine's thread; cached for its requests), or RequestError:
@@ -169,14 +184,15 @@ Runtime = TextRuntime | EmbeddingRuntime
 
 
 def build_runtime(loaded: LoadedModel, limits: Limits, *, task: str, kv_cache_bytes: int,
-                  forward_lock: threading.Lock | None) -> Runtime | None:
+                  forward_lock: threading.Lock | None, adapters: Sequence[AdapterSource] = ()) -> Runtime | None:
     """The runtime for ``task``; None when the model cannot serve requests (no tokenizer, or a task
     the API does not offer): ``acquire()`` still works."""
     if loaded.tokenizer is None:
         log.info("%s ships no tokenizer: the inference API will not serve it", loaded.source)
         return None
     if task == Task.CAUSAL_LM:
-        return TextRuntime.in_process(loaded, limits, kv_cache_bytes=kv_cache_bytes, forward_lock=forward_lock)
+        return TextRuntime.in_process(loaded, limits, kv_cache_bytes=kv_cache_bytes, forward_lock=forward_lock,
+                                      adapters=adapters)
     if task == Task.FEATURE_EXTRACTION:
         return EmbeddingRuntime(loaded, limits)
     return None

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Protocol, runtime_checkable
 
 from ..names import Task
+from .adapters import AdapterSource
 from .loader import LoadOptions
 from .types import Limits
 
@@ -30,6 +31,7 @@ class ServingSpec:
     limits: Limits
     health_input: str = "Hello"
     health_timeout: float = 60.0
+    adapters: tuple[AdapterSource, ...] = ()  # spec.adapters, paths resolved
 
     @property
     def task(self) -> Task:

@@ -50,6 +50,17 @@ class NodePlan:
 
 
 @dataclass(frozen=True)
+class AdapterPlan:
+    """One LoRA adapter of ``spec.adapters``: its bytes at the base's dtype, on the devices holding the
+    layers it adapts (``placement/adapters.py``)."""
+
+    name: str
+    path: str
+    bytes: int
+    devices: tuple[tuple[Device, int], ...]  # (device, bytes there), in the plan's device order
+
+
+@dataclass(frozen=True)
 class Plan:
     """A placement decision. ``digest`` covers what was decided (model, dtype, device_map)."""
 
@@ -71,6 +82,11 @@ class Plan:
     device_nodes: tuple[int, ...] = ()  # the node of each entry of ``devices``
     quantization: str = "none"  # spec.model.quantization: block sizes are the quantized bytes
     prefix_cache_bytes: int = 0  # spec.serving.prefix_cache, spread as the KV is (placement.kv)
+    adapters: tuple[AdapterPlan, ...] = ()  # spec.adapters; their bytes are in total_bytes, not in devices
+
+    @property
+    def adapter_bytes(self) -> int:
+        return sum(a.bytes for a in self.adapters)
 
     @property
     def is_quantized(self) -> bool:
@@ -86,6 +102,11 @@ class Plan:
             data.pop("quantization")
         if not self.prefix_cache_bytes:
             data.pop("prefix_cache_bytes")
+        if not self.adapters:  # plans without adapters keep their exact former shape
+            data.pop("adapters")
+        else:
+            data["adapters"] = [{"name": a.name, "path": a.path, "bytes": a.bytes,
+                                 "devices": [{"device": d, "bytes": b} for d, b in a.devices]} for a in self.adapters]
         if not self.nodes:  # one-node plans keep their exact former shape
             for key in ("node_map", "nodes", "device_nodes"):
                 data.pop(key)
@@ -110,7 +131,11 @@ class Plan:
         nodes = tuple(NodePlan(**{**n, "blocks": tuple(n["blocks"]),
                                   "layers": tuple(n["layers"]) if n.get("layers") else None})
                       for n in data.get("nodes", ()))
+        adapters = tuple(AdapterPlan(a["name"], a["path"], a["bytes"],
+                                     tuple((d["device"], d["bytes"]) for d in a["devices"]))
+                         for a in data.get("adapters", ()))
         return cls(**{**data, "devices": devices, "notes": tuple(data.get("notes", ())), "nodes": nodes,
+                      "adapters": adapters,
                       "device_nodes": tuple(data.get("device_nodes", ())),
                       "node_map": dict(data.get("node_map", {}))})
 

@@ -48,8 +48,14 @@ def plan_manifest(loaded: LoadedManifest, *, devices: str | None = None,
     spec = loaded.manifest.spec
     if spec.placement.tensor_parallel > 1:
         return _plan_tensor_parallel(loaded, inv)
-    return replace(plan(structure_for(loaded), spec, inv, name=loaded.name),
-                   prefix_cache_bytes=prefix_cache_bytes(spec))
+    planned = replace(plan(structure_for(loaded), spec, inv, name=loaded.name),
+                      prefix_cache_bytes=prefix_cache_bytes(spec))
+    if not spec.adapters:
+        return planned
+    from .adapters import plan_adapters
+
+    adapters = plan_adapters(planned, [(a.name, loaded.resolve(a.path)) for a in spec.adapters])
+    return replace(planned, adapters=adapters, total_bytes=planned.total_bytes + sum(a.bytes for a in adapters))
 
 
 def prefix_cache_bytes(spec: Spec) -> int:

@@ -19,6 +19,7 @@ from pydantic import ValidationError
 
 from ..errors import ApplyError, Issue, ManifestError
 from ..names import Task
+from .adapters import AdapterFileError, base_weight_shapes, fit_problem, read_adapter
 from .engines import LLAMA_CPP
 from .schema import ModelDeployment
 from .tensor_parallel import heads_issues
@@ -71,6 +72,8 @@ class LoadedManifest:
         engine = data["spec"].get("engine")
         if engine and engine.get("binary"):
             engine["binary"] = str(self.resolve(Path(engine["binary"])).resolve())
+        for adapter in data["spec"].get("adapters", []):
+            adapter["path"] = str(self.resolve(Path(adapter["path"])).resolve())
         gates = data["spec"]["rollout"].get("gates")
         if gates and gates.get("golden"):
             gates["golden"] = str(self.resolve(Path(gates["golden"])).resolve())
@@ -196,6 +199,7 @@ def check_on_host(loaded: LoadedManifest) -> list[Issue]:
                                    hint="point path at a Hugging Face checkpoint directory or a .gguf file"))
     if not issues:
         issues.extend(heads_issues(loaded))
+        issues.extend(adapter_issues(loaded))
     issues.extend(_golden_issues(loaded))
     issues.extend(_scale_out_issues(loaded))
     disk = loaded.manifest.spec.offload.disk
@@ -203,6 +207,31 @@ def check_on_host(loaded: LoadedManifest) -> list[Issue]:
         disk_dir = loaded.resolve(disk.path)
         if disk_dir.exists() and not disk_dir.is_dir():
             issues.append(loaded.issue("spec.offload.disk.path", f"{str(disk_dir)!r} is not a directory"))
+    return issues
+
+
+def adapter_issues(loaded: LoadedManifest) -> list[Issue]:
+    """Each adapter that is missing, not a PEFT LoRA directory, or does not fit the base checkpoint (its
+    target modules and shapes against the base's safetensors headers), at ``spec.adapters.<i>.path``."""
+    adapters = loaded.manifest.spec.adapters
+    if not adapters:
+        return []
+    issues: list[Issue] = []
+    try:
+        base = base_weight_shapes(loaded.model_path)
+    except AdapterFileError as exc:
+        return [loaded.issue("spec.model.path", str(exc))]
+    for i, adapter in enumerate(adapters):
+        directory = loaded.resolve(adapter.path)
+        try:
+            problem = fit_problem(read_adapter(directory), base)
+        except AdapterFileError as exc:
+            problem = str(exc)
+        else:
+            problem = problem and f"adapter {adapter.name!r} ({directory}): {problem}"
+        if problem:
+            issues.append(loaded.issue(f"spec.adapters.{i}.path", problem,
+                                       hint="a directory saved by peft's save_pretrained for this base model"))
     return issues
 
 

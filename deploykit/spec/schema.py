@@ -26,11 +26,12 @@ from pydantic import (
 )
 from pydantic_core import PydanticCustomError
 
+from .adapters import Adapter, duplicate_problem
 from .rollout import Canary, Gates, HealthCheck, Rollout
 from .serving import Engine, Lifecycle, PrefixCache, Serving
 from .values import Duration, KeepAlive, Size, Strict
 
-__all__ = ["API_VERSION", "KIND", "Canary", "Cluster", "CpuOffload", "DiskOffload", "Duration", "Engine", "Gates",
+__all__ = ["API_VERSION", "KIND", "Adapter", "Canary", "Cluster", "CpuOffload", "DiskOffload", "Duration", "Engine", "Gates",
            "HealthCheck", "KVCache", "KeepAlive", "Lifecycle", "Metadata", "ModelDeployment", "ModelSpec", "Offload",
            "Placement", "PrefixCache", "Rollout", "Serving", "Sharding", "Size", "Spec"]
 
@@ -221,6 +222,28 @@ class Spec(Strict):
                                                                         "under deploykit serve's budget.")
     engine: Engine = Field(default_factory=Engine, description="What computes the model: transformers (in "
                                                                 "process) or llama.cpp (llama-server).")
+    adapters: list[Adapter] = Field(default_factory=list, description="PEFT LoRA adapters served beside the base, "
+                                    "each as model <metadata.name>:<name>; a change of this list alone is applied "
+                                    "live (docs/adapters.md).")
+
+    @field_validator("adapters")
+    @classmethod
+    def _unique_adapters(cls, adapters: list[Adapter]) -> list[Adapter]:
+        problem = duplicate_problem(adapters)
+        if problem:
+            field, message = problem
+            raise PydanticCustomError("adapter_duplicate", message, {"at": field})
+        return adapters
+
+    @model_validator(mode="after")
+    def _what_adapters_need(self) -> Spec:
+        from .adapters import spec_problem
+
+        problem = spec_problem(self)
+        if problem:
+            field, message = problem
+            raise PydanticCustomError("adapters", message, {"at": field})
+        return self
 
     @model_validator(mode="after")
     def _what_llama_cpp_honours(self) -> Spec:
@@ -295,6 +318,8 @@ class Spec(Strict):
             data.pop("lifecycle", None)
         if self.engine == Engine():  # manifests that never name an engine keep their digest
             data.pop("engine", None)
+        if not self.adapters:  # manifests without adapters keep their digest
+            data.pop("adapters", None)
         return data
 
 

@@ -70,7 +70,7 @@ def validation_issues(exc: ValidationError, doc: Document, source: str) -> list[
         path = _clean_path(err["loc"])
         at = (err.get("ctx") or {}).get("at")
         if at:  # a cross-field check raised on the model holding the field to fix: point at that field
-            path = path + tuple(str(at).split("."))
+            path = path + tuple(int(p) if p.isdigit() else p for p in str(at).split("."))
         line, column, message = _located_message(err, path, doc)
         field = ".".join(str(p) for p in path)
         previous = next((i for i, issue in enumerate(issues) if issue.field == (field or None)

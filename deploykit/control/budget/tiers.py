@@ -9,6 +9,7 @@ blocks are read in place and cost no budget. Pure values and parsing only: no to
 from __future__ import annotations
 
 import re
+from typing import Any
 from collections.abc import Mapping
 from dataclasses import dataclass
 
@@ -98,6 +99,11 @@ def plan_tiers(plan: Plan) -> dict[str, int]:
         tiers[tier] = tiers.get(tier, 0) + device.bytes
     for tier, held in prefix_cache_tiers(plan).items():
         tiers[tier] = tiers.get(tier, 0) + held
+    kinds: dict[Any, str] = {d.device: d.tier for d in plan.devices}
+    for adapter in plan.adapters:  # held beside the layers they adapt
+        for where, size in adapter.devices:
+            tier = "cpu" if kinds.get(where, "cpu") == "cpu" else f"gpu{where}"
+            tiers[tier] = tiers.get(tier, 0) + size
     return tiers
 
 

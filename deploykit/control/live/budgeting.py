@@ -22,6 +22,7 @@ from ...names import Load, Strategy
 from ..budget import BudgetError, plan_tiers
 from ..revisions.change import Change
 from ..revisions.reconciler import ApplyOptions, ApplyOutcome, apply
+from .adapters import live_adapter_diff
 from .rollout import Rollout, RolloutResult
 
 if TYPE_CHECKING:
@@ -89,6 +90,10 @@ def roll_budgeted(loads: Loads, host: Host, change: Change, *, force: bool = Fal
         return RolloutResult(False, "none", replace(probe, status="deferred"))
     rollout = Rollout(loads.pool, loads.store, devices=loads.devices, acquire_timeout=loads.acquire_timeout,
                       abort=abort, publish=publish)
+    if not force and live_adapter_diff(loads.store, loads.pool.current, loaded) is not None:
+        # spec.adapters alone, on the serving generation: room for its new size, not for a second generation
+        with host.rolling(loads.name), host.room(loads.name, need, reason="rollout"):
+            return rollout.run(loaded, progress=progress, on_step=on_step, change=change)
     with host.rolling(loads.name):
         requested = loaded.manifest.spec.rollout.strategy
         if loads.pool.current is not None and requested != Strategy.RECREATE:

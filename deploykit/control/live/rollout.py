@@ -29,6 +29,7 @@ from ..revisions.change import Change
 from ..revisions.loading import load_revision, recorded_manifest, serving_of
 from ..revisions.reconciler import ApplyOptions, ApplyOutcome, apply
 from ..revisions.state import StateStore
+from .adapters import apply_live, live_adapter_diff
 from .canary import AbortSignal, CanaryProgress, GatedPlan, GatedRollout
 from .pool import Generation, GenerationPool
 
@@ -61,7 +62,7 @@ def inventory_beside(inventory: Inventory, gen: Generation | None) -> Inventory:
 @dataclass(frozen=True)
 class RolloutResult:
     swapped: bool  # a new generation serves
-    strategy: str  # "blue-green" | "recreate" | "none"
+    strategy: str  # "blue-green" | "recreate" | "live" (spec.adapters alone, adapters.py) | "none"
     outcome: ApplyOutcome | None = None  # what the apply did (revision, timings, plan, health)
 
 
@@ -96,6 +97,9 @@ class Rollout:
         ``strategy`` overrides the manifest's (the host budget's decision: recreate when two generations
         do not fit in it). ``change``: the change this rollout is (planned once for all its steps)."""
         change = change if change is not None else Change(loaded, self.devices)
+        live = None if force else live_adapter_diff(self.store, self.pool.current, loaded)
+        if live is not None and self.pool.current is not None:  # spec.adapters alone: no new generation
+            return RolloutResult(False, "live", apply_live(self.store, self.pool.current, change, live))
         requested = strategy or loaded.manifest.spec.rollout.strategy
         beside = inventory_beside(change.inventory(), self.pool.current)
         infeasible: PlanInfeasible | None = None

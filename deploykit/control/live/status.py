@@ -31,6 +31,25 @@ class PlacedDevice:
 
 
 @dataclass(frozen=True)
+class ServedAdapter:
+    """A LoRA adapter the serving generation answers as ``<deployment>:<name>``, and its planned bytes."""
+
+    name: str
+    bytes: int
+    devices: dict[str, int]  # device -> bytes there
+
+
+def served_adapters(gen: Generation | None) -> list[ServedAdapter]:
+    adapters = getattr(gen.runtime, "adapters", None) if gen is not None else None
+    if gen is None or adapters is None:
+        return []
+    planned = {a.name: a for a in gen.plan.adapters} if gen.plan is not None else {}
+    return [ServedAdapter(n, planned[n].bytes if n in planned else 0,
+                          {str(d): b for d, b in planned[n].devices} if n in planned else {})
+            for n in adapters.names()]
+
+
+@dataclass(frozen=True)
 class EngineProcess:
     """The process computing a llama.cpp generation: its pid now, and the deaths it recovered from (each
     replaced by a fresh, checked process at the next request)."""
@@ -70,6 +89,7 @@ class LiveStatus:
     plan: list[PlacedDevice] | None
     engine_process: EngineProcess | None = None  # llama.cpp: its llama-server
     rollout: CanaryProgress | None = None  # the latest gated rollout: in progress, promoted or rolled back
+    adapters: list[ServedAdapter] | None = None  # the LoRA adapters served beside the base
 
     def to_dict(self) -> dict[str, Any]:
         out = asdict(self)
@@ -96,6 +116,7 @@ def live_status(gen: Generation | None, state: State, *, name: str, pool: Genera
         if gen and gen.plan else None,
         engine_process=engine_process(gen),
         rollout=rollout,
+        adapters=served_adapters(gen),
     )
 
 
@@ -116,6 +137,7 @@ def served_status(store: StateStore, name: str, live: LiveStatus | None) -> dict
     if live is not None and live.engine_process is not None:  # llama.cpp: its process, and deaths recovered from
         report["engine_process"] = asdict(live.engine_process)
     report["rollout"] = live.rollout.to_dict() if live and live.rollout else None
+    report["adapters"] = [asdict(a) for a in live.adapters or []] if live else []
     return report
 
 

@@ -74,7 +74,11 @@ def serving_of(loaded: LoadedManifest, *, show_progress: bool = False) -> Servin
     if spec.engine.name == LLAMA_CPP:  # its slots decode together; each holds engine.context tokens
         limits = Limits(s.context_length or spec.engine.context, s.max_tokens, s.default_max_tokens, spec.engine.slots,
                         s.max_queued, s.max_input_items, s.batching, s.tool_call_parser)
-    return ServingSpec(loaded.name, load, limits, health_input=hc.input, health_timeout=hc.timeout)
+    from ...engine.adapters import AdapterSource
+
+    adapters = tuple(AdapterSource(a.name, str(loaded.resolve(a.path)), a.scale) for a in spec.adapters)
+    return ServingSpec(loaded.name, load, limits, health_input=hc.input, health_timeout=hc.timeout,
+                       adapters=adapters)
 
 
 def load_checked(loaded: LoadedManifest, plan: Plan, shards: Path, timer: StepTimer, *,

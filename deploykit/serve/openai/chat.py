@@ -23,7 +23,7 @@ from ...engine.text import chat_prompt_ids, check_length, template_takes_tools
 from ..served_by import mark
 from .choices import end, merged, start, usage
 from . import relay
-from .common import engine_request, find, lease, max_tokens_of, prepared, sse
+from .common import check_adapter, engine_request, find, lease, max_tokens_of, model_parts, prepared, sse
 from .generation import Outcome, Run, whole
 from .logprobs import TokenTexts, chat_content
 from .protocol import ChatCompletionRequest, new_id, now
@@ -36,7 +36,8 @@ router = APIRouter()
 @router.post("/v1/chat/completions", response_model=None)
 async def chat_completions(body: ChatCompletionRequest, request: Request) -> Any:
     state = request.app.state
-    dep = await find(state.registry, body.model)
+    base, adapter = model_parts(body.model)
+    dep = await find(state.registry, base)
     plans: list[Structured] = []
 
     def work(runtime: Any) -> list[GenerationRequest]:
@@ -52,17 +53,18 @@ async def chat_completions(body: ChatCompletionRequest, request: Request) -> Any
                      limit=runtime.limits.max_tokens, prompt_param="messages")
         plans.append(plan)
         return [engine_request(body, ids, max_tokens, runtime, choice=j, logprobs=body.top(),
-                               grammar=plan.constraint) for j in range(body.n)]
+                               grammar=plan.constraint, adapter=adapter) for j in range(body.n)]
 
     held = await lease(dep, "text")
     mark(request, held.gen)
+    check_adapter(held, body.model, adapter)
     if relay.is_relayed(held):  # llama.cpp: llama-server computes the validated request
         return await relay.chat(body, request, held, dep.name)
     held, jobs = await prepared(held, work)
     runs = [Run(held.gen, dep.name, job, request, state.metrics) for job in jobs]
     start(runs, held)  # before the response: a full queue is a 429, not a broken stream
     texts = TokenTexts(held.runtime.tokenizer)
-    meta = {"id": new_id("chatcmpl"), "created": now(), "model": dep.name}
+    meta = {"id": new_id("chatcmpl"), "created": now(), "model": body.model}
     if body.stream:
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
         return LeasedStream(_stream(runs, meta, include_usage, body.n, texts, plans[0]), lease=held, runs=runs,

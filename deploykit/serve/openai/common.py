@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING, Any, Protocol, TypeVar
 from starlette.concurrency import run_in_threadpool
 
 from ...control.budget import BudgetError
+from ...engine.adapters import UnknownAdapter
 from ...engine.admission import QueueFull
 from ...engine.requests import GenerationRequest, GenerationResult
 from ...engine.text import RequestError
@@ -159,7 +160,7 @@ def as_api_error(exc: RequestError) -> APIError:
 
 def engine_request(body: Sampling, prompt_ids: list[int], max_tokens: int, runtime: TextRuntime, *,
                    choice: int = 0, logprobs: int | None = None, prompt_logprobs: int | None = None,
-                   grammar: Constraint | None = None) -> GenerationRequest:
+                   grammar: Constraint | None = None, adapter: str | None = None) -> GenerationRequest:
     """The engine request of choice ``choice`` (0..n-1): choice j samples with ``seed + j``, so that a
     seeded request repeats and its n choices still differ."""
     vocab = len(runtime.tokenizer)
@@ -172,7 +173,7 @@ def engine_request(body: Sampling, prompt_ids: list[int], max_tokens: int, runti
                              stop_strings=tuple(body.stop_strings()), logprobs=logprobs,
                              prompt_logprobs=prompt_logprobs, presence_penalty=body.presence_penalty,
                              frequency_penalty=body.frequency_penalty, logit_bias=body.bias_pairs(),
-                             grammar=grammar)
+                             grammar=grammar, adapter=adapter)
 
 
 def max_tokens_of(requested: int | None, runtime: TextRuntime) -> int:
@@ -199,9 +200,30 @@ class TokenEvents:
                 return
 
 
+def model_parts(model: str) -> tuple[str, str | None]:
+    """A request's ``model``: (deployment, LoRA adapter or None). An adapter is ``<deployment>:<adapter>``."""
+    name, colon, adapter = model.partition(":")
+    return name, (adapter if colon else None)
+
+
+def check_adapter(held: Lease, model: str, adapter: str | None) -> None:
+    """404 (and the lease released) when ``adapter`` is not served by the pinned generation."""
+    if adapter is None:
+        return
+    adapters = getattr(held.runtime, "adapters", None)
+    if adapters is None or adapter not in adapters.names():
+        held.release()
+        served = ", ".join(f"{held.dep.name}:{n}" for n in (adapters.names() if adapters else [])) or "none"
+        raise APIError(404, f"the model {model!r} does not exist (adapters of {held.dep.name!r}: {served})",
+                       param="model", code="model_not_found")
+
+
 def submit(runtime: TextRuntime, request: GenerationRequest, events: TokenEvents) -> Any:
     try:
         return runtime.engine.submit(request, listener=events.put)
+    except UnknownAdapter as exc:  # removed between the request's check and its submit
+        raise APIError(404, f"the adapter {exc.args[0]!r} is no longer served", param="model",
+                       code="model_not_found") from None
     except QueueFull:
         raise APIError(429, "too many requests are waiting for this model; retry shortly",
                        code="queue_full", headers={"Retry-After": str(RETRY_AFTER_SECONDS)}) from None

@@ -16,7 +16,7 @@ from ...engine.text import RequestError, check_length, completion_prompt_ids
 from ..served_by import mark
 from .choices import end, merged, start, usage
 from . import relay
-from .common import engine_request, find, lease, max_tokens_of, prepared, sse
+from .common import check_adapter, engine_request, find, lease, max_tokens_of, model_parts, prepared, sse
 from .generation import Outcome, Run, whole
 from .logprobs import LegacyLogprobs, TokenTexts
 from .protocol import CompletionRequest, new_id, now
@@ -33,7 +33,7 @@ class Choice:
     echo: str | None
 
 
-def _choices(body: CompletionRequest, runtime: Any) -> list[Choice]:
+def _choices(body: CompletionRequest, runtime: Any, adapter: str | None) -> list[Choice]:
     prompts = body.prompts()
     if len(prompts) * body.n > runtime.limits.max_input_items:
         raise RequestError(f"{len(prompts)} prompts x n={body.n} in one request; this model takes at most "
@@ -48,23 +48,26 @@ def _choices(body: CompletionRequest, runtime: Any) -> list[Choice]:
         check_length(len(ids), max_tokens, context_length=runtime.context_length, limit=runtime.limits.max_tokens)
         echo = (prompt if isinstance(prompt, str) else str(runtime.tokenizer.decode(ids))) if body.echo else None
         choices += [Choice(engine_request(body, ids, max_tokens, runtime, choice=j, logprobs=body.logprobs,
-                                          prompt_logprobs=prompt_logprobs), echo) for j in range(body.n)]
+                                          prompt_logprobs=prompt_logprobs, adapter=adapter), echo)
+                    for j in range(body.n)]
     return choices
 
 
 @router.post("/v1/completions", response_model=None)
 async def completions(body: CompletionRequest, request: Request) -> Any:
     state = request.app.state
-    dep = await find(state.registry, body.model)
+    base, adapter = model_parts(body.model)
+    dep = await find(state.registry, base)
     held = await lease(dep, "text")
     mark(request, held.gen)
+    check_adapter(held, body.model, adapter)
     if relay.is_relayed(held):  # llama.cpp: llama-server computes the validated request
         return await relay.completions(body, request, held, dep.name)
-    held, choices = await prepared(held, lambda runtime: _choices(body, runtime))
+    held, choices = await prepared(held, lambda runtime: _choices(body, runtime, adapter))
     runs = [Run(held.gen, dep.name, c.job, request, state.metrics) for c in choices]
     start(runs, held)  # before the response: a full queue is a 429, not a broken stream
     texts = TokenTexts(held.runtime.tokenizer)
-    meta = {"id": new_id("cmpl"), "created": now(), "model": dep.name, "object": "text_completion"}
+    meta = {"id": new_id("cmpl"), "created": now(), "model": body.model, "object": "text_completion"}
     if body.stream:
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
         return LeasedStream(_stream(runs, choices, meta, include_usage, body.n, texts), lease=held, runs=runs,

@@ -1,5 +1,6 @@
 """``GET /v1/models``: every deployment (id = ``metadata.name``), loaded in memory or not (``loaded``,
-``state``): a request for an unloaded one loads it. Deployments a served file declares that are still
+``state``): a request for an unloaded one loads it. The LoRA adapters a loaded deployment serves are listed
+as ``<deployment>:<adapter>`` with ``parent``: the deployment. Deployments a served file declares that are still
 loading for the first time are listed too (``state: loading``); a request to one waits for its load."""
 
 from __future__ import annotations
@@ -9,6 +10,7 @@ from typing import Any
 from fastapi import APIRouter, Request
 
 from ..errors import APIError
+from .common import model_parts
 from .protocol import ModelCard, ModelList
 
 router = APIRouter()
@@ -18,6 +20,15 @@ def _card(name: str, dep: Any) -> ModelCard:
     gen = dep.pool.current
     state = dep.state().loaded
     return ModelCard(id=name, created=int(gen.created) if gen else 0, loaded=state == "loaded", state=state)
+
+
+def _adapter_cards(name: str, dep: Any) -> list[ModelCard]:
+    """The LoRA adapters the current generation serves, each as ``<deployment>:<adapter>``."""
+    gen = dep.pool.current
+    adapters = getattr(gen.runtime, "adapters", None) if gen is not None else None
+    if adapters is None:
+        return []
+    return [ModelCard(id=f"{name}:{a}", created=int(gen.created), parent=name) for a in adapters.names()]
 
 
 def _loading(registry: Any) -> list[ModelCard]:
@@ -31,13 +42,20 @@ async def list_models(request: Request) -> ModelList:
     loading = _loading(registry)  # first: a deployment is served before it stops loading
     items = registry.items()
     served = {name for name, _ in items}
-    return ModelList(data=[_card(name, dep) for name, dep in items] + [c for c in loading if c.id not in served])
+    cards = [card for name, dep in items for card in (_card(name, dep), *_adapter_cards(name, dep))]
+    return ModelList(data=cards + [c for c in loading if c.id not in served])
 
 
 @router.get("/v1/models/{name}")
 async def get_model(name: str, request: Request) -> ModelCard:
     registry = request.app.state.registry
     loading = {c.id: c for c in _loading(registry)}  # read first (see list_models)
+    base, adapter = model_parts(name)
+    if adapter is not None:
+        card = next((c for c in _adapter_cards(base, dep) if c.id == name), None) if (dep := registry.get(base)) else None
+        if card is None:
+            raise APIError(404, f"the model {name!r} does not exist", param="model", code="model_not_found")
+        return card
     dep = registry.get(name)
     if dep is None and name in loading:
         return loading[name]

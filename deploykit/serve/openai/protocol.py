@@ -324,6 +324,8 @@ class ModelCard(BaseModel):
     # one is loaded by its next request (docs/budget.md)
     loaded: bool = True
     state: Literal["loaded", "unloaded", "loading"] = "loaded"
+    # a LoRA adapter (``<deployment>:<adapter>``): the deployment serving its base, as vLLM lists adapters
+    parent: str | None = None
 
 
 class ModelList(BaseModel):

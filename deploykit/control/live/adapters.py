@@ -1,0 +1,126 @@
+"""A change of ``spec.adapters`` alone, applied live on the serving generation.
+
+When the only difference between the applied manifest and the serving revision is its list of LoRA
+adapters (same checkpoint, every other field equal), nothing of the base is loaded again: the change is
+recorded as a revision like any other (history, diff, rollback), planned (the adapters' bytes), and the
+serving generation's adapters are brought in step (``engine.adapters.Adapters``): new ones are loaded
+first (a broken one fails the change and leaves everything as it was), then removed ones stop taking
+requests and go once theirs ended, then changed ones (another path or scale) are loaded again. The base
+serves throughout; its generation does not change. Anything else is a rollout as before.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, replace
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from ...errors import ApplyError, DeploykitError
+from ...spec.manifest import LoadedManifest
+from ..revisions.change import Change
+from ..revisions.layouts import open_source
+from ..revisions.loading import recorded_manifest, serving_of
+from ..revisions.reconciler import ApplyOutcome, finish_gated, git_commit
+from ..revisions.decision import Action
+from ..revisions.state import StateStore
+
+if TYPE_CHECKING:
+    from ...engine.adapters import AdapterSource, Adapters
+    from .pool import Generation
+
+REMOVE_TIMEOUT = 300.0  # how long a removed adapter's running requests may take to end
+
+
+@dataclass(frozen=True)
+class AdapterDiff:
+    """What the serving generation's adapters must become."""
+
+    new: tuple[AdapterSource, ...]  # not served yet
+    gone: tuple[str, ...]  # no longer in the manifest
+    changed: tuple[AdapterSource, ...]  # served with another path or scale
+
+    def describe(self) -> str:
+        parts = [f"+{s.name}" for s in self.new] + [f"-{n}" for n in self.gone] + [f"~{s.name}" for s in self.changed]
+        return " ".join(parts) or "no adapter changed"
+
+
+def live_adapter_diff(store: StateStore, gen: Generation | None, loaded: LoadedManifest) -> AdapterDiff | None:
+    """The adapters to change when ``loaded`` differs from the revision ``gen`` serves in ``spec.adapters``
+    alone; None when it is not such a change (or nothing changed: the apply says so)."""
+    adapters: Adapters | None = getattr(gen.runtime, "adapters", None) if gen is not None else None
+    current = store.current(loaded.name) if adapters is not None else None
+    if gen is None or adapters is None or current is None or current.revision != gen.revision:
+        return None
+    if not loaded.manifest.spec.adapters and not adapters.names():  # no adapters before or after
+        return None
+    if current.manifest_digest == loaded.digest:
+        return None
+    recorded = recorded_manifest(current)
+    if _without_adapters(recorded).digest != _without_adapters(loaded).digest:
+        return None
+    if open_source(loaded)[1] != current.checkpoint_fingerprint:
+        return None
+    wanted = {s.name: s for s in serving_of(loaded).adapters}
+    served = {s.name: s for s in adapters.sources()}
+    return AdapterDiff(new=tuple(s for n, s in wanted.items() if n not in served),
+                       gone=tuple(n for n in served if n not in wanted),
+                       changed=tuple(s for n, s in wanted.items() if n in served and served[n] != s))
+
+
+def apply_live(store: StateStore, gen: Generation, change: Change, diff: AdapterDiff) -> ApplyOutcome:
+    """Record ``change`` as a revision and bring ``gen``'s adapters in step with it (see the module)."""
+    loaded = change.loaded
+    plan = change.plan()  # the same base, its adapters' bytes new: fails before anything is recorded
+    with store.deployment_lock(loaded.name):
+        return _record_and_act(store, gen, change, diff, plan)
+
+
+def _record_and_act(store: StateStore, gen: Generation, change: Change, diff: AdapterDiff, plan: Any) -> ApplyOutcome:
+    loaded = change.loaded
+    current = store.current(loaded.name)
+    assert current is not None and gen.runtime is not None
+    source = Path(loaded.source).resolve()
+    revision = store.begin_revision(name=loaded.name, manifest_path=str(source), manifest_text=loaded.text,
+                                    manifest_digest=loaded.digest,
+                                    checkpoint_fingerprint=current.checkpoint_fingerprint,
+                                    git_commit=git_commit(source))
+    reason = f"only spec.adapters changed ({diff.describe()}): applied live on generation {gen.number}"
+    store.record_event(loaded.name, "Decided", f"revision {revision}: {reason}")
+    try:
+        store.set_plan(loaded.name, revision, plan_json=json.dumps(plan.to_dict()), plan_digest=plan.digest,
+                       shards_path=current.shards_path or "", checksums=current.checksums)
+        _bring_in_step(getattr(gen.runtime, "adapters"), diff)
+    except BaseException as exc:
+        message = str(exc) if isinstance(exc, DeploykitError) else f"{type(exc).__name__}: {exc}"
+        store.finish_revision(loaded.name, revision, ready=False, reason=message)
+        raise
+    gen.plan, gen.revision = plan, revision  # the generation now serves this revision
+    finish_gated(loaded, store, revision, ready=True, reason=f"adapters {diff.describe()}")
+    return ApplyOutcome(loaded.name, "applied", revision, plan, (Action("adapters", reason),),
+                        shards=Path(current.shards_path or ""))
+
+
+def _bring_in_step(adapters: Adapters, diff: AdapterDiff) -> None:
+    loaded: list[str] = []
+    try:
+        for source in diff.new:
+            adapters.load(source)
+            loaded.append(source.name)
+    except BaseException:
+        for name in loaded:  # as it was: the change failed as a whole
+            adapters.remove(name, timeout=REMOVE_TIMEOUT)
+        raise
+    for name in (*diff.gone, *(s.name for s in diff.changed)):
+        if not adapters.remove(name, timeout=REMOVE_TIMEOUT):
+            raise ApplyError(f"adapter {name!r} still had requests running after {REMOVE_TIMEOUT:.0f}s; it keeps "
+                             "serving")
+    for source in diff.changed:
+        adapters.load(source)
+
+
+def _without_adapters(loaded: LoadedManifest) -> LoadedManifest:
+    manifest = loaded.manifest
+    bare = manifest.model_copy(update={"spec": manifest.spec.model_copy(update={"adapters": []})})
+    return replace(loaded, manifest=bare)
+
