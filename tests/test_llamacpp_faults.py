@@ -207,13 +207,14 @@ def test_the_engine_gets_no_secret_and_listens_on_a_private_unix_socket(gguf, tm
     secrets = {"DEPLOYKIT_API_KEY": KEY, "DEPLOYKIT_TOKEN": "control-token-4567", "HF_TOKEN": "hf_secret_89",
                "AWS_SECRET_ACCESS_KEY": "aws-secret-01", "OPENAI_API_KEY": "sk-secret-23",
                "HTTPS_PROXY": "http://127.0.0.1:9", "HTTP_PROXY": "http://127.0.0.1:9",
-               "ALL_PROXY": "http://127.0.0.1:9", "LLAMA_ARG_PORT": "1"}
+               "ALL_PROXY": "http://127.0.0.1:9", "LLAMA_ARG_PORT": "65001"}
     with Server(tmp_path / "smol.yaml", tmp_path / "state", env={**secrets, "GGML_SCRUB_CHECK": "kept"}) as server:
         assert server.process is not None
         [engine] = engine_pids(server.process.pid)
         environ = dict(e.split(b"=", 1) for e in Path(f"/proc/{engine}/environ").read_bytes().split(b"\0") if e)
-        for name, value in secrets.items():
-            assert name.encode() not in environ and value.encode() not in b"".join(environ.values()), name
+        values = b"\0".join(environ.values())
+        for name, value in secrets.items():  # no such variable, and no secret under another name either
+            assert name.encode() not in environ and value.encode() not in values, name
         assert environ[b"GGML_SCRUB_CHECK"] == b"kept" and b"LLAMA_API_KEY" in environ and b"PATH" in environ
         argv = Path(f"/proc/{engine}/cmdline").read_bytes().split(b"\0")
         sock = Path(argv[argv.index(b"--host") + 1].decode())
