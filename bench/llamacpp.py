@@ -18,6 +18,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import os
+import socket
 import statistics
 import sys
 import tempfile
@@ -28,10 +29,16 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from serve_clients import Server, load, warm_up  # noqa: E402
 
 from deploykit.engine.llamacpp.binary import find_binary  # noqa: E402
-from deploykit.engine.llamacpp.process import ServerOptions, free_port  # noqa: E402
+from deploykit.engine.llamacpp.process import ServerOptions  # noqa: E402
 
 SLOTS, CONTEXT, MAX_TOKENS = 16, 512, 64
 LOADS = {"1 client": (1, 2), "16 clients": (16, 1)}
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
 
 
 def gguf_file() -> Path:

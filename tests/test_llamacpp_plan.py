@@ -10,7 +10,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from deploykit.engine.llamacpp.flags import placement_flags
+from deploykit.engine.llamacpp.flags import llamacpp_devices, placement_flags
 from helpers import smollm2_file
 from llamacpp import manifest
 
@@ -47,7 +47,7 @@ def test_plan_bytes_and_flags_from_the_gguf(tmp_path):
     # exact: this file's tensors need no alignment padding (sizes come from the table's offsets)
     assert plan["total_bytes"] == tensors + layers * kv_per_token * SLOTS * CONTEXT
     flags = plan["llama_server"]
-    assert flags["gpu_layers"] == layers + 1 and sum(flags["tensor_split"]) == layers and flags["cpu_layers"] == 0
+    assert flags["gpu_layers"] == layers + 1 and sum(flags["tensor_split"]) == layers + 1 and flags["cpu_layers"] == 0
     assert flags["flags"][:4] == ["--n-gpu-layers", "31", "--device", "CUDA0,CUDA1,CUDA2,CUDA3"]
     assert plan["device_map"]["token_embd"] == 0 and plan["device_map"]["output"] == 3  # embeddings on the first GPU
     shown = _plan(tmp_path / "smol.yaml", "--devices", "4x24GiB")
@@ -58,5 +58,33 @@ def test_layers_the_plan_leaves_on_the_cpu_stay_there():
     device_map = {"token_embd": 0, **{f"blk.{i}": 0 for i in range(3)}, **{f"blk.{i}": 1 for i in range(3, 5)},
                   **{f"blk.{i}": "cpu" for i in range(5, 8)}, "output": "cpu"}
     flags = placement_flags(device_map)
-    assert (flags.gpu_layers, flags.tensor_split, flags.devices, flags.cpu_layers) == (5, (3, 2), (0, 1), 3)
+    # the output slot counts on the last GPU (llama.cpp offloads it first); the output itself is pinned to the CPU
+    assert (flags.gpu_layers, flags.tensor_split, flags.devices, flags.cpu_layers) == (6, (3, 3), (0, 1), 3)
+    assert flags.overrides == (r"^token_embd\.weight$=CUDA0", r"^output(_norm)?\.weight$=CPU")
+    assert [d for d in llamacpp_devices(8, flags.gpu_layers, flags.tensor_split, 2)] == [None] * 3 + [0] * 3 + [1] * 3
     assert placement_flags({"token_embd": "cpu", "blk.0": "cpu", "output": "cpu"}).as_args() == ["--n-gpu-layers", "0"]
+
+
+DEVICES = ["4x24GiB", "2x24GiB,1x48GiB", "2x2088MiB,cpu=8GiB", "1x2100MiB,cpu=8GiB"]
+
+
+def test_llama_cpps_own_placement_rule_gives_each_gpu_the_plans_layers(tmp_path):
+    """llama.cpp's rule (llama_model::load_tensors), applied to the flags of several plans of the GGUF, puts
+    on each GPU exactly the layers the plan counted there, and the output head where the plan put it."""
+    gguf_file = smollm2_file()
+    (tmp_path / "smol.yaml").write_text(manifest(gguf_file, extra="  placement: {gpus: all}\n"))
+    n_layer = 30
+    for devices in DEVICES:
+        result = _plan(tmp_path / "smol.yaml", "--devices", devices, "-o", "json")
+        assert result.returncode == 0, result.stderr
+        plan = json.loads(result.stdout)
+        device_map, flags = plan["device_map"], plan["llama_server"]
+        gpus = sorted({d for d in device_map.values() if isinstance(d, int)})
+        slots = llamacpp_devices(n_layer, flags["gpu_layers"], flags["tensor_split"], len(gpus))
+        for g in gpus:
+            planned = sum(1 for k, d in device_map.items() if k.startswith("blk.") and d == g)
+            assert slots[:n_layer].count(gpus.index(g)) == planned, (devices, g, slots)
+        assert slots[:n_layer].count(None) == flags["cpu_layers"], devices
+        output_pinned = r"^output(_norm)?\.weight$=CPU" in " ".join(flags["flags"])
+        assert output_pinned == (device_map["output"] == "cpu"), devices  # else the rule put it on the last GPU
+        assert output_pinned or slots[n_layer] == gpus.index(device_map["output"]), devices

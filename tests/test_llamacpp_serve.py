@@ -3,7 +3,8 @@
 Greedy answers through deploykit equal llama-server's alone with the same flags (chat and completions,
 plain, streamed and concurrent); deploykit's own 400s come first; a llama-server killed with SIGKILL fails
 its in-flight request at once and the next request is served by a fresh, checked process; SIGTERM of
-`deploykit serve` leaves no llama-server behind, and neither does SIGKILL (PR_SET_PDEATHSIG).
+`deploykit serve` leaves no llama-server behind, and neither does SIGKILL (the engine's watcher). Unset
+sampling fields are the OpenAI API's defaults; logit_bias and seed are checked; relayed requests are counted.
 """
 
 from __future__ import annotations
@@ -22,9 +23,9 @@ import openai
 import pytest
 from helpers import smollm2_file, wait_until
 from llamacpp import alive, engine_pids, llama_server, manifest
-from servers import Server, get
+from servers import Server, free_port, get
 
-from deploykit.engine.llamacpp.process import ServerOptions, free_port
+from deploykit.engine.llamacpp.process import ServerOptions
 
 CHATS = ["What is the capital of France?", "Name three colours.", "Write one sentence about the sea."]
 PROMPTS = ["The capital of France is", "Once upon a time"]
@@ -124,6 +125,44 @@ def test_deploykit_refuses_first_with_its_own_400s(server):
     assert len(seeded.choices) == 2 and seeded.choices[0].logprobs is not None
 
 
+def test_unset_sampling_fields_are_the_openai_apis_defaults_not_llama_servers(server, alone):
+    """No temperature, top_p, top_k or min_p from the client: sampled as OpenAI's temperature 1, top_p 1 and no
+    truncation (llama-server alone, told so explicitly, answers the same), not as llama-server's defaults."""
+    ours, theirs = _client(server.url), _client(alone)
+    messages = [{"role": "user", "content": "Write a short poem about the sea."}]
+    own_defaults_differ = False
+    for seed in (1, 2, 3):
+        mine = ours.chat.completions.create(model="smol", messages=messages, max_tokens=24, seed=seed)
+        explicit = theirs.chat.completions.create(model="x", messages=messages, max_tokens=24, seed=seed,
+                                                  temperature=1, top_p=1, extra_body={"top_k": 0, "min_p": 0})
+        assert mine.choices[0].message.content == explicit.choices[0].message.content
+        unset = theirs.chat.completions.create(model="x", messages=messages, max_tokens=24, seed=seed)
+        own_defaults_differ |= unset.choices[0].message.content != explicit.choices[0].message.content
+    assert own_defaults_differ  # llama-server's own defaults (0.8, 0.95, 40, 0.05) sample differently
+
+
+def test_logit_bias_and_seed_must_fit_the_model_and_llama_cpp(server):
+    client = _client(server.url)
+    messages = [{"role": "user", "content": "hi"}]
+    n_vocab = 49152  # SmolLM2's vocabulary
+    for extra, param in [({"logit_bias": {str(n_vocab): 5}}, "logit_bias"), ({"logit_bias": {"-1": 5}}, "logit_bias"),
+                         ({"seed": 2**32 - 1}, "seed"), ({"seed": -1}, "seed"), ({"seed": 2**40}, "seed")]:
+        with pytest.raises(openai.BadRequestError) as err:
+            client.chat.completions.create(model="smol", messages=messages, max_tokens=2, **extra)
+        assert err.value.body["param"] == param, (extra, err.value.body)  # type: ignore[index]
+    for extra in ({"logit_bias": {str(n_vocab - 1): 5}}, {"seed": 2**32 - 2}, {"seed": 0}):
+        assert client.chat.completions.create(model="smol", messages=messages, max_tokens=2, **extra).choices
+
+
+def test_relayed_requests_are_counted(server):
+    client = _client(server.url)
+    before = server.metric("deploykit_generation_requests_total", model_name="smol")
+    ttfts = server.metric("deploykit_time_to_first_token_seconds_count", model_name="smol")
+    assert _chat(client, "smol", CHATS[0]) and _chat(client, "smol", CHATS[1], stream=True)
+    assert server.metric("deploykit_generation_requests_total", model_name="smol") == before + 2
+    assert server.metric("deploykit_time_to_first_token_seconds_count", model_name="smol") == ttfts + 1
+
+
 def test_structured_output_follows_its_schema_and_tools_are_refused(server):
     """response_format goes to llama.cpp's own grammar support: the answers validate."""
     client = _client(server.url)
@@ -164,12 +203,13 @@ def test_a_killed_engine_fails_its_request_at_once_and_the_next_one_gets_a_fresh
         for _ in stream:
             pass
     assert time.monotonic() - started < 5
-    assert _chat(client, "smol", CHATS[0])  # a fresh process, health-checked first
+    assert _chat(client, "smol", CHATS[0])  # a fresh process (the watchdog's), health-checked first
     [fresh] = engine_pids(server.process.pid)
     assert fresh != pid and not alive(pid)
     [status] = [d for d in get(f"{server.url}/status")[1] if d["name"] == "smol"]
     process = status["engine_process"]  # the death is reported
     assert process["pid"] == fresh and process["crashes"] == 1 and "status -9" in process["last_crash"], process
+    assert process["state"] == "ready" and process["restarts"] == 1, process
 
 
 def test_sigterm_and_sigkill_of_deploykit_leave_no_llama_server(gguf, tmp_path):

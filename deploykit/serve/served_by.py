@@ -1,4 +1,5 @@
-"""``x-deploykit-revision`` and ``x-deploykit-generation``: every ``/v1`` answer names what served it.
+"""``x-deploykit-revision`` and ``x-deploykit-generation``: every ``/v1`` answer names what served it; and
+when each request arrived (``arrival``: time to first token counts from there).
 
 An endpoint marks its request's scope with the generation it pinned (``mark``); this ASGI wrapper adds
 the two headers to the response start, so a streamed answer carries them too (its status and headers
@@ -7,6 +8,7 @@ go out before its first token). During a canary they say which generation a requ
 
 from __future__ import annotations
 
+import time
 from typing import TYPE_CHECKING
 
 from starlette.requests import Request
@@ -16,6 +18,12 @@ if TYPE_CHECKING:
     from ..control.live.pool import Generation
 
 SCOPE_KEY = "deploykit.served_by"
+ARRIVED_KEY = "deploykit.arrived"
+
+
+def arrival(request: Request) -> float:
+    """``time.monotonic()`` when the request reached the API (now, for an app without this wrapper)."""
+    return float(request.scope.get(ARRIVED_KEY) or time.monotonic())
 
 
 def mark(request: Request, gen: Generation) -> None:
@@ -33,6 +41,7 @@ class ServedBy:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
+        scope[ARRIVED_KEY] = time.monotonic()
 
         async def send_marked(message: Message) -> None:
             served = scope.get(SCOPE_KEY)

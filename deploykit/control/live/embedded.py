@@ -91,6 +91,7 @@ class EmbeddedApi(ABC):
     def _relayed(self, path: str, body: dict[str, Any], sampling: dict[str, Any]) -> Completion | None:
         """A llama.cpp generation's answer (its llama-server computes it); None for any other engine."""
         from ...engine.llamacpp.runtime import LlamaRuntime
+        from ...engine.llamacpp.sampling import sampling_fields
         from ...engine.runtime import Completion
         from ...engine.text import RequestError
 
@@ -104,8 +105,8 @@ class EmbeddedApi(ABC):
             if max_tokens > limits.max_tokens:
                 raise RequestError(f"max_tokens {max_tokens} is more than this model allows ({limits.max_tokens}, "
                                    "spec.serving.max_tokens)", param="max_tokens")
-            answer = runtime.answer(path, {**body, "temperature": options.temperature, "top_p": options.top_p,
-                                           "seed": options.seed, "stop": list(options.stop) or None,
+            fields = sampling_fields(temperature=options.temperature, top_p=options.top_p, seed=options.seed)
+            answer = runtime.answer(path, {**body, **fields, "stop": list(options.stop) or None,
                                            "max_tokens": max_tokens})
         finally:
             self.unpin(gen)

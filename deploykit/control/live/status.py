@@ -51,11 +51,15 @@ def served_adapters(gen: Generation | None) -> list[ServedAdapter]:
 
 @dataclass(frozen=True)
 class EngineProcess:
-    """The process computing a llama.cpp generation: its pid now, and the deaths it recovered from (each
-    replaced by a fresh, checked process at the next request)."""
+    """The process computing a llama.cpp generation: its pid now, its state (starting, ready, restarting,
+    failed, closed) and why, and the deaths and hangs it recovered from (each replaced by its watchdog with a
+    fresh, checked process)."""
 
     pid: int | None
+    state: str
+    reason: str | None
     crashes: int
+    restarts: int
     last_crash: str | None
 
 
@@ -65,7 +69,9 @@ def engine_process(gen: Generation | None) -> EngineProcess | None:
     runtime: Any = gen.runtime if gen is not None else None
     if not isinstance(runtime, LlamaRuntime):
         return None
-    return EngineProcess(runtime.pid, runtime.crashes, runtime.last_crash)
+    report = runtime.report()
+    return EngineProcess(report.pid, report.state.value, report.reason, report.crashes, report.restarts,
+                         report.last_crash)
 
 
 @dataclass(frozen=True)

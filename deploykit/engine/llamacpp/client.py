@@ -1,9 +1,16 @@
-"""HTTP to one llama-server: the health check's greedy request (blocking), and the relay's requests
-(asyncio, httpx): a JSON answer, or the data events of a streamed (SSE) answer, parsed.
+"""HTTP to one llama-server over its unix socket: the health check's greedy request and the watchdog's
+``/health`` (blocking), and the relay's requests (asyncio): a JSON answer, or a streamed answer's raw bytes.
 
-Errors are typed so the API can answer as OpenAI does: ``UpstreamError`` (llama-server refused the request:
-its status and message), ``EngineGone`` (the connection broke: the process died or was stopped). It knows
-nothing of deploykit's API models; ``serve.openai.relay`` builds the bodies and rewrites the answers.
+Every client is built here, with ``trust_env=False`` (no proxy variable, netrc or certificate setting of
+deploykit's environment applies to engine traffic) and timeouts on every phase: connecting, writing,
+waiting in httpx's pool, and reading (``READ_TIMEOUT_SECONDS``, a backstop: a hung engine is found by the
+watchdog's ``/health`` long before it).
+
+Errors are typed so the API can answer as OpenAI does, and so that only a real death counts as one:
+``UpstreamError`` (llama-server refused the request: its status and message); ``EngineBusy`` (no connection
+within the connect or pool timeout: the engine is loaded, not gone); ``EngineGone`` (the connection was
+refused or broke: the process may have ended; the watchdog decides from its exit status). It knows nothing of
+deploykit's API models; ``serve.openai.relay`` builds the bodies and rewrites the answers.
 """
 
 from __future__ import annotations
@@ -11,14 +18,15 @@ from __future__ import annotations
 import asyncio
 import json
 import time
-import urllib.error
-import urllib.request
-from collections.abc import AsyncGenerator
+from collections.abc import AsyncIterator
+from pathlib import Path
 from typing import Any
 
 import httpx
 
 CONNECT_TIMEOUT = 5.0
+READ_TIMEOUT_SECONDS = 600.0
+BASE_URL = "http://llama-server"  # the host is not used: every request goes to the unix socket
 
 
 class UpstreamError(Exception):
@@ -30,28 +38,69 @@ class UpstreamError(Exception):
 
 
 class EngineGone(Exception):
-    """The llama-server connection broke mid-request (the process ended)."""
+    """The connection to llama-server was refused or broke mid-request (the process may have ended)."""
 
 
-def post_blocking(url: str, api_key: str, path: str, body: dict[str, Any], *, timeout: float) -> dict[str, Any]:
+class EngineRefused(EngineGone):
+    """The connection was refused (nothing was sent): safe to send again once the engine is ready."""
+
+
+class EngineBusy(Exception):
+    """No connection to llama-server within the timeout (a loaded engine, or a hung one: not a death)."""
+
+
+def _timeout(read: float) -> httpx.Timeout:
+    return httpx.Timeout(read, connect=CONNECT_TIMEOUT, write=CONNECT_TIMEOUT, pool=CONNECT_TIMEOUT)
+
+
+def unix_client(socket: Path, *, timeout: float, api_key: str | None = None) -> httpx.Client:
+    """A blocking client of the llama-server listening on ``socket``."""
+    headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+    return httpx.Client(transport=httpx.HTTPTransport(uds=str(socket)), base_url=BASE_URL, headers=headers,
+                        timeout=_timeout(timeout), trust_env=False)
+
+
+def _typed(exc: httpx.HTTPError) -> Exception:
+    """The typed error of a transport failure: a timeout before any connection is not a death."""
+    if isinstance(exc, (httpx.ConnectTimeout, httpx.PoolTimeout)):
+        return EngineBusy(f"no connection to llama-server within {CONNECT_TIMEOUT:g}s ({type(exc).__name__})")
+    if isinstance(exc, httpx.ReadTimeout):
+        return UpstreamError(504, "llama-server sent nothing for a long time (read timeout)")
+    if isinstance(exc, httpx.ConnectError):
+        return EngineRefused(f"{type(exc).__name__}: {exc}")
+    return EngineGone(f"{type(exc).__name__}: {exc}")
+
+
+def post_blocking(socket: Path, api_key: str, path: str, body: dict[str, Any], *, timeout: float) -> dict[str, Any]:
     """One JSON request on this thread (the health check; ``Deployment.generate`` and ``chat``)."""
-    request = urllib.request.Request(f"{url}{path}", data=json.dumps(body).encode(), method="POST",
-                                     headers={"Content-Type": "application/json",
-                                              "Authorization": f"Bearer {api_key}"})
     try:
-        with urllib.request.urlopen(request, timeout=timeout) as response:
-            answer: dict[str, Any] = json.loads(response.read())
-            return answer
-    except urllib.error.HTTPError as exc:
-        raise UpstreamError(exc.code, _message(exc.code, exc.read())) from None
-    except (urllib.error.URLError, OSError) as exc:
-        raise EngineGone(str(exc)) from None
+        with unix_client(socket, timeout=timeout, api_key=api_key) as client:
+            response = client.post(path, json=body)
+    except httpx.HTTPError as exc:
+        raise _typed(exc) from None
+    if response.status_code != 200:
+        raise UpstreamError(response.status_code, _message(response.status_code, response.content))
+    answer: dict[str, Any] = response.json()
+    return answer
 
 
-def greedy_probe(url: str, api_key: str, text: str, *, max_tokens: int, timeout: float) -> tuple[str, int, float]:
+def get_blocking(socket: Path, api_key: str, path: str, *, timeout: float) -> dict[str, Any]:
+    """One GET (``/v1/models``: the model's vocabulary size)."""
+    try:
+        with unix_client(socket, timeout=timeout, api_key=api_key) as client:
+            response = client.get(path)
+    except httpx.HTTPError as exc:
+        raise _typed(exc) from None
+    if response.status_code != 200:
+        raise UpstreamError(response.status_code, _message(response.status_code, response.content))
+    answer: dict[str, Any] = response.json()
+    return answer
+
+
+def greedy_probe(socket: Path, api_key: str, text: str, *, max_tokens: int, timeout: float) -> tuple[str, int, float]:
     """(text, completion tokens, seconds) of one greedy completion of ``text``: the health check's request."""
     start = time.monotonic()
-    answer = post_blocking(url, api_key, "/v1/completions",
+    answer = post_blocking(socket, api_key, "/v1/completions",
                            {"prompt": text, "max_tokens": max_tokens, "temperature": 0.0, "seed": 0}, timeout=timeout)
     choice = answer["choices"][0]
     return str(choice.get("text", "")), int(answer.get("usage", {}).get("completion_tokens", 0)), \
@@ -67,10 +116,10 @@ def _message(status: int, raw: bytes) -> str:
 
 
 class RelayClient:
-    """Async requests to one llama-server (its URL and key); one connection pool per event loop."""
+    """Async requests to one llama-server (its socket and key); one connection pool per event loop."""
 
-    def __init__(self, url: str, api_key: str) -> None:
-        self.url = url
+    def __init__(self, socket: Path, api_key: str) -> None:
+        self.socket = socket
         self._headers = {"Authorization": f"Bearer {api_key}"}
         self._clients: dict[int, tuple[asyncio.AbstractEventLoop, httpx.AsyncClient]] = {}
 
@@ -78,42 +127,39 @@ class RelayClient:
         loop = asyncio.get_running_loop()
         held = self._clients.get(id(loop))
         if held is None or held[0] is not loop:
-            client = httpx.AsyncClient(base_url=self.url, headers=self._headers,
-                                       timeout=httpx.Timeout(None, connect=CONNECT_TIMEOUT),
-                                       limits=httpx.Limits(max_connections=None, max_keepalive_connections=64))
+            transport = httpx.AsyncHTTPTransport(uds=str(self.socket),
+                                                 limits=httpx.Limits(max_connections=None,
+                                                                     max_keepalive_connections=64))
+            client = httpx.AsyncClient(transport=transport, base_url=BASE_URL, headers=self._headers,
+                                       timeout=_timeout(READ_TIMEOUT_SECONDS), trust_env=False)
             held = self._clients[id(loop)] = (loop, client)
         return held[1]
 
-    async def post(self, path: str, body: dict[str, Any]) -> dict[str, Any]:
+    async def post(self, path: str, body: dict[str, Any]) -> bytes:
+        """The raw JSON answer of a request that is not streamed."""
         try:
             response = await self._client().post(path, json=body)
-        except httpx.TransportError as exc:
-            raise EngineGone(f"{type(exc).__name__}: {exc}") from None
+        except httpx.HTTPError as exc:
+            raise _typed(exc) from None
         if response.status_code != 200:
             raise UpstreamError(response.status_code, _message(response.status_code, response.content))
-        answer: dict[str, Any] = response.json()
-        return answer
+        return response.content
 
-    async def events(self, path: str, body: dict[str, Any]) -> AsyncGenerator[dict[str, Any], None]:
-        """The JSON data events of a streamed answer, up to (not including) ``[DONE]``. Closing the
-        iterator early closes the connection: llama-server then stops generating."""
+    async def open_stream(self, path: str, body: dict[str, Any]) -> Upstream:
+        """A streamed (SSE) answer whose status is known (``UpstreamError`` when it is not 200): its raw
+        bytes follow with ``Upstream.chunks``. Closing it early closes the connection: llama-server then
+        stops generating."""
+        client = self._client()
         try:
-            async with self._client().stream("POST", path, json=body) as response:
-                if response.status_code != 200:
-                    raise UpstreamError(response.status_code, _message(response.status_code, await response.aread()))
-                async for line in response.aiter_lines():
-                    if not line.startswith("data: "):
-                        continue
-                    data = line[6:]
-                    if data == "[DONE]":
-                        return
-                    event = json.loads(data)
-                    if "error" in event:
-                        error = event["error"]
-                        raise UpstreamError(int(error.get("code", 500)), str(error.get("message", error)))
-                    yield event
-        except httpx.TransportError as exc:
-            raise EngineGone(f"{type(exc).__name__}: {exc}") from None
+            response = await client.send(client.build_request("POST", path, json=body), stream=True)
+        except httpx.HTTPError as exc:
+            raise _typed(exc) from None
+        if response.status_code != 200:
+            try:
+                raise UpstreamError(response.status_code, _message(response.status_code, await response.aread()))
+            finally:
+                await response.aclose()
+        return Upstream(response)
 
     def close(self) -> None:
         """Close every pool: on its own loop when that loop still runs, else drop it (its connections
@@ -122,3 +168,21 @@ class RelayClient:
         for loop, client in clients:
             if not loop.is_closed() and loop.is_running():
                 asyncio.run_coroutine_threadsafe(client.aclose(), loop)
+
+
+class Upstream:
+    """An open streamed answer: its raw bytes as they arrive, and ``aclose`` (idempotent)."""
+
+    def __init__(self, response: httpx.Response) -> None:
+        self._response = response
+
+    async def chunks(self) -> AsyncIterator[bytes]:
+        """The body's bytes; a broken connection raises ``EngineGone`` (a read timeout ``UpstreamError``)."""
+        try:
+            async for chunk in self._response.aiter_raw():
+                yield chunk
+        except httpx.HTTPError as exc:
+            raise _typed(exc) from None
+
+    async def aclose(self) -> None:
+        await self._response.aclose()

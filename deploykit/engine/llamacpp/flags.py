@@ -1,27 +1,43 @@
-"""A plan's placement as llama-server's flags: ``--n-gpu-layers``, ``--tensor-split`` and ``--device``.
+"""A plan's placement as llama-server's flags: ``--n-gpu-layers``, ``--tensor-split``, ``--device`` and the
+``--override-tensor`` pins, chosen so that llama.cpp's own placement rule gives each GPU the plan's layers.
 
-deploykit's exact planner decides how many decoder layers each GPU holds (embeddings and output with the
-first GPU); llama.cpp takes that as the number of layers to offload and each GPU's share of them, in the
-plan's GPU order. Layers the plan leaves to the CPU tier stay on the CPU. A plan whose every layer is on
-GPUs offloads the output layer too (``n_layers + 1``, llama.cpp's convention). Pure: no process, no I/O.
-GPU execution of these flags is unverified on deploykit's CPU-only test machine (docs/engines.md).
+llama.cpp's rule (``llama_model::load_tensors`` in ``src/llama-model.cpp``, reproduced by ``llamacpp_devices``):
+there are ``n_layer + 1`` slots, the decoder layers then the output head; ``--n-gpu-layers`` offloads the
+*last* slots (the output head first, then layers from the last backwards); ``--tensor-split`` weights become
+cumulative fractions over the offloaded slots, and slot ``i`` goes to the first device whose fraction exceeds
+``i / offloaded``; the input embeddings always stay on the CPU. So deploykit asks for the plan's GPU layers
+plus the output slot (``gpu_layers = layers on GPUs + 1``) and weighs each GPU by its layer count, the last
+GPU's plus one for the output slot: each GPU then holds exactly the plan's number of layers. Layers are
+alike in size, so a plan that leaves its *last* layers on the CPU holds the same bytes per device when
+llama.cpp leaves its *first* ones there instead.
+
+Two tensors are pinned where the plan put them (``--override-tensor``), since the rule alone would move
+them: the output head and its norm to the CPU when the plan keeps them there (the rule offloads the output
+slot first), and the input embeddings to the plan's GPU (the rule keeps them on the CPU). Still not planned
+(docs/engines.md): the copy of ``token_embd`` that llama.cpp makes as the output head of a tied-embedding
+GGUF (it follows the output slot) and llama.cpp's compute buffers. Pure: no process, no I/O. GPU execution
+of these flags is unverified on deploykit's CPU-only test machine.
 """
 
 from __future__ import annotations
 
+import bisect
 import re
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
 _LAYER = re.compile(r"\.(\d+)$")
+_OUTPUT_ON_CPU = r"^output(_norm)?\.weight$=CPU"
 
 
 @dataclass(frozen=True)
 class PlacementFlags:
-    gpu_layers: int  # --n-gpu-layers
-    tensor_split: tuple[int, ...]  # --tensor-split: layers per GPU, in ``devices`` order
+    gpu_layers: int  # --n-gpu-layers: the plan's GPU layers and the output slot
+    tensor_split: tuple[int, ...]  # --tensor-split: slots per GPU, in ``devices`` order (the last: + the output)
     devices: tuple[int, ...]  # --device CUDA<i>,...
     cpu_layers: int
+    overrides: tuple[str, ...] = ()  # --override-tensor PATTERN=DEVICE
 
     def as_args(self) -> list[str]:
         args = ["--n-gpu-layers", str(self.gpu_layers)]
@@ -29,6 +45,8 @@ class PlacementFlags:
             args += ["--device", ",".join(f"CUDA{d}" for d in self.devices)]
         if len(self.tensor_split) > 1:
             args += ["--split-mode", "layer", "--tensor-split", ",".join(map(str, self.tensor_split))]
+        if self.overrides:
+            args += ["--override-tensor", ",".join(self.overrides)]
         return args
 
 
@@ -42,8 +60,36 @@ def placement_flags(device_map: dict[str, Any]) -> PlacementFlags:
     layers = _layer_keys(device_map)
     gpus = sorted({d for d in device_map.values() if isinstance(d, int)},
                   key=lambda g: min(i for i, d in enumerate(device_map.values()) if d == g))
-    per_gpu = tuple(sum(1 for d in layers.values() if d == g) for g in gpus)
+    per_gpu = [sum(1 for d in layers.values() if d == g) for g in gpus]
     on_gpus = sum(per_gpu)
-    cpu = len(layers) - on_gpus
-    gpu_layers = on_gpus + 1 if layers and cpu == 0 and gpus else on_gpus
-    return PlacementFlags(gpu_layers, per_gpu, tuple(gpus), cpu)
+    if not gpus or on_gpus == 0:
+        return PlacementFlags(0, (), (), len(layers))
+    per_gpu[-1] += 1  # the output slot: llama.cpp offloads it with the layers, on the last device
+    overrides = []
+    embeddings = device_map.get("token_embd")
+    if isinstance(embeddings, int):
+        overrides.append(rf"^token_embd\.weight$=CUDA{embeddings}")
+    if not isinstance(device_map.get("output"), int):
+        overrides.append(_OUTPUT_ON_CPU)
+    return PlacementFlags(on_gpus + 1, tuple(per_gpu), tuple(gpus), len(layers) - on_gpus, tuple(overrides))
+
+
+def llamacpp_devices(n_layer: int, gpu_layers: int, tensor_split: Sequence[float], n_devices: int) -> list[int | None]:
+    """llama.cpp's own rule: the device index of each of the ``n_layer + 1`` slots (the decoder layers, then
+    the output head), None for the CPU. ``tensor_split`` must name every device's weight (deploykit always
+    sends it; without it llama.cpp weighs devices by their free memory)."""
+    weights = list(tensor_split) if len(tensor_split) == n_devices else [1.0] * n_devices
+    total, cumulative = sum(weights), []
+    running = 0.0
+    for w in weights:
+        running += w
+        cumulative.append(running / total)
+    start = max(n_layer + 1 - gpu_layers, 0)
+    offloaded = min(gpu_layers, n_layer + 1) if n_devices else 0
+    slots: list[int | None] = []
+    for il in range(n_layer + 1):
+        if il < start or il - start >= offloaded:
+            slots.append(None)
+        else:  # std::upper_bound over the cumulative fractions
+            slots.append(min(bisect.bisect_right(cumulative, (il - start) / offloaded), n_devices - 1))
+    return slots

@@ -1,44 +1,61 @@
 """One ``llama-server`` process: its flags, starting it, waiting for it to load, and stopping it.
 
 Each generation of a llama.cpp deployment owns one such process (llama-swap's ``proxy/process.go`` is the
-anchor): on loopback, on a free port, with an API key of its own (passed in its environment, not on its
-command line, so ``ps`` does not show it), in a process group of its own (``setsid``: a terminal's Ctrl-C
-does not reach it behind deploykit's back), and with ``PR_SET_PDEATHSIG`` so that a deploykit killed with
-SIGKILL leaves no server behind. The death signal follows the *thread* that forked, so every process is
-forked by one spawner thread that lives exactly as long as any process it started (started with the first,
-joined when the last is stopped). ``stop`` ends the process group: SIGTERM, then SIGKILL. The environment's
-``LLAMA_ARG_*`` variables are dropped: only the flags built here apply.
+anchor). What deploykit owes a process it starts:
+
+- **No exposure, no port race**: it listens on a unix socket in a private directory (mode 0700) rather than
+  a TCP port (no check-then-use free port, nothing on the network), with an API key of its own (passed in
+  its environment, not on its command line, so ``ps`` does not show it).
+- **A scrubbed environment**: only an allowlist of deploykit's variables reaches it (``PATH``, ``HOME``,
+  locale, ``TMPDIR``, the OpenMP/ggml/CUDA settings: ``_ENV_NAMES``, ``_ENV_PREFIXES``); deploykit's control
+  token and API keys, cloud and Hugging Face credentials, proxies and ``LLAMA_ARG_*`` never do.
+- **It dies with deploykit**, even when deploykit is killed with SIGKILL, without Python code between fork
+  and exec (``preexec_fn`` is unsafe in a threaded process; ``PR_SET_PDEATHSIG`` through ctypes there could
+  deadlock, and it follows the forking *thread*, not the process): each engine has a watcher, a ``/bin/sh``
+  blocked reading a pipe whose only write end deploykit holds. When deploykit ends, however it ends, the
+  kernel closes that end, the watcher reads end-of-file and kills its process group, which the engine
+  joined (``process_group``: a group of its own, so a terminal's Ctrl-C does not reach it behind deploykit's
+  back either). A child forked with ``os.fork`` (not ``subprocess``) would inherit the write end and delay
+  this until it ends too.
+- **A bounded log**: its output goes to a ring of its last lines (``logring``), never to a growing file.
+- ``stop`` ends the process group (SIGTERM, then SIGKILL after a grace; SIGKILL at once for a hung one)
+  and reaps both processes.
 
 It must never speak HTTP beyond the readiness probe (that is ``client``'s) nor know about manifests.
 """
 
 from __future__ import annotations
 
-import ctypes
 import logging
 import os
-import queue
 import secrets
+import shutil
 import signal
-import socket
 import subprocess
 import tempfile
 import threading
 import time
-import urllib.error
-import urllib.request
-from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import IO, Any
+from typing import Any
+
+import httpx
 
 from ...errors import ApplyError
+from .client import RelayClient, unix_client
 from .flags import PlacementFlags
+from .logring import LogRing
 
 log = logging.getLogger(__name__)
-PR_SET_PDEATHSIG = 1
 STOP_GRACE_SECONDS = 5.0
 LOG_TAIL_BYTES = 4000
+HEALTH_READ_TIMEOUT = 2.0  # the watchdog's /health poll
+SOCKET_NAME = "server.sock"  # llama-server listens on a unix socket when --host ends in .sock
+# The watcher: wait for end-of-file on stdin (deploykit's end of the pipe closed: deploykit has ended),
+# then kill the process group, the engine and itself. Only shell builtins: nothing to find on PATH.
+_WATCHER = ["/bin/sh", "-c", "read -r _ ; kill -s KILL 0"]
+_ENV_NAMES = frozenset({"PATH", "HOME", "LANG", "LANGUAGE", "TZ", "TMPDIR", "USER", "LOGNAME", "LD_LIBRARY_PATH"})
+_ENV_PREFIXES = ("LC_", "OMP_", "GOMP_", "KMP_", "GGML_", "CUDA_", "HIP_", "ROCR_", "NVIDIA_")
 
 
 @dataclass(frozen=True)
@@ -51,6 +68,7 @@ class ServerOptions:
     context: int = 4096  # per slot; the server's context is slots x context, not shared between slots
     threads: int | None = None
     batch_size: int = 512
+    http_threads: int | None = None  # --threads-http: every admitted request and the watchdog's /health at once
     placement: PlacementFlags = field(default_factory=lambda: PlacementFlags(0, (), (), 0))  # the plan's GPU layers
 
     def flags(self) -> list[str]:
@@ -61,75 +79,15 @@ class ServerOptions:
                 "--fit", "off", "--cache-ram", "0", "--jinja", "--no-webui", *self.placement.as_args()]
         if self.threads is not None:
             args += ["--threads", str(self.threads)]
+        if self.http_threads is not None:
+            args += ["--threads-http", str(self.http_threads)]
         return args
 
 
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
-
-
-class _Spawner:
-    """The thread that forks llama-server processes. A child's PR_SET_PDEATHSIG fires when the *thread* that
-    forked it ends, so this thread lives exactly as long as any process it started: it is started with the
-    first and joined when the last one is released."""
-
-    def __init__(self) -> None:
-        self._lock = threading.Lock()
-        self._thread: threading.Thread | None = None
-        self._jobs: queue.Queue[tuple[Callable[[], Any], queue.Queue[Any]] | None] = queue.Queue()
-        self._live = 0
-
-    def run(self, job: Callable[[], Any]) -> Any:
-        """``job()`` (a fork) on the spawner thread; the caller ``release``s it once its process ended."""
-        with self._lock:
-            if self._thread is None:
-                self._jobs = queue.Queue()
-                self._thread = threading.Thread(target=self._loop, args=(self._jobs,), daemon=True,
-                                                name="deploykit-llama-spawner")
-                self._thread.start()
-            jobs = self._jobs
-            self._live += 1  # reserved before the job is queued: a release meanwhile keeps the thread
-        answer: queue.Queue[Any] = queue.Queue(maxsize=1)
-        jobs.put((job, answer))
-        result = answer.get()
-        if isinstance(result, BaseException):
-            self.release()
-            raise result
-        return result
-
-    def release(self) -> None:
-        with self._lock:
-            self._live -= 1
-            if self._live > 0 or self._thread is None:
-                return
-            thread, jobs, self._thread = self._thread, self._jobs, None
-        jobs.put(None)
-        thread.join()
-
-    @staticmethod
-    def _loop(jobs: queue.Queue[tuple[Callable[[], Any], queue.Queue[Any]] | None]) -> None:
-        while (item := jobs.get()) is not None:
-            job, answer = item
-            try:
-                answer.put(job())
-            except BaseException as exc:  # handed to the caller
-                answer.put(exc)
-
-
-_spawner = _Spawner()
-
-
-def _die_with_parent() -> None:  # pragma: no cover - runs in the child between fork and exec
-    try:
-        ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
-    except (OSError, AttributeError):
-        pass
-
-
-def _environment(api_key: str) -> dict[str, str]:
-    env = {k: v for k, v in os.environ.items() if not k.startswith("LLAMA_ARG_")}
+def child_environment(api_key: str, environ: dict[str, str] | None = None) -> dict[str, str]:
+    """The engine's environment: the allowlisted part of deploykit's (``environ``), and its own key."""
+    source = os.environ if environ is None else environ
+    env = {k: v for k, v in source.items() if k in _ENV_NAMES or k.startswith(_ENV_PREFIXES)}
     env["LLAMA_API_KEY"] = api_key
     return env
 
@@ -140,14 +98,16 @@ class LlamaServer:
     def __init__(self, options: ServerOptions) -> None:
         self.options = options
         self.api_key = secrets.token_urlsafe(24)
-        self.port = 0
+        self.socket = Path()
+        self._dir: str | None = None
         self._proc: subprocess.Popen[bytes] | None = None
-        self._log: IO[bytes] | None = None
+        self._watcher: subprocess.Popen[bytes] | None = None
+        self._lifeline: int | None = None  # deploykit's end of the watcher's pipe
+        self._log: LogRing | None = None
+        self._health: httpx.Client | None = None
+        self.relay: RelayClient | None = None  # the relay's requests to this process (set by ``start``)
         self._stopped_status: int | None = None
-
-    @property
-    def url(self) -> str:
-        return f"http://127.0.0.1:{self.port}"
+        self._stop_lock = threading.Lock()
 
     @property
     def pid(self) -> int | None:
@@ -170,67 +130,113 @@ class LlamaServer:
             return None
 
     def start(self) -> None:
-        self.port = free_port()
-        self._log = tempfile.TemporaryFile(prefix="deploykit-llama-")
-        argv = [str(self.options.binary), "--host", "127.0.0.1", "--port", str(self.port), *self.options.flags()]
-        log_file = self._log
-        self._proc = _spawner.run(lambda: subprocess.Popen(
-            argv, stdin=subprocess.DEVNULL, stdout=log_file, stderr=subprocess.STDOUT, env=_environment(self.api_key),
-            start_new_session=True, preexec_fn=_die_with_parent))
-        log.info("started llama-server pid %s on port %d: %s", self.pid, self.port, " ".join(argv[1:]))
+        self._dir = tempfile.mkdtemp(prefix="deploykit-llama-")  # mode 0700: only this user may connect
+        self.socket = Path(self._dir) / SOCKET_NAME
+        argv = [str(self.options.binary), "--host", str(self.socket), *self.options.flags()]
+        try:
+            self._start_watcher()
+            self._start_engine(argv)
+            self._health = unix_client(self.socket, timeout=HEALTH_READ_TIMEOUT)
+            self.relay = RelayClient(self.socket, self.api_key)
+        except BaseException:
+            self.stop(grace=0)
+            raise
+        log.info("started llama-server pid %s on %s: %s", self.pid, self.socket, " ".join(argv[1:]))
 
-    def wait_ready(self, timeout: float) -> float:
-        """Seconds until ``/health`` answered 200 (the model is loaded); ApplyError if the process ended or
-        the time ran out (with the end of its log)."""
+    def _start_watcher(self) -> None:
+        read_end, self._lifeline = os.pipe()  # both ends non-inheritable: no other child gets the write end
+        try:
+            self._watcher = subprocess.Popen(_WATCHER, stdin=read_end, stdout=subprocess.DEVNULL,
+                                             stderr=subprocess.DEVNULL, env={}, process_group=0)
+        finally:
+            os.close(read_end)
+
+    def _start_engine(self, argv: list[str]) -> None:
+        assert self._watcher is not None
+        out_read, out_write = os.pipe()
+        try:
+            self._proc = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=out_write, stderr=subprocess.STDOUT,
+                                          env=child_environment(self.api_key), process_group=self._watcher.pid)
+        except BaseException:
+            os.close(out_read)
+            raise
+        finally:
+            os.close(out_write)
+        self._log = LogRing(out_read, name=f"deploykit-llama-log-{self._proc.pid}")
+
+    def wait_ready(self, timeout: float, stop: threading.Event | None = None) -> float:
+        """Seconds until ``/health`` answered 200 (the model is loaded); ApplyError if the process ended, the
+        time ran out (with the end of its log) or ``stop`` was set (the generation is closing)."""
         start = time.monotonic()
         deadline = start + timeout
-        while time.monotonic() < deadline:
-            status = self.exit_status()
-            if status is not None:
-                raise ApplyError(f"llama-server exited with status {status} while loading: {self.log_tail()}")
-            if self._healthy():
-                return time.monotonic() - start
-            time.sleep(0.05)
+        with unix_client(self.socket, timeout=2.0) as client:
+            while time.monotonic() < deadline:
+                status = self.exit_status()
+                if status is not None:
+                    if self._log is not None:
+                        self._log.close(1.0)  # its last words: the pipe is at its end once the process ended
+                    raise ApplyError(f"llama-server exited with status {status} while loading: {self.log_tail()}")
+                if healthy(client):
+                    return time.monotonic() - start
+                if stop is not None and stop.is_set():
+                    raise ApplyError("llama-server was stopped while loading (the generation is closing)")
+                time.sleep(0.05)
         raise ApplyError(f"llama-server did not load within {timeout:g}s: {self.log_tail()}")
 
-    def _healthy(self) -> bool:
-        try:
-            with urllib.request.urlopen(f"{self.url}/health", timeout=2) as response:
-                return bool(response.status == 200)
-        except (urllib.error.URLError, OSError):  # refused while starting, 503 while loading
-            return False
+    def healthy(self) -> bool:
+        """Whether ``/health`` answers 200 within ``HEALTH_READ_TIMEOUT`` now (the watchdog's poll)."""
+        return self._health is not None and healthy(self._health)
 
     def log_tail(self) -> str:
-        if self._log is None:
-            return ""
-        try:
-            self._log.seek(0, os.SEEK_END)
-            size = self._log.tell()
-            self._log.seek(max(0, size - LOG_TAIL_BYTES))
-            return self._log.read().decode(errors="replace").strip()[-LOG_TAIL_BYTES:]
-        except (OSError, ValueError):
-            return ""
+        return self._log.tail(LOG_TAIL_BYTES) if self._log is not None else ""
 
     def stop(self, grace: float = STOP_GRACE_SECONDS) -> None:
-        """End the process group (SIGTERM, then SIGKILL after ``grace``) and reap it. Idempotent."""
-        proc = self._proc
-        if proc is not None:
-            _signal_group(proc, signal.SIGTERM)
-            try:
-                proc.wait(grace)
-            except subprocess.TimeoutExpired:
-                _signal_group(proc, signal.SIGKILL)
-                proc.wait(grace)
-            log.info("llama-server pid %d stopped (status %s)", proc.pid, proc.returncode)
-            self._proc, self._stopped_status = None, proc.returncode
-            _spawner.release()
-        if self._log is not None:
-            self._log.close()
-            self._log = None
+        """End the process group (SIGTERM, then SIGKILL after ``grace``; 0: SIGKILL at once) and reap it.
+        Idempotent; safe from any thread."""
+        with self._stop_lock:
+            proc, watcher, self._proc, self._watcher = self._proc, self._watcher, None, None
+            if self.relay is not None:
+                self.relay.close()
+            if self._health is not None:
+                self._health.close()
+                self._health = None
+            if watcher is not None:
+                _end_group(watcher.pid, [p for p in (proc, watcher) if p is not None], grace)
+            if proc is not None:
+                log.info("llama-server pid %d stopped (status %s)", proc.pid, proc.returncode)
+                self._stopped_status = proc.returncode
+            if self._lifeline is not None:
+                os.close(self._lifeline)
+                self._lifeline = None
+            if self._log is not None:
+                self._log.close()
+            if self._dir is not None:
+                shutil.rmtree(self._dir, ignore_errors=True)
+                self._dir = None
 
 
-def _signal_group(proc: subprocess.Popen[bytes], sig: int) -> None:
+def healthy(client: Any) -> bool:
+    """Whether llama-server's ``/health`` answers 200 now (503 while loading; refused while starting)."""
     try:
-        os.killpg(proc.pid, sig)  # setsid made it a group leader: the group id is its pid
+        return bool(client.get("/health").status_code == 200)
+    except (httpx.HTTPError, OSError):
+        return False
+
+
+def _end_group(pgid: int, procs: list[subprocess.Popen[bytes]], grace: float) -> None:
+    """SIGTERM the group (the engine shuts down cleanly), SIGKILL it after ``grace``, reap ``procs``."""
+    _signal_group(pgid, signal.SIGTERM if grace > 0 else signal.SIGKILL)
+    deadline = time.monotonic() + grace
+    for proc in procs:
+        try:
+            proc.wait(max(0.0, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            _signal_group(pgid, signal.SIGKILL)
+            proc.wait()
+
+
+def _signal_group(pgid: int, sig: int) -> None:
+    try:
+        os.killpg(pgid, sig)  # the watcher leads the group; the engine joined it
     except ProcessLookupError:
         pass

@@ -8,14 +8,16 @@ all stay llama.cpp's, so answers are exactly llama-server's and the relay adds o
 rewrite per event, not a Python step per token; fields llama.cpp implements later (its grammars for
 ``response_format`` and ``tools``) can be forwarded without a new token path here.
 
-The process can die (OOM, a crash, ``kill -9``): its in-flight requests fail at once (their connections
-break), the death is logged and counted (``crashes``, ``last_crash``), and the next request starts a fresh
-process, waits for it and runs the health check before it is used. ``close`` ends the process: unloading a
-llama.cpp generation frees its memory with it.
+The process can die (OOM, a crash, ``kill -9``) or hang (``kill -STOP``, a deadlock): the generation's
+``Supervisor`` finds either (exit status; ``/health`` unanswered), kills what is left, and starts a fresh
+process with backoff on its own thread, health-checked before it is used; in-flight requests fail at once
+(their connections break) and new ones wait for the fresh process, bounded (``ENGINE_WAIT_SECONDS``), without
+holding a worker thread. ``close`` ends the process: unloading a llama.cpp generation frees its memory with it.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import threading
 from dataclasses import dataclass
@@ -26,13 +28,14 @@ from ..admission import QueueFull
 from ..health import HealthResult
 from ..types import Limits
 from ..text import RequestError
-from .client import EngineGone, RelayClient, UpstreamError, greedy_probe, post_blocking
+from .client import EngineBusy, EngineGone, RelayClient, UpstreamError, get_blocking, greedy_probe, post_blocking
 from .process import LlamaServer, ServerOptions
+from .supervisor import EngineReport, EngineUnavailable, Supervisor
 
 log = logging.getLogger(__name__)
 HEALTH_TOKENS = 4
-SUSPECT_WAIT_SECONDS = 2.0
 REQUEST_TIMEOUT_SECONDS = 600.0
+ENGINE_WAIT_SECONDS = 15.0  # how long a request waits for a starting or restarting engine before a 503
 
 
 @dataclass(frozen=True)
@@ -76,49 +79,53 @@ class Slots:
 
 class LlamaRuntime:
     """One generation's llama-server, as the OpenAI routes use a text runtime (``kind``, ``limits``,
-    ``engine.stats``, ``close``) plus the relay's ``connection()``."""
+    ``engine.stats``, ``close``) plus the relay's ``ready_client`` / ``client``."""
 
     kind = "text"
     relay = True  # serve.openai routes hand requests to llama-server instead of a token engine
     tokenizer = None  # llama-server tokenises
 
     def __init__(self, options: LlamaOptions, limits: Limits) -> None:
-        self.options = options
+        # enough HTTP threads for every request deploykit admits, plus the watchdog's /health
+        server = dataclasses.replace(options.server, http_threads=options.server.slots + limits.max_queued + 2)
+        self.options = dataclasses.replace(options, server=server)
         self.limits = limits
         self.context_length = options.server.context
         self.engine = Slots(options.server.slots, limits.max_queued)
-        self.crashes = 0
-        self.last_crash: str | None = None
-        self._lock = threading.Lock()  # one restart at a time
-        self._closed = False
-        self._suspect = False  # a request's connection broke: is the process gone?
-        self._server, self._client = self._started()
+        self.vocab_size: int | None = None  # llama-server's n_vocab: logit_bias ids are checked against it
+        self._supervisor = Supervisor(self._started, name=options.server.model.stem[:24])
 
     @property
     def pid(self) -> int | None:
-        return self._server.pid
+        return self._supervisor.proc.pid
 
     @property
     def eos_ids(self) -> set[int]:
         return set()
 
-    def _started(self) -> tuple[LlamaServer, RelayClient]:
+    def report(self) -> EngineReport:
+        """The process now: pid, state (starting, ready, restarting, failed) and why, deaths, restarts."""
+        return self._supervisor.report()
+
+    def _started(self, stop: threading.Event) -> LlamaServer:
         """A new process, loaded (``/health``) and answering a greedy request; stopped if either fails."""
         server = LlamaServer(self.options.server)
         server.start()
         try:
-            server.wait_ready(self.options.health_timeout)
+            server.wait_ready(self.options.health_timeout, stop)
             self._probe(server)
+            if self.vocab_size is None:
+                self.vocab_size = _vocab_size(server)
         except BaseException:
-            server.stop()
+            server.stop(grace=0)
             raise
-        return server, RelayClient(server.url, server.api_key)
+        return server
 
     def _probe(self, server: LlamaServer) -> HealthResult:
         try:
-            text, tokens, seconds = greedy_probe(server.url, server.api_key, self.options.health_input,
+            text, tokens, seconds = greedy_probe(server.socket, server.api_key, self.options.health_input,
                                                  max_tokens=HEALTH_TOKENS, timeout=self.options.health_timeout)
-        except (UpstreamError, EngineGone) as exc:
+        except (UpstreamError, EngineGone, EngineBusy) as exc:
             raise ApplyError(f"health check failed: llama-server did not answer a greedy request: {exc}; "
                              f"{server.log_tail()[-500:]}") from None
         if tokens < 1:
@@ -129,55 +136,55 @@ class LlamaRuntime:
     def health_check(self, text: str, *, timeout: float) -> HealthResult:
         """The check ``control`` runs before this generation serves (the start ran it once already; this
         runs it again on the same process, which is cheap)."""
-        return self._probe(self._server)
+        return self._probe(self._supervisor.proc)
 
-    def connection(self) -> RelayClient:
-        """The client of a live, checked llama-server: a process that died since the last request is
-        replaced first (the caller runs this off the event loop). ApplyError when closed or a restart fails."""
-        with self._lock:
-            if self._closed:
-                raise ApplyError("this llama.cpp generation is closed")
-            status = self._server.wait_exit(SUSPECT_WAIT_SECONDS) if self._suspect else self._server.exit_status()
-            self._suspect = False
-            if status is None:
-                return self._client
-            self.crashes += 1
-            self.last_crash = f"llama-server pid {self._server.pid} exited with status {status}"
-            log.warning("%s; starting a fresh one: %s", self.last_crash, self._server.log_tail()[-300:])
-            self._client.close()
-            self._server.stop()
-            self._server, self._client = self._started()
-            return self._client
+    def ready_client(self) -> RelayClient | None:
+        """The client of the ready process (no wait, no thread), or None: await ``client``."""
+        server = self._supervisor.ready()
+        return server.relay if server is not None else None
 
-    def live_client(self) -> RelayClient | None:
-        """The client while the process runs (a cheap, non-blocking check); None: call ``connection``."""
-        if self._closed or self._suspect or self._server.exit_status() is not None:
-            return None
-        return self._client
+    async def client(self) -> RelayClient:
+        """The client of the ready process, waiting on the event loop while it starts or restarts;
+        ``EngineUnavailable`` when it is not ready within ``ENGINE_WAIT_SECONDS`` (or failed, or closed)."""
+        server = await self._supervisor.wait_ready(ENGINE_WAIT_SECONDS)
+        assert server.relay is not None
+        return server.relay
 
-    def connection_broke(self) -> None:
-        """A request's connection to llama-server broke: the next request checks (waiting briefly for it to
-        end) whether the process died before using it again."""
-        self._suspect = True
+    def connection_broke(self, client: RelayClient) -> None:
+        """A request's connection through ``client`` broke or was refused: the watchdog checks that process
+        now (if it still serves), and requests wait for its verdict."""
+        server = self._supervisor.proc
+        if server.relay is client:
+            self._supervisor.connection_broke(server)
 
     def answer(self, path: str, body: dict[str, Any]) -> dict[str, Any]:
         """One request on this thread (``Deployment.generate`` / ``chat``), on a live, checked process."""
-        self.connection()
-        server = self._server
+        server: LlamaServer | None = None
         try:
-            return post_blocking(server.url, server.api_key, path, body, timeout=REQUEST_TIMEOUT_SECONDS)
+            server = self._supervisor.wait_ready_blocking(ENGINE_WAIT_SECONDS)
+            return post_blocking(server.socket, server.api_key, path, body, timeout=REQUEST_TIMEOUT_SECONDS)
         except UpstreamError as exc:
             raise RequestError(f"llama.cpp: {exc.message}") from None
+        except (EngineUnavailable, EngineBusy) as exc:
+            raise RequestError(f"the llama.cpp engine is not available: {exc}") from None
         except EngineGone as exc:
-            self.connection_broke()
-            raise RequestError(f"generation failed: the llama.cpp engine process ended ({exc})") from None
+            if server is not None:
+                self._supervisor.connection_broke(server)
+            raise RequestError(f"generation failed: the llama.cpp engine's connection broke ({exc})") from None
 
     def describe(self) -> str:
-        return f"llama-server pid {self.pid} on {self._server.url}"
+        return f"llama-server pid {self.pid} on {self._supervisor.proc.socket}"
 
     def close(self, timeout: float | None = 30.0) -> None:
-        with self._lock:
-            self._closed = True
-            self.engine.close()
-            self._client.close()
-            self._server.stop()
+        self.engine.close()
+        self._supervisor.close()
+
+
+def _vocab_size(server: LlamaServer) -> int | None:
+    """The model's vocabulary size as llama-server reports it (``/v1/models``' ``meta.n_vocab``)."""
+    try:
+        models = get_blocking(server.socket, server.api_key, "/v1/models", timeout=10.0).get("data") or [{}]
+    except (UpstreamError, EngineGone, EngineBusy):
+        return None
+    n_vocab = (models[0].get("meta") or {}).get("n_vocab")
+    return int(n_vocab) if isinstance(n_vocab, int) and n_vocab > 0 else None
