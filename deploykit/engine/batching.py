@@ -27,12 +27,11 @@ from typing import Any, Literal, Protocol
 
 from .adapters import Adapters, UnknownAdapter
 from .admission import Admission, FinishReason, QueueFull
-from .types import Limits, eos_set
+from .types import Limits, context_length as context_of, eos_set
 from .continuous import ContinuousBackend
 from .grammar import Grammars
 from .padded import PaddedBackend
 from .requests import GenerationRequest, GenerationResult, RequestHandle
-from .runtime import context_length as runtime_context
 from .sampling import TokenLogprobs, request_generator
 
 __all__ = ["Engine", "FinishReason", "GenerationRequest", "GenerationResult", "QueueFull", "RequestHandle",
@@ -68,7 +67,7 @@ class Engine:
         self.eos_ids: set[int] = _eos_ids(model)
         self.kv_bytes_per_token = _kv_bytes_per_token(model)
         self.prefix_cache_bytes, self.prefill_chunk = prefix_cache_bytes, prefill_chunk
-        self.context_length = context_length or runtime_context(model.config, Limits())  # the longest request
+        self.context_length = context_length or context_of(model.config, Limits())  # the longest request
         self.adapters = adapters  # LoRA adapters: the padded loop computes each row with its own
         self._queue = Admission(max_queued=max_queued)  # request ids and closing; padded: the waiting requests
         self._batcher: Backend = self._start_backend(backend, forward_lock, cb_page_size)

@@ -18,7 +18,7 @@ from ..names import Task
 from ..threads import release_openmp_threads
 from .embeddings import Pooling, embed, pooling_of
 from .text import RequestError, TextStream, check_length
-from .types import Constraint, Limits, eos_set
+from .types import Constraint, Limits, context_length, eos_set
 
 if TYPE_CHECKING:
     from .adapters import AdapterSource, Adapters
@@ -26,17 +26,6 @@ if TYPE_CHECKING:
     from .serving import TextEngine
 
 log = logging.getLogger(__name__)
-MAX_DEFAULT_CONTEXT = 8192
-
-
-def context_length(config: Any, limits: Limits) -> int:
-    """The context a request may use: the manifest's, else the model's own (at most 8192). ``config``: the
-    model's transformers config (its text config counts for a multimodal one). Every runtime asks here."""
-    text = config.get_text_config() if hasattr(config, "get_text_config") else config
-    own = getattr(text, "max_position_embeddings", None) or MAX_DEFAULT_CONTEXT
-    return int(limits.context_length or min(own, MAX_DEFAULT_CONTEXT))
-
-
 def eos_ids_of(checkpoint: Any, config: Any) -> set[int]:
     """The end-of-sequence ids of a checkpoint: its generation_config.json's, else its config's (what
     ``from_pretrained`` gives an in-process model as ``generation_config``). Every runtime asks here."""

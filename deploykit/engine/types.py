@@ -1,6 +1,6 @@
 """Plain data every engine module shares, below all behaviour (so no two engine modules import each
-other for a type): why a request finished, the serving limits of a generation, and end-of-sequence ids
-as a set, and what a request's output must follow (``Constraint``). No torch."""
+other for a type): why a request finished, the serving limits of a generation and the context they
+allow, and end-of-sequence ids as a set, and what a request's output must follow (``Constraint``). No torch."""
 
 from __future__ import annotations
 
@@ -40,3 +40,14 @@ class Constraint:
 def eos_set(value: Any) -> set[int]:
     """An ``eos_token_id`` as transformers stores it (an int, a list, or None) as a set."""
     return set(value if isinstance(value, list) else [] if value is None else [value])
+
+
+MAX_DEFAULT_CONTEXT = 8192
+
+
+def context_length(config: Any, limits: Limits) -> int:
+    """The context a request may use: the manifest's, else the model's own (at most 8192). ``config``: the
+    model's transformers config (its text config counts for a multimodal one). Every runtime asks here."""
+    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    own = getattr(text, "max_position_embeddings", None) or MAX_DEFAULT_CONTEXT
+    return int(limits.context_length or min(own, MAX_DEFAULT_CONTEXT))
