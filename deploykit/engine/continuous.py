@@ -106,9 +106,8 @@ def _start_manager(model: Any, *, eos_ids: set[int], max_batch_size: int, max_qu
     gen = GenerationConfig(  # type: ignore[no-untyped-call,unused-ignore]  # do_sample is CB-wide; unset=True!
         do_sample=False, max_new_tokens=64, eos_token_id=sorted(eos_ids) or -1)
     cfg = ContinuousBatchingConfig(
-        page_size=page_size, num_blocks=blocks, max_batch_tokens=m,
-        max_requests_per_batch=max_batch_size, max_queue_size=max_queued,
-        allow_block_sharing=False, auto_switch_to_flash=False)
+        num_blocks=blocks, max_batch_tokens=m, max_requests_per_batch=max_batch_size, max_queue_size=max_queued,
+        allow_block_sharing=False, **_versioned(ContinuousBatchingConfig, page_size))
     manager = model.init_continuous_batching(generation_config=gen, continuous_batching_config=cfg)
     manager.start()
     try:
@@ -117,6 +116,18 @@ def _start_manager(model: Any, *, eos_ids: set[int], max_batch_size: int, max_qu
         manager.stop(block=True, timeout=30)
         raise
     return manager, blocks * page_size
+
+
+def _versioned(config_class: Any, page_size: int) -> dict[str, Any]:
+    """The arguments whose names changed across the transformers versions deploykit supports: the page
+    size is ``block_size`` in 5.17 (the lowest, ``make test-lowest``), ``page_size`` in later versions;
+    ``auto_switch_to_flash`` (turned off: the plan chose the attention) exists only in the versions that
+    switch on their own."""
+    import inspect
+
+    known = inspect.signature(config_class).parameters
+    named = {"page_size" if "page_size" in known else "block_size": page_size}
+    return {**named, **({"auto_switch_to_flash": False} if "auto_switch_to_flash" in known else {})}
 
 
 def _answers_once(manager: Any, timeout: float = 300.0) -> None:
