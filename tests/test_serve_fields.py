@@ -269,3 +269,23 @@ def test_forced_calls_to_tools_whose_parameters_use_defs(client):
             for call in message.tool_calls:
                 if call.function.name == "place":
                     jsonschema.validate(json.loads(call.function.arguments), REF_TOOL["function"]["parameters"])
+
+
+@pytest.mark.parametrize("max_tokens", [64, 40])  # whole, and cut inside the first call's arguments
+def test_required_calls_stream_as_tool_call_deltas_as_they_are_generated(client, max_tokens):
+    args = dict(model="tiny-chat", messages=MESSAGES, max_tokens=max_tokens, temperature=0, tools=[REF_TOOL],
+                tool_choice="required", parallel_tool_calls=False)
+    whole = client.chat.completions.create(**args)
+    deltas = [c.choices[0] for c in client.chat.completions.create(**args, stream=True) if c.choices]
+    assert not any(d.delta.content for d in deltas)  # never content
+    calls = [t for d in deltas for t in d.delta.tool_calls or []]
+    assert calls[0].id and calls[0].function.name == "place" and len(calls) > 2  # then argument pieces
+    arguments = "".join(t.function.arguments or "" for t in calls)
+    [call] = whole.choices[0].message.tool_calls
+    assert whole.choices[0].message.content is None and arguments == call.function.arguments
+    finish = "tool_calls" if max_tokens == 64 else "length"
+    assert deltas[-1].finish_reason == whole.choices[0].finish_reason == finish
+    if finish == "length":
+        assert not arguments.endswith("}}")  # partial, as OpenAI's
+    else:
+        json.loads(arguments)

@@ -188,6 +188,67 @@ def hermes_calls(text: str, names: set[str]) -> tuple[str | None, list[dict[str,
     return (content or None), calls
 
 
+class RequiredStream:
+    """A ``"required"`` answer read as it is generated. The grammar writes ``[{"name": N, "arguments": A}, ...]``
+    (compact, properties in the schema's order), so a call's name is known once ``"arguments": `` follows it,
+    and its arguments are the JSON value written next. ``push`` returns OpenAI's tool-call deltas: a call's
+    id and name, then pieces of its arguments as they come, never content; a cut answer leaves its last
+    call's arguments partial, as OpenAI's does. ``calls`` holds what was read so far."""
+
+    _HEAD = re.compile(r'[\[},\s]*\{"name":\s*"([^"\\]*)",\s*"arguments":\s*(?=\S)')
+
+    def __init__(self) -> None:
+        self.text, self.pos = "", 0
+        self.calls: list[dict[str, Any]] = []
+        self._in_value = self._in_string = self._escaped = False
+        self._depth = 0
+
+    def push(self, delta: str) -> list[dict[str, Any]]:
+        self.text += delta
+        out: list[dict[str, Any]] = []
+        while True:
+            if not self._in_value:
+                head = self._HEAD.match(self.text, self.pos)
+                if head is None:
+                    return out
+                self.calls.append(new_call(head.group(1), ""))
+                out.append({"index": len(self.calls) - 1, **new_call_delta(self.calls[-1])})
+                self.pos, self._in_value, self._depth = head.end(), True, 0
+                continue
+            start, ended = self.pos, self._scan()
+            if self.pos > start:
+                piece = self.text[start:self.pos]
+                self.calls[-1]["function"]["arguments"] += piece
+                out.append({"index": len(self.calls) - 1, "function": {"arguments": piece}})
+            if not ended:
+                return out
+            self._in_value = False
+
+    def _scan(self) -> bool:
+        """Advance over the arguments' JSON value; True once it is whole."""
+        while self.pos < len(self.text):
+            c = self.text[self.pos]
+            if self._in_string:
+                self._escaped, self._in_string = (False, True) if self._escaped else (c == "\\", c != '"')
+            elif c == '"':
+                self._in_string = True
+            elif c in "{[":
+                self._depth += 1
+            elif c in "}]" or (c == "," and self._depth == 0):
+                if self._depth == 0:  # a scalar ended by the call's own "}" or ","
+                    return True
+                self._depth -= 1
+                if self._depth == 0:
+                    self.pos += 1
+                    return True
+            self.pos += 1
+        return False
+
+
+def new_call_delta(call: dict[str, Any]) -> dict[str, Any]:
+    return {"id": call["id"], "type": "function", "function": {"name": call["function"]["name"], "arguments": ""}}
+
+
 class HermesStream:
     """A streamed ``"auto"`` answer: its content goes out as it comes, up to the first ``<tool_call>``;
     from there on the text is held and read for calls once the answer ended (``finish``). A tail that
