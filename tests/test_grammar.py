@@ -189,3 +189,22 @@ def test_the_stepped_engine_constrains_like_the_padded_one(engine: Any) -> None:
             assert got.finish_reason == "stop"
     finally:
         stepped.close(30)
+
+
+@pytest.mark.parametrize(("pattern", "named"), [
+    ("(?<=a)b", "pattern: look-behind (?<="), ("a(?=b)", "pattern: look-ahead (?="),
+    ("(?!x)y", "pattern: negative look-ahead (?!"), ("(?<!x)y", "pattern: negative look-behind (?<!"),
+    (r"^(a)\1$", "pattern: back-reference to group 1"), (r"(?<n>a)\k<n>", "pattern: named back-reference")])
+def test_regex_features_a_grammar_cannot_enforce_are_refused(grammars: Grammars, pattern: str, named: str) -> None:
+    schema = {"type": "object", "properties": {"s": {"type": "string", "pattern": pattern}}}
+    with pytest.raises(RequestError) as refused:
+        grammars.compile(Constraint(json.dumps(schema)))
+    assert f"'{named}' (at #/properties/s)" in str(refused.value) and refused.value.param == "response_format"
+
+
+def test_a_pattern_beside_a_format_is_refused_and_plain_patterns_are_not(grammars: Grammars) -> None:
+    with pytest.raises(RequestError, match="'pattern with format'"):  # xgrammar would follow one of them
+        grammars.compile(Constraint(json.dumps({"type": "string", "format": "email", "pattern": "^a"})))
+    for literal in (r"^\(?=x$", "^[(?=]+$", r"^[a-z]\d{2}$", "^(?:ab)+$"):  # escaped or in a class: not look-around
+        assert accepts(grammars, {"type": "string", "pattern": literal}, json.dumps(
+            {r"^\(?=x$": "(=x", "^[(?=]+$": "(?=", r"^[a-z]\d{2}$": "a12", "^(?:ab)+$": "abab"}[literal]))

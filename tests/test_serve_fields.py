@@ -7,6 +7,7 @@ The tiny random Llama of tests/chatmodel.py serves (a byte-level tokenizer: ever
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 from typing import Any
 
@@ -209,6 +210,12 @@ TOOL = {"type": "function", "function": {"name": "f", "parameters": {"type": "ob
     (chat(response_format={"type": "xml"}), "response_format.type"),
     (chat(response_format={"type": "json_schema", "json_schema": {"name": "x", "schema": {"not": {}}}}),
      "response_format"),
+    (chat(response_format={"type": "json_schema", "json_schema": {"name": "x", "schema": {
+        "type": "object", "properties": {"s": {"type": "string", "pattern": "(?<=a)b"}}}}}), "response_format"),
+    (chat(response_format={"type": "json_schema", "json_schema": {"name": "x", "schema": {
+        "type": "string", "format": "email", "pattern": "^a"}}}), "response_format"),
+    (chat(response_format={"type": "json_object"}, stop=["}"]), "stop"),  # it would cut the JSON
+    (chat(tools=[TOOL], tool_choice="required", stop="x"), "stop"),
     (chat(logprobs=True, top_logprobs=21), "top_logprobs"),
     (chat(top_logprobs=2), "top_logprobs"),
     (chat(n=9), "n"),
@@ -240,3 +247,45 @@ def test_fields_that_do_not_change_the_answer_are_accepted(client):
                                      extra_body={name: "x" for name in IGNORED})
     assert text.choices[0].text == client.completions.create(model="tiny-chat", prompt="hi", max_tokens=4,
                                                              temperature=0).choices[0].text
+
+
+REF_TOOL = {"type": "function", "function": {"name": "place", "parameters": {
+    "$defs": {"point": {"type": "object", "properties": {"x": {"type": "integer", "minimum": 0, "maximum": 9},
+                                                         "y": {"type": "integer", "minimum": 0, "maximum": 9}},
+                        "required": ["x", "y"], "additionalProperties": False}},
+    "type": "object", "properties": {"at": {"$ref": "#/$defs/point"}}, "required": ["at"],
+    "additionalProperties": False}}}
+
+
+def test_forced_calls_to_tools_whose_parameters_use_defs(client):
+    import jsonschema
+
+    for choice in ("required", {"type": "function", "function": {"name": "place"}}):
+        answer = client.chat.completions.create(model="tiny-chat", messages=MESSAGES, max_tokens=60, temperature=0,
+                                                tools=[REF_TOOL, TOOL], tool_choice=choice, parallel_tool_calls=False)
+        message = answer.choices[0].message
+        assert message.content is None and message.tool_calls, answer
+        if answer.choices[0].finish_reason == "tool_calls":  # whole: the arguments follow the $ref'd schema
+            for call in message.tool_calls:
+                if call.function.name == "place":
+                    jsonschema.validate(json.loads(call.function.arguments), REF_TOOL["function"]["parameters"])
+
+
+@pytest.mark.parametrize("max_tokens", [64, 40])  # whole, and cut inside the first call's arguments
+def test_required_calls_stream_as_tool_call_deltas_as_they_are_generated(client, max_tokens):
+    args = dict(model="tiny-chat", messages=MESSAGES, max_tokens=max_tokens, temperature=0, tools=[REF_TOOL],
+                tool_choice="required", parallel_tool_calls=False)
+    whole = client.chat.completions.create(**args)
+    deltas = [c.choices[0] for c in client.chat.completions.create(**args, stream=True) if c.choices]
+    assert not any(d.delta.content for d in deltas)  # never content
+    calls = [t for d in deltas for t in d.delta.tool_calls or []]
+    assert calls[0].id and calls[0].function.name == "place" and len(calls) > 2  # then argument pieces
+    arguments = "".join(t.function.arguments or "" for t in calls)
+    [call] = whole.choices[0].message.tool_calls
+    assert whole.choices[0].message.content is None and arguments == call.function.arguments
+    finish = "tool_calls" if max_tokens == 64 else "length"
+    assert deltas[-1].finish_reason == whole.choices[0].finish_reason == finish
+    if finish == "length":
+        assert not arguments.endswith("}}")  # partial, as OpenAI's
+    else:
+        json.loads(arguments)

@@ -138,8 +138,11 @@ def test_forced_tool_calls_validate_plain_and_streamed(client: openai.OpenAI) ->
     streamed = list(client.chat.completions.create(
         model="smollm2", messages=messages, tools=[WEATHER, TIME], tool_choice="required", max_tokens=MAX,
         temperature=0, stream=True, parallel_tool_calls=False))
-    calls = [d for c in streamed if c.choices for d in c.choices[0].delta.tool_calls or []]
-    assert len(calls) == 1 and calls[0].function.name in ("get_weather", "get_time")
+    calls = [d for c in streamed if c.choices for d in c.choices[0].delta.tool_calls or []]  # id and name, then pieces
+    assert {d.index for d in calls} == {0} and calls[0].function.name in ("get_weather", "get_time")
+    assert not any(c.choices[0].delta.content for c in streamed if c.choices)
+    tool = {"get_weather": WEATHER, "get_time": TIME}[calls[0].function.name]
+    valid("".join(d.function.arguments or "" for d in calls), tool["function"]["parameters"])
     assert streamed[-1].choices[0].finish_reason == "tool_calls"
 
 

@@ -124,13 +124,25 @@ def cache_config(model: Any, *, page_size: int, max_batch_size: int, max_queued:
     from transformers.generation.continuous_batching.initialization import resolve_max_memory_percent
 
     cfg = ContinuousBatchingConfig(
-        page_size=page_size, max_batch_tokens=512, max_requests_per_batch=max_batch_size,
-        max_queue_size=max_queued, max_blocks_per_request=0, use_async_batching=False,
-        allow_block_sharing=False, auto_switch_to_flash=False)
+        max_batch_tokens=512, max_requests_per_batch=max_batch_size, max_queue_size=max_queued,
+        max_blocks_per_request=0, use_async_batching=False, allow_block_sharing=False,
+        **_versioned(ContinuousBatchingConfig, page_size))
     resolve_max_memory_percent(cfg, has_logit_processors=False, device=model.device)
     size = paged_cache_size(model, cfg, budget=budget, max_tokens=max_batch_size * context_length)
     cfg.num_blocks = size.num_blocks
     return cfg, size
+
+
+def _versioned(config_class: Any, page_size: int) -> dict[str, Any]:
+    """The arguments whose names changed across the transformers versions deploykit supports: the page
+    size is ``block_size`` in 5.17 (the lowest, ``make test-lowest``), ``page_size`` in later versions;
+    ``auto_switch_to_flash`` (turned off: the plan chose the attention) exists only in the versions that
+    switch on their own."""
+    import inspect
+
+    known = inspect.signature(config_class).parameters
+    named = {"page_size" if "page_size" in known else "block_size": page_size}
+    return {**named, **({"auto_switch_to_flash": False} if "auto_switch_to_flash" in known else {})}
 
 
 def _answers_once(manager: Any, timeout: float = 300.0) -> None:

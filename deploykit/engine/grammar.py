@@ -74,6 +74,10 @@ def unenforced(schema: Any, path: str = "") -> tuple[str, str] | None:
                 return key, where
             if key == "format" and (not isinstance(value, str) or value not in FORMATS):
                 return f"format: {value}", where
+            if key == "pattern" and isinstance(value, str) and (feature := regex_unenforced(value)) is not None:
+                return f"pattern: {feature}", where
+        if "pattern" in node and "format" in node:  # xgrammar follows one of them
+            return "pattern with format", where
         pattern = node.get("pattern")
         if isinstance(pattern, str) and (cost := pattern_cost(pattern)) > MAX_PATTERN_COST:
             return f"pattern repeating {cost} times (at most {MAX_PATTERN_COST})", where
@@ -131,6 +135,38 @@ def _class_end(pattern: str, start: int) -> int:
     while i < len(pattern) and pattern[i] != "]":
         i += 2 if pattern[i] == "\\" else 1
     return i + 1
+_LOOK_AROUND = {"?=": "look-ahead (?=", "?!": "negative look-ahead (?!", "?<=": "look-behind (?<=",
+                "?<!": "negative look-behind (?<!", "?P=": "named back-reference"}
+
+
+def regex_unenforced(pattern: str) -> str | None:
+    """The first feature of ``pattern`` that a grammar cannot enforce (look-around, back-references: they
+    are not regular; xgrammar accepts ``(?<=a)b`` and then lets a string run on unterminated), or None.
+    A scan of the pattern's tokens rather than a regex parser: escapes and character classes are skipped
+    whole, so ``\\(?=`` or ``[(?=]`` are literals, not look-arounds."""
+    i, n = 0, len(pattern)
+    while i < n:
+        c = pattern[i]
+        if c == "\\":
+            nxt = pattern[i + 1:i + 2]
+            if nxt.isdigit() and nxt != "0":
+                return f"back-reference to group {nxt}"
+            if pattern.startswith("k<", i + 1):
+                return "named back-reference"
+            i += 2
+        elif c == "[":  # a character class: up to its first unescaped "]" (ECMA-262, JSON Schema's regexes)
+            i += 1
+            while i < n and pattern[i] != "]":
+                i += 2 if pattern[i] == "\\" else 1
+            i += 1
+        elif c == "(":
+            for opener, feature in _LOOK_AROUND.items():
+                if pattern.startswith(opener, i + 1):
+                    return feature
+            i += 1
+        else:
+            i += 1
+    return None
 
 
 def subschemas(node: Any, where: str) -> Iterator[tuple[str, dict[str, Any]]]:

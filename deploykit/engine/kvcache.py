@@ -152,7 +152,7 @@ def merged(cache: Any, mask: torch.Tensor, add: Any, add_mask: torch.Tensor) -> 
     return cache, torch.cat([left_pad(mask, width), left_pad(add_mask, width)])
 
 
-def kept(cache: Any, rows: torch.Tensor, lead: int) -> None:
+def keep_rows(cache: Any, rows: torch.Tensor, lead: int) -> None:
     """Keep only ``rows`` of every layer of ``cache``, without their first ``lead`` positions: each layer's
     rows copied into a new buffer with ``HEADROOM`` more positions, which replaces the old one before the
     next layer is copied (slicing the cache kept the old buffers alive beside the copies, and the next

@@ -42,7 +42,7 @@ from .devices import input_device
 from .kvcache import (
     all_pad_columns,
     growing_cache,
-    kept,
+    keep_rows,
     merged,
     peak_positions,
     read_hits,
@@ -359,5 +359,5 @@ def _drop_done(rows: list[RequestHandle], cache: Any, mask: torch.Tensor
     idx, rows = torch.tensor(keep, dtype=torch.long, device=mask.device), [rows[i] for i in keep]
     lead = all_pad_columns(mask[idx])
     if rows:
-        kept(cache, idx, lead)
+        keep_rows(cache, idx, lead)
     return rows, cache if rows else None, mask[idx, lead:]

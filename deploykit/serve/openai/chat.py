@@ -4,10 +4,11 @@ choices, logprobs, penalties and logit_bias as OpenAI's API defines them; ``resp
 
 Tool calls are answered as ``message.tool_calls`` with finish_reason ``"tool_calls"`` for
 ``tool_choice: "required"`` and ``"auto"``, and ``"stop"`` for a named function (as OpenAI answers it); a
-cut answer (``max_tokens``) ends with ``"length"`` whatever it held. Streamed, a named function's
-arguments come as they are generated (OpenAI's tool-call deltas); the calls of ``"required"`` and
-``"auto"`` come whole once the answer ended (they are read from the whole answer), ``"auto"``'s content
-as it comes up to the first call.
+cut answer (``max_tokens``) ends with ``"length"`` whatever it held; a forced call is never content (a
+cut ``"required"`` answer holds the calls as far as they were written). Streamed, a named function's
+arguments and each ``"required"`` call (its id and name, then its arguments) come as they are generated
+(OpenAI's tool-call deltas); the calls of ``"auto"`` come whole once the answer ended (they are read from
+the whole answer), its content as it comes up to the first call.
 """
 
 from __future__ import annotations
@@ -28,7 +29,7 @@ from .generation import Outcome, Run, whole
 from .logprobs import TokenTexts, chat_content
 from .protocol import ChatCompletionRequest, new_id, now
 from .stream import LeasedStream
-from .structured import HermesStream, Structured, check_auto, new_call, plan_of, tool_calls_of
+from .structured import HermesStream, RequiredStream, Structured, check_auto, new_call, plan_of, tool_calls_of
 
 router = APIRouter()
 
@@ -83,8 +84,9 @@ def _message(outcome: Outcome, plan: Structured) -> dict[str, Any]:
     """A choice's message and finish_reason: its text, or the tool calls read from it."""
     message: dict[str, Any] = {"role": "assistant", "content": outcome.text}
     content, calls = _calls(outcome, plan)
-    if not calls:
-        return {"message": message, "finish_reason": outcome.finish_reason}
+    if not calls:  # a forced answer cut before its first call is still no content
+        return {"message": {**message, "content": None} if plan.mode == "required" else message,
+                "finish_reason": outcome.finish_reason}
     finish = outcome.finish_reason if outcome.finish_reason == "length" or plan.mode == "named" else "tool_calls"
     return {"message": {**message, "content": content, "tool_calls": calls}, "finish_reason": finish}
 
@@ -95,6 +97,10 @@ def _calls(outcome: Outcome, plan: Structured) -> tuple[str | None, list[dict[st
     try:
         return tool_calls_of(plan, outcome.text)
     except (ValueError, KeyError, TypeError):  # a cut answer ("length") is not a whole JSON array
+        if plan.mode == "required":  # a forced call is never content: the calls as far as they were written
+            cut = RequiredStream()
+            cut.push(outcome.text)
+            return None, cut.calls
         return outcome.text, []
 
 
@@ -111,6 +117,7 @@ async def _stream(runs: list[Run], meta: dict[str, Any], include_usage: bool, n:
                                           "finish_reason": finish}]})
 
     autos = [HermesStream({t["function"]["name"] for t in plan.tools}) for _ in runs]
+    forced = [RequiredStream() for _ in runs]
     for index in range(len(runs)):
         if plan.mode == "named":  # the call first; its arguments stream as they are generated
             assert plan.function is not None
@@ -126,8 +133,10 @@ async def _stream(runs: list[Run], meta: dict[str, Any], include_usage: bool, n:
             yield choice(index, {"content": delta.text}, lps)
         elif delta is not None and plan.mode == "auto":
             yield choice(index, {"content": autos[index].push(delta.text)}, lps)
-        elif delta is not None:
-            continue  # "required": the calls are read from the whole answer below
+        elif delta is not None:  # "required": each call's id and name, then its arguments as they come
+            calls = forced[index].push(delta.text)
+            if calls or lps is not None:
+                yield choice(index, {"tool_calls": calls} if calls else {}, lps)
         else:
             outcome = runs[index].outcome
             assert outcome is not None
@@ -141,9 +150,10 @@ async def _stream(runs: list[Run], meta: dict[str, Any], include_usage: bool, n:
 
 
 def _ending(outcome: Outcome, plan: Structured, auto: HermesStream) -> list[dict[str, Any]]:
-    """What a "required" / "auto" answer sends once it ended: its content not sent yet, then each call."""
-    if plan.mode in ("none", "named"):
+    """What an "auto" answer sends once it ended: its content not sent yet, then each call (the others
+    streamed theirs as they came)."""
+    if plan.mode != "auto":
         return []
-    content, calls = auto.finish() if plan.mode == "auto" else _calls(outcome, plan)
+    content, calls = auto.finish()
     parts: list[dict[str, Any]] = [{"content": content}] if content else []
     return parts + [{"tool_calls": [{"index": i, **call}]} for i, call in enumerate(calls)]

@@ -38,7 +38,18 @@ class Structured:
 
 
 def plan_of(body: ChatCompletionRequest) -> Structured:
-    """What ``body`` asks of the answer (RequestError with ``param`` when it asks two things at once)."""
+    """What ``body`` asks of the answer (RequestError with ``param`` when it asks two things at once, or
+    ``stop`` beside a constraint: a stop string that matches inside the constrained JSON would cut it and
+    return broken JSON with finish ``stop``)."""
+    plan = _plan(body)
+    if plan.constraint is not None and body.stop_strings():
+        raise RequestError(f"stop cannot be used with {plan.constraint.param}: the answer must be whole JSON, and "
+                           "a stop string matching inside it would cut it; drop stop (the grammar ends the answer "
+                           "when the JSON is complete)", param="stop")
+    return plan
+
+
+def _plan(body: ChatCompletionRequest) -> Structured:
     mode = body.tool_mode()
     tools = [t.model_dump(exclude_none=True) for t in body.tools or []] if mode != "none" else []
     fmt = body.response_format
@@ -76,14 +87,53 @@ def _parameters(body: ChatCompletionRequest, name: str) -> dict[str, Any]:
 
 
 def _calls_schema(body: ChatCompletionRequest) -> dict[str, Any]:
-    """A JSON array of calls, each ``{"name": one of the tools, "arguments": that tool's parameters}``."""
-    one = [{"type": "object", "properties": {"name": {"const": t.function.name},
-                                             "arguments": _parameters(body, t.function.name)},
-            "required": ["name", "arguments"]} for t in body.tools or []]
+    """A JSON array of calls, each ``{"name": one of the tools, "arguments": that tool's parameters}``. A
+    tool's parameters nested here lose their root: their ``$defs``/``definitions`` move to this schema's
+    ``$defs`` under the tool's name, and their references follow (``_hoisted``)."""
+    defs: dict[str, Any] = {}
+    one = []
+    for t in body.tools or []:
+        arguments, own = _hoisted(_parameters(body, t.function.name), f"{t.function.name}.")
+        defs.update(own)
+        one.append({"type": "object", "properties": {"name": {"const": t.function.name}, "arguments": arguments},
+                    "required": ["name", "arguments"]})
     schema: dict[str, Any] = {"type": "array", "items": {"anyOf": one}, "minItems": 1}
+    if defs:
+        schema["$defs"] = defs
     if body.parallel_tool_calls is False:
         schema["maxItems"] = 1
     return schema
+
+
+_DEF_KEYS = ("$defs", "definitions")
+
+
+def _hoisted(parameters: dict[str, Any], prefix: str) -> tuple[dict[str, Any], dict[str, Any]]:
+    """``parameters`` to nest under another root, and the definitions that root must hold for it: its own
+    definitions renamed ``prefix + name``, every ``$ref`` to them (or to its root, ``#``) rewritten; a
+    schema without definitions or root references comes back as it is."""
+    if not any(k in parameters for k in _DEF_KEYS) and '"#' not in json.dumps(parameters):
+        return parameters, {}
+
+    def moved(node: Any) -> Any:
+        if isinstance(node, list):
+            return [moved(x) for x in node]
+        if not isinstance(node, dict):
+            return node
+        out = {k: moved(v) for k, v in node.items() if k not in _DEF_KEYS}
+        ref = node.get("$ref")
+        if isinstance(ref, str):
+            for key in _DEF_KEYS:
+                if ref.startswith(f"#/{key}/"):
+                    out["$ref"] = f"#/$defs/{prefix}{ref[len(key) + 3:]}"
+            if ref == "#":
+                out["$ref"] = f"#/$defs/{prefix.rstrip('.')}"
+        return out
+
+    defs = {f"{prefix}{name}": moved(sub) for key in _DEF_KEYS
+            for name, sub in (parameters.get(key) or {}).items()}
+    defs[prefix.rstrip(".")] = moved(parameters)
+    return {"$ref": f"#/$defs/{prefix.rstrip('.')}"}, defs
 
 
 def check_auto(plan: Structured, *, parser: str | None, template_takes_tools: bool) -> None:
@@ -136,6 +186,67 @@ def hermes_calls(text: str, names: set[str]) -> tuple[str | None, list[dict[str,
     kept.append(text[last:])
     content = "".join(kept).strip() if calls else text
     return (content or None), calls
+
+
+class RequiredStream:
+    """A ``"required"`` answer read as it is generated. The grammar writes ``[{"name": N, "arguments": A}, ...]``
+    (compact, properties in the schema's order), so a call's name is known once ``"arguments": `` follows it,
+    and its arguments are the JSON value written next. ``push`` returns OpenAI's tool-call deltas: a call's
+    id and name, then pieces of its arguments as they come, never content; a cut answer leaves its last
+    call's arguments partial, as OpenAI's does. ``calls`` holds what was read so far."""
+
+    _HEAD = re.compile(r'[\[},\s]*\{"name":\s*"([^"\\]*)",\s*"arguments":\s*(?=\S)')
+
+    def __init__(self) -> None:
+        self.text, self.pos = "", 0
+        self.calls: list[dict[str, Any]] = []
+        self._in_value = self._in_string = self._escaped = False
+        self._depth = 0
+
+    def push(self, delta: str) -> list[dict[str, Any]]:
+        self.text += delta
+        out: list[dict[str, Any]] = []
+        while True:
+            if not self._in_value:
+                head = self._HEAD.match(self.text, self.pos)
+                if head is None:
+                    return out
+                self.calls.append(new_call(head.group(1), ""))
+                out.append({"index": len(self.calls) - 1, **new_call_delta(self.calls[-1])})
+                self.pos, self._in_value, self._depth = head.end(), True, 0
+                continue
+            start, ended = self.pos, self._scan()
+            if self.pos > start:
+                piece = self.text[start:self.pos]
+                self.calls[-1]["function"]["arguments"] += piece
+                out.append({"index": len(self.calls) - 1, "function": {"arguments": piece}})
+            if not ended:
+                return out
+            self._in_value = False
+
+    def _scan(self) -> bool:
+        """Advance over the arguments' JSON value; True once it is whole."""
+        while self.pos < len(self.text):
+            c = self.text[self.pos]
+            if self._in_string:
+                self._escaped, self._in_string = (False, True) if self._escaped else (c == "\\", c != '"')
+            elif c == '"':
+                self._in_string = True
+            elif c in "{[":
+                self._depth += 1
+            elif c in "}]" or (c == "," and self._depth == 0):
+                if self._depth == 0:  # a scalar ended by the call's own "}" or ","
+                    return True
+                self._depth -= 1
+                if self._depth == 0:
+                    self.pos += 1
+                    return True
+            self.pos += 1
+        return False
+
+
+def new_call_delta(call: dict[str, Any]) -> dict[str, Any]:
+    return {"id": call["id"], "type": "function", "function": {"name": call["function"]["name"], "arguments": ""}}
 
 
 class HermesStream:
