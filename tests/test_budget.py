@@ -215,3 +215,20 @@ def test_an_in_flight_stream_is_never_cut_to_make_room(tmp_path, chat_model):
         assert result.get("reason") in ("stop", "length")
         assert states(server) == {"a": "unloaded", "b": "loaded"}
         assert server.metric("deploykit_model_unloads_total", model="a", reason="pressure") == 1
+
+
+def test_a_change_deferred_for_an_unloaded_deployment_reserves_its_new_plan(tmp_path, chat_model):
+    """An on-demand deployment that never loaded takes a change (a prefix cache: a bigger plan): the budget
+    reserves the new plan's bytes for its next load, not the bytes of the plan it replaced."""
+    with served(tmp_path, chat_model, {"a": {}}, "--budget", "cpu=64MB") as server:
+        def budget_bytes() -> int:
+            return next(s for s in get(f"{server.url}/status")[1] if s.get("name") == "a")["budget"]["bytes"]
+
+        assert budget_bytes() == SIZE
+        bigger = manifest(chat_model, "a").replace("prefix_cache: {enabled: false}",
+                                                   "prefix_cache: {enabled: true, max_bytes: 1MiB}")
+        (tmp_path / "m" / "a.yaml").write_text(bigger)
+        wait_for(lambda: budget_bytes() != SIZE, timeout=60, what="the deferred change's bytes")
+        assert budget_bytes() == SIZE + (1 << 20)
+        assert complete(openai.OpenAI(base_url=f"{server.url}/v1", api_key="x"), "a") in ("stop", "length")
+        assert budget_bytes() == SIZE + (1 << 20)

@@ -39,12 +39,15 @@ GOLDEN_PROMPTS = [
 
 
 def manifest(path: Path | str, *, quantization: str = "none", steps: str = "[30, 100]", gates: str,
-             step_seconds: str = "2s") -> str:
+             step_seconds: str = "2s", min_requests: int = 6) -> str:
+    """A canary whose every step waits for ``min_requests`` of the new generation (up to 280 s): what a test
+    counts in a step is there however slow this machine is at the moment."""
     return (f"apiVersion: deploykit/v1\nkind: ModelDeployment\nmetadata: {{name: smollm2}}\nspec:\n"
             f"  model: {{path: {path}, task: causal-lm, dtype: float32, quantization: {quantization}}}\n"
             f"  placement: {{gpus: []}}\n"
             f"  serving: {{max_concurrent: 4}}\n"
-            f"  rollout:\n    strategy: canary\n    canary: {{steps: {steps}, step_seconds: {step_seconds}}}\n"
+            f"  rollout:\n    strategy: canary\n    canary: {{steps: {steps}, step_seconds: {step_seconds}, "
+            f"min_requests: {min_requests}, max_step_seconds: 280s}}\n"
             f"    gates: {{{gates}}}\n")
 
 
@@ -87,7 +90,11 @@ def roll(server: Server, root: Path, text: str, *, revision: int, phase: str) ->
         found = store.get("smollm2", revision)
         return found is not None and found.phase == phase
 
-    wait_until(reached, timeout=300, what=f"revision {revision} is {phase}")
+    try:
+        wait_until(reached, timeout=600, what=f"revision {revision} is {phase}")
+    except AssertionError as exc:
+        raise AssertionError(f"{exc}; history {[(r.revision, r.phase, r.reason) for r in store.history('smollm2')]}, "
+                             f"rollout {status(server)['rollout']}") from None
     wait_until(lambda: status(server)["rollout"]["stage"] in ("promoted", "rolled-back"), timeout=30,
                what="the rollout ended")
     return [{"revision": r.revision, "phase": r.phase, "reason": r.reason} for r in store.history("smollm2")]

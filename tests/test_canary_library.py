@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import shutil
 import threading
+import time
 from pathlib import Path
 
 import pytest
@@ -19,11 +20,12 @@ GOLDEN = [{"prompt": "The capital of France is", "completion": " Paris, a city o
           {"messages": [{"role": "user", "content": "Say hi"}], "completion": "Hi! How can I help you today?"}]
 
 
-def manifest(path: Path, *, shard: str = "2GiB", steps: str = "[50, 100]", seconds: str = "1s") -> str:
+def manifest(path: Path, *, shard: str = "2GiB", steps: str = "[50, 100]", seconds: str = "1s",
+             min_requests: int = 10) -> str:
     return (f"apiVersion: deploykit/v1\nkind: ModelDeployment\nmetadata: {{name: chat}}\nspec:\n"
             f"  model: {{path: {path}, dtype: float32}}\n  placement: {{gpus: []}}\n"
             f"  sharding: {{max_shard_size: {shard}}}\n"
-            f"  rollout:\n    strategy: canary\n    canary: {{steps: {steps}, step_seconds: {seconds}}}\n"
+            f"  rollout:\n    strategy: canary\n    canary: {{steps: {steps}, step_seconds: {seconds}, min_requests: {min_requests}}}\n"
             f"    gates: {{golden: golden.jsonl, max_nll_increase: 0.05, min_top1_agreement: 0.9}}\n")
 
 
@@ -129,3 +131,77 @@ def test_an_abort_ends_a_canary_mid_way(deployed) -> None:
     last = dep.store.history("chat")[-1]
     assert (last.phase, last.reason) == ("Failed", "canary aborted at step 1 (10%): rolled back by hand")
     assert dep.abort_rollout("again") is False  # nothing in progress
+
+
+def test_close_in_the_middle_of_a_canary_step_returns_within_seconds(deployed) -> None:
+    """``close`` ends the canary (the revision is Failed, naming why) instead of queueing behind its 300 s step."""
+    dep, path, good = deployed
+    path.write_text(manifest(good, shard="1MiB", steps="[10, 100]", seconds="300s"))
+    result: list[bool] = []
+    reloading = threading.Thread(target=lambda: result.append(dep.reload()))
+    reloading.start()
+    wait_until(lambda: (dep.status()["rollout"] or {}).get("stage") == "traffic", timeout=60,
+               what="the canary's first step")
+    assert dep.status()["phase"] == "Progressing"
+    candidate = dep.pool.candidate
+    assert candidate is not None
+    closing = time.monotonic()
+    dep.close()
+    assert time.monotonic() - closing < 10
+    reloading.join(timeout=30)
+    assert not reloading.is_alive() and result == [False]
+    assert candidate.loaded is None and dep.pool.current is None  # both freed
+    last = dep.store.history("chat")[-1]
+    assert (last.revision, last.phase) == (2, "Failed")
+    assert last.reason == "canary aborted at step 1 (10%): the deployment is closing"
+    assert not [t for t in threading.enumerate() if t.name == "deploykit-change-chat"]
+
+
+def test_a_newer_change_ends_a_canary_step_and_is_applied(deployed, tmp_path: Path) -> None:
+    """A save of the manifest in the middle of a canary's long step ends that canary at once (recorded
+    Failed: superseded) and rolls out the newer manifest, rather than waiting for the step."""
+    dep, path, good = deployed
+    path.write_text(manifest(good, shard="1MiB", steps="[10, 100]", seconds="300s"))
+    dep.request_reload()
+    wait_until(lambda: (dep.status()["rollout"] or {}).get("stage") == "traffic", timeout=60,
+               what="the canary's first step")
+    callers = Callers(dep)  # the newer change's canary needs its requests
+    path.write_text(manifest(good, shard="512KiB", steps="[100]", seconds="1s", min_requests=2))
+    dep.request_reload()
+    wait_until(lambda: dep.status()["revision"] == 3, timeout=60, what="the newer change serves")
+    callers.join()
+    assert callers.failures == []
+    history = [(r.revision, r.phase, r.reason) for r in dep.store.history("chat")]
+    assert history[1] == (2, "Failed", "canary aborted at step 1 (10%): superseded by a newer change of the manifest")
+    assert history[2][:2] == (3, "Ready")
+
+
+class AbortedAtTheLastMoment(Deployment):
+    """A deployment whose rollback comes in after its canary's last step has its requests, while the step
+    shows them: the moment after which nothing used to check the abort before promoting."""
+
+    aborted: list[bool] = []
+
+    def _publish(self, progress) -> None:  # type: ignore[no-untyped-def]
+        super()._publish(progress)
+        if progress is not None and progress.stage == "traffic" and progress.requests and not self.aborted:
+            self.aborted.append(self.abort_rollout("rolled back by hand"))
+
+
+def test_an_abort_that_returns_true_is_never_followed_by_the_promotion(tmp_path: Path) -> None:
+    good = build_chat_model(tmp_path / "good")
+    (tmp_path / "golden.jsonl").write_text("".join(json.dumps(c) + "\n" for c in GOLDEN))
+    path = tmp_path / "chat.yaml"
+    path.write_text(manifest(good, steps="[100]", seconds="1s", min_requests=1))
+    dep = AbortedAtTheLastMoment.from_manifest(path, state_dir=tmp_path / "state")
+    try:
+        callers = Callers(dep)
+        path.write_text(manifest(good, shard="1MiB", steps="[100]", seconds="1s", min_requests=1))
+        assert dep.reload() is False
+        callers.join()
+        assert dep.aborted == [True]
+        last = dep.store.history("chat")[-1]
+        assert (last.revision, last.phase) == (2, "Failed"), last
+        assert dep.status()["revision"] == 1 and dep.store.current("chat").revision == 1  # type: ignore[union-attr]
+    finally:
+        dep.close()

@@ -111,6 +111,8 @@ class Host:
                                             LOADED if pool.loaded else UNLOADED)
             else:
                 entry.priority, entry.keep_alive = priority, keep_alive
+                if entry.state == UNLOADED and not entry.extra:  # holds nothing: its next load is this plan
+                    entry.bytes = dict(need)
 
     @contextmanager
     def rolling(self, name: str) -> Iterator[None]:

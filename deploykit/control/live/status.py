@@ -131,7 +131,7 @@ def served_status(store: StateStore, name: str, live: LiveStatus | None) -> dict
     store's record (``status_report``) and, where this process holds it, its live state, which decides
     the phase and the error (a pending broken change, a conflict)."""
     held = None if live is None else Held(progressing=live.phase == Phase.PROGRESSING, error=live.last_error,
-                                          activity=_activity(live.rollout))
+                                          activity=_activity(live.rollout), serving=live.serving)
     report = status_report(store, name, held)  # one place decides phase, error and conditions
     report["serving"] = bool(live and live.serving)
     report["serving_revision"] = live.revision if live else None

@@ -37,6 +37,7 @@ class Held:
     progressing: bool
     error: str | None
     activity: str | None = None
+    serving: bool = False  # it serves, or loads at its next request (an on-demand one with nothing recorded yet)
 
 
 def _open_failure(store: StateStore, name: str, latest: Revision | None, running: bool) -> str | None:
@@ -74,7 +75,8 @@ def status_report(store: StateStore, name: str, held: Held | None = None) -> dic
     else:
         running = held.progressing
         last_error = held.error if running else held.error or _open_failure(store, name, latest, running)
-    phase = phase_of(progressing=running, last_error=last_error, current=current is not None)
+    phase = phase_of(progressing=running, last_error=last_error,
+                     current=current is not None or (held is not None and held.serving))
     failed = latest.revision if last_error and latest is not None and latest.phase != Phase.READY else None
     subject = f"revision {failed}" if failed else "the last change"
     conditions = [
