@@ -110,7 +110,7 @@ def main() -> None:
     import openai
 
     work = Path(tempfile.mkdtemp(prefix="deploykit-bench-adapters-"))
-    model = args.model
+    model = args.model.resolve() if args.model is not None else None  # the manifest lives elsewhere
     if model is None:
         from chatmodel import build_chat_model
 
