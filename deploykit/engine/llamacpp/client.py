@@ -73,22 +73,20 @@ def _typed(exc: httpx.HTTPError) -> Exception:
 
 def post_blocking(socket: Path, api_key: str, path: str, body: dict[str, Any], *, timeout: float) -> dict[str, Any]:
     """One JSON request on this thread (the health check; ``Deployment.generate`` and ``chat``)."""
-    try:
-        with unix_client(socket, timeout=timeout, api_key=api_key) as client:
-            response = client.post(path, json=body)
-    except httpx.HTTPError as exc:
-        raise _typed(exc) from None
-    if response.status_code != 200:
-        raise UpstreamError(response.status_code, _message(response.status_code, response.content))
-    answer: dict[str, Any] = response.json()
-    return answer
+    return _blocking(socket, api_key, "POST", path, body, timeout=timeout)
 
 
 def get_blocking(socket: Path, api_key: str, path: str, *, timeout: float) -> dict[str, Any]:
     """One GET (``/v1/models``: the model's vocabulary size)."""
+    return _blocking(socket, api_key, "GET", path, None, timeout=timeout)
+
+
+def _blocking(socket: Path, api_key: str, method: str, path: str, body: dict[str, Any] | None, *,
+              timeout: float) -> dict[str, Any]:
+    """One request on this thread; its JSON answer, or the typed error of what went wrong."""
     try:
         with unix_client(socket, timeout=timeout, api_key=api_key) as client:
-            response = client.get(path)
+            response = client.request(method, path, json=body)
     except httpx.HTTPError as exc:
         raise _typed(exc) from None
     if response.status_code != 200:
