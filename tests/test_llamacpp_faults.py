@@ -27,7 +27,9 @@ from deploykit.engine.llamacpp.runtime import ENGINE_WAIT_SECONDS
 from deploykit.engine.llamacpp.supervisor import HUNG_AFTER_SECONDS, RESTART_ATTEMPTS, WATCH_INTERVAL_SECONDS
 
 KEY = "test-api-key-0123"
-HEADERS = {"Authorization": f"Bearer {KEY}"}
+TOKEN = "test-control-token-0123"  # with an API key set, /status answers the control token's holder only
+KEYS = {"DEPLOYKIT_API_KEY": KEY, "DEPLOYKIT_TOKEN": TOKEN}
+STATUS_HEADERS = {"Authorization": f"Bearer {TOKEN}"}
 # a hung engine: found after HUNG_AFTER (+ a poll), killed, restarted; a request on it is answered by then
 HANG_BOUND = HUNG_AFTER_SECONDS + 3 * WATCH_INTERVAL_SECONDS + ENGINE_WAIT_SECONDS + 15
 
@@ -49,7 +51,7 @@ def _chat(url: str, **extra: Any) -> str:
 
 
 def _engine(url: str) -> dict[str, Any]:
-    status, body = get(f"{url}/status", HEADERS)
+    status, body = get(f"{url}/status", STATUS_HEADERS)
     assert status == 200, body
     [dep] = [d for d in body if d["name"] == "smol"]
     return dep  # type: ignore[no-any-return]
@@ -62,7 +64,7 @@ def _threads(pid: int) -> int:
 def test_refused_requests_release_their_generation_so_a_reload_and_sigterm_leave_no_engine(gguf, tmp_path):
     path = tmp_path / "smol.yaml"
     path.write_text(manifest(gguf))
-    server = Server(path, tmp_path / "state", env={"DEPLOYKIT_API_KEY": KEY})
+    server = Server(path, tmp_path / "state", env=KEYS)
     with server:
         assert server.process is not None
         [old] = engine_pids(server.process.pid)
@@ -89,7 +91,7 @@ def test_refused_requests_release_their_generation_so_a_reload_and_sigterm_leave
 
 def test_a_hung_engine_is_killed_and_replaced_and_its_requests_are_answered_within_a_bound(gguf, tmp_path):
     (tmp_path / "smol.yaml").write_text(manifest(gguf))
-    with Server(tmp_path / "smol.yaml", tmp_path / "state", env={"DEPLOYKIT_API_KEY": KEY}) as server:
+    with Server(tmp_path / "smol.yaml", tmp_path / "state", env=KEYS) as server:
         assert server.process is not None
         [hung] = engine_pids(server.process.pid)
         os.kill(hung, signal.SIGSTOP)
@@ -110,7 +112,8 @@ def test_a_hung_engine_is_killed_and_replaced_and_its_requests_are_answered_with
 
 def test_a_killed_engine_is_replaced_by_its_watchdog_and_time_to_first_token_counts_from_arrival(gguf, tmp_path):
     (tmp_path / "smol.yaml").write_text(manifest(gguf))
-    with Server(tmp_path / "smol.yaml", tmp_path / "state") as server:  # no key: /metrics is read below
+    with Server(tmp_path / "smol.yaml", tmp_path / "state",  # no key: /metrics is read below
+                env={"DEPLOYKIT_TOKEN": TOKEN}) as server:
         assert server.process is not None
         pid = server.process.pid
         [first] = engine_pids(pid)
@@ -166,7 +169,7 @@ def test_failing_restarts_back_off_hold_no_request_thread_and_end_failed(gguf, t
     wrapper, hang, fail, starts = _gated_binary(tmp_path)
     text = manifest(gguf, extra="  rollout: {health_check: {timeout: 25s}}\n")
     (tmp_path / "smol.yaml").write_text(text)
-    env = {"DEPLOYKIT_API_KEY": KEY, "DEPLOYKIT_LLAMA_SERVER": str(wrapper)}
+    env = {**KEYS, "DEPLOYKIT_LLAMA_SERVER": str(wrapper)}
     with Server(tmp_path / "smol.yaml", tmp_path / "state", env=env) as server:
         assert server.process is not None
         pid = server.process.pid
