@@ -305,7 +305,8 @@ def test_a_stream_whose_client_stops_reading_is_ended_and_its_generation_release
     (tmp_path / "manifests" / "long.yaml").write_text(
         chat_manifest(model, serving="{max_tokens: 2000, default_max_tokens: 16}"))
     body = json.dumps({"model": "tiny-chat", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2000,
-                       "n": 8, "logprobs": True, "top_logprobs": 20, "temperature": 1.0, "stream": True}).encode()
+                       "n": 8, "logprobs": True, "top_logprobs": 20, "temperature": 1.0, "stream": True,
+                       "logit_bias": {"257": -100}}).encode()  # never "</s>": every choice makes its 2000 tokens
     with Server(tmp_path / "manifests", tmp_path / "state", "--stream-send-timeout", "2") as server:
         sock = socket.socket()
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
