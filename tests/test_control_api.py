@@ -190,9 +190,11 @@ def test_cli_through_the_server(models, tmp_path):
         answers: list[list[dict]] = []
         threads = [threading.Thread(target=lambda: answers.append(post(f"{server.url}/control/v1/apply", body,
                                                                        info["token"])[1])) for _ in range(2)]
-        for t in threads:
-            t.start()
-            time.sleep(0.2)
+        threads[0].start()
+        deadline = time.monotonic() + 60  # the first holds the name once its revision is recorded
+        while StateStore(state).latest("big").revision < 2 and time.monotonic() < deadline:
+            time.sleep(0.02)
+        threads[1].start()
         for t in threads:
             t.join()
         waits = [[e["message"] for e in a if e["event"] == "wait"] for a in answers]
