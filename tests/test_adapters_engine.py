@@ -64,3 +64,18 @@ def test_removing_the_last_adapter_gives_back_plain_linear_layers(engine: Any, l
     tokenizer = AutoTokenizer.from_pretrained(lora.base)
     assert (tokenizer.decode(_until_eos(result.token_ids, engine.eos_ids), skip_special_tokens=True)
             == peft_reference(lora.base, None, prompt, 12))
+
+
+def test_a_removal_that_times_out_leaves_the_adapter_serving(lora: Any) -> None:
+    """The removal gave up (its requests ran past the timeout): the adapter is kept, and takes requests again,
+    as the failed change says ("it keeps serving")."""
+    model = AutoModelForCausalLM.from_pretrained(lora.base, dtype=torch.float32)
+    adapters = Adapters(model)
+    adapters.load(AdapterSource("pirate", str(lora.pirate)))
+    adapters.hold("pirate")  # a request that runs on
+    assert adapters.remove("pirate", timeout=0.05) is False
+    assert adapters.names() == ["pirate"]
+    adapters.hold("pirate")  # a new request is taken
+    adapters.release("pirate")
+    adapters.release("pirate")
+    assert adapters.remove("pirate", timeout=5) is True and adapters.names() == []

@@ -97,12 +97,13 @@ class Adapters:
 
     def remove(self, name: str, *, timeout: float | None = None) -> bool:
         """Stop taking requests for ``name``, wait for its requests to end (up to ``timeout``), then delete
-        its matrices. False (and kept) when its requests did not end in time."""
+        its matrices. False when its requests did not end in time: it is kept, and takes requests again."""
         with self._changed:
             if name not in self._sources:
                 return True
             self._going.add(name)
             if not self._changed.wait_for(lambda: not self._held.get(name), timeout):
+                self._going.discard(name)  # kept: it takes requests again
                 return False
             del self._sources[name]
             self._held.pop(name, None)

@@ -20,12 +20,15 @@ import asyncio
 import hmac
 import ipaddress
 import json
+import logging
 from typing import Any
 
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from ..errors import DeploykitError
 from .errors import error_body
+
+log = logging.getLogger(__name__)
 
 OPEN_PATHS = frozenset({"/healthz", "/readyz"})
 OPERATOR_PATHS = frozenset({"/status"})  # with an API key: the control token's, not the key's
@@ -88,6 +91,7 @@ class Guard:
         self.app, self.api_key, self.max_body = app, api_key, max_body
         self.control_token = control_token
         self.allowed_hosts, self.body_timeout = allowed_hosts, body_timeout
+        self.stopping = False  # set by the server on SIGTERM/SIGINT
 
     @staticmethod
     def _bearer(scope: Scope, key: str) -> bool:
@@ -169,7 +173,14 @@ class Guard:
                 return {"type": "http.request", "body": b"".join(chunks), "more_body": False}
             return await receive()  # afterwards: the real channel, for disconnects
 
-        await self.app(scope, replay, send)
+        try:
+            await self.app(scope, replay, send)
+        except asyncio.CancelledError:
+            if not self.stopping:
+                raise
+            # uvicorn cancels what still runs once the drain time is over: one line, not a traceback
+            log.warning("%s %s: still running when the drain time ran out; ended", scope.get("method"),
+                        scope["path"])
 
 
 def guard(app: Any, *, api_key: str | None, max_body: int = DEFAULT_MAX_BODY,

@@ -48,6 +48,8 @@ class _Server(uvicorn.Server):
 
     def handle_exit(self, sig: int, frame: Any) -> None:
         super().handle_exit(sig, frame)
+        if hasattr(self.config.app, "stopping"):  # what the drain then cancels is not an error (auth.Guard)
+            self.config.app.stopping = True
         if self._on_stopping is not None and not self._stopping:  # once: a second signal forces the exit
             self._stopping = True
             self._threads.start(self._on_stopping, name="deploykit-stopping")  # never block the handler
