@@ -32,11 +32,8 @@ def test_each_layer_gets_the_kernel_its_gpu_and_shape_allow(scheme, out, capabil
     assert bool(chosen.reason) == (kernel == "dequantize")
 
 
-@pytest.fixture(autouse=True)
-def fake_cuda(request):
-    if request.node.get_closest_marker("real_tensors"):
-        yield
-        return
+@pytest.fixture
+def fake_cuda():
     with FakeTensorMode():
         yield
 
@@ -56,7 +53,7 @@ def _held(layer: QuantizedLinear) -> int:
 
 @pytest.mark.parametrize("scheme", ["int4", "int8"])
 @pytest.mark.parametrize("shape", [(8192, 2048), (2048, 8192), (1536, 576), (576, 1536), (64, 96)])
-def test_the_cuda_forms_hold_the_plans_bytes_at_bfloat16(scheme, shape):
+def test_the_cuda_forms_hold_the_plans_bytes_at_bfloat16(fake_cuda, scheme, shape):
     """Llama-3.2-1B's and SmolLM2's MLP shapes and a tiny one: the kernel's forms replace the stored
     tensors, so a layer holds what the plan sizes (int4: packed int32 tiles and scale-and-zero pairs)."""
     out, inputs = shape
@@ -69,7 +66,7 @@ def test_the_cuda_forms_hold_the_plans_bytes_at_bfloat16(scheme, shape):
     assert (y.shape, y.dtype, y.device.type) == ((3, 5, out), torch.bfloat16, "cuda")
 
 
-def test_at_float32_the_int4_kernel_holds_its_scales_at_bfloat16_under_the_plan():
+def test_at_float32_the_int4_kernel_holds_its_scales_at_bfloat16_under_the_plan(fake_cuda):
     layer = _cuda_layer(2048, 8192, "int4", torch.float32)
     layer.prepare_for_cuda(HOPPER)
     groups = 8192 // 32
@@ -78,7 +75,7 @@ def test_at_float32_the_int4_kernel_holds_its_scales_at_bfloat16_under_the_plan(
     assert (y.dtype, y.device.type) == (torch.float32, "cuda")
 
 
-def test_a_layer_the_kernel_cannot_run_dequantizes_and_the_load_says_so(caplog):
+def test_a_layer_the_kernel_cannot_run_dequantizes_and_the_load_says_so(fake_cuda, caplog):
     layers = [_cuda_layer(2048, 512, "int4"), _cuda_layer(2048, 512, "int4"), _cuda_layer(512, 2048, "int8")]
     for layer in layers:
         layer.prepare_for_cuda(TURING)
@@ -91,7 +88,6 @@ def test_a_layer_the_kernel_cannot_run_dequantizes_and_the_load_says_so(caplog):
     assert "compute capability 8.0 or more, this GPU has 7.5" in record.getMessage()
 
 
-@pytest.mark.real_tensors
 def test_the_int4_kernel_reads_the_stored_nibbles_in_its_own_order():
     """torch's CUDA int4 packing takes input 2j from the high nibble of byte j (torchao packs
     ``q[:, ::2] << 4 | q[:, 1::2]`` for it); the shards store 2j in the low nibble. The swapped bytes the

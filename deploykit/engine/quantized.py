@@ -109,12 +109,13 @@ class QuantizedLinear(nn.Module):
             self._prepare_for_cpu()
 
     def prepare_for_cuda(self, capability: tuple[int, int]) -> None:
-        """The CUDA kernel's forms, for a device of compute ``capability``. Written with tensor operations
-        only, so that it also runs on the meta device (where the tests check its bytes against the plan)."""
+        """The CUDA kernel's forms, for a device of compute ``capability`` (an argument, so that the tests
+        run it on fake CUDA tensors, without a GPU, and check its bytes against the plan's)."""
         self.kernel = cuda_kernel(self.scheme, self.out_features, capability)
         if self.kernel.name != "tinygemm":
             return
-        tiles = next(t for t in _INNER_K_TILES if self.in_features % (t * 16) == 0)  # inputs: 32 k
+        # int4 layers have inputs in multiples of 32 (GROUP_SIZE), so 2 tiles of 16 always fit
+        tiles = next(t for t in _INNER_K_TILES if self.in_features % (t * 16) == 0)
         self._packed = torch._convert_weight_to_int4pack(self.nibbles_for_cuda(), tiles)
         self._scales = torch.stack([self.weight_scale.detach().t(), self.weight_zero.detach().t()],
                                    dim=-1).to(_COMPUTE).contiguous()
@@ -168,7 +169,6 @@ class QuantizedLinear(nn.Module):
             y = F.linear(rows, self.weight.to(_COMPUTE) * self._scales[:, None])
         y = y.to(x.dtype).reshape(*x.shape[:-1], self.out_features)
         return y + self.bias if self.bias is not None else y
-
 
     def _forward_cuda(self, x: torch.Tensor) -> torch.Tensor:
         assert self.kernel is not None
