@@ -42,6 +42,7 @@ def model(tiny_model: Callable[[str], Path], tmp_path: Path) -> Path:
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    _skip_continuous_where_refused(items)
     if any(item.get_closest_marker("cuda") for item in items):
         import torch
 
@@ -50,6 +51,22 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
             for item in items:
                 if item.get_closest_marker("cuda"):
                     item.add_marker(skip)
+
+
+def _skip_continuous_where_refused(items: list[pytest.Item]) -> None:
+    """Tests of the continuous backend, on a transformers it refuses (``make test-lowest``): skipped with the
+    refusal, which tests/test_batching.py checks there."""
+    if not any(item.get_closest_marker("continuous") for item in items):
+        return
+    import transformers
+
+    from deploykit.engine.continuous import continuous_refusal
+
+    refusal = continuous_refusal(transformers.__version__)
+    if refusal is not None:
+        for item in items:
+            if item.get_closest_marker("continuous"):
+                item.add_marker(pytest.mark.skip(reason=refusal))
 
 
 @pytest.fixture(scope="session")

@@ -26,7 +26,7 @@ from deploykit.engine.padded import PaddedBackend
 from deploykit.errors import DeploykitError
 from penalties import Penalties
 
-BACKENDS = ["padded", "continuous"]
+BACKENDS = ["padded", pytest.param("continuous", marks=pytest.mark.continuous)]
 Reference = Callable[[tuple[int, ...], int], list[int]]
 
 
@@ -176,6 +176,38 @@ def test_stop_ids_stop_strings_and_seeded_sampling(llama: Any, reference: Refere
         assert c.result(timeout=60).token_ids != a.result().token_ids
 
 
+@pytest.mark.parametrize(("version", "refused"), [("5.17.0", True), ("5.23.0", True), ("5.24.0", False),
+                                                   ("5.24.1.dev0", False), ("6.0.0", False)])
+def test_the_continuous_backend_names_the_transformers_it_needs(version: str, refused: bool) -> None:
+    from deploykit.engine.continuous import continuous_refusal
+
+    refusal = continuous_refusal(version)
+    assert (refusal is not None) == refused
+    if refusal:
+        assert "needs transformers 5.24 or later" in refusal and f"transformers {version} is installed" in refusal
+        assert "spec.serving.batching: continuous" in refusal and "batching: padded" in refusal
+
+
+def test_on_an_older_transformers_the_continuous_backend_is_refused_and_padded_serves(llama: Any,
+                                                                                     reference: Reference) -> None:
+    """What ``make test-lowest`` (transformers 5.17) checks: the engine refuses the continuous backend with
+    the reason before touching the model, and the padded loop serves the same model."""
+    import transformers
+
+    from deploykit.engine.continuous import continuous_refusal
+
+    refusal = continuous_refusal(transformers.__version__)
+    if refusal is None:
+        pytest.skip(f"transformers {transformers.__version__} runs the continuous backend")
+    with pytest.raises(ValueError, match="needs transformers 5.24 or later"):
+        with engine(llama, backend="continuous"):
+            pass
+    p = prompts(1, seed=7)[0]
+    with engine(llama, backend="padded") as eng:
+        assert eng.submit(GenerationRequest(p, max_new_tokens=8)).result(timeout=60).token_ids == reference(p, 8)
+
+
+@pytest.mark.continuous
 def test_the_continuous_backend_refuses_sampling(llama: Any) -> None:
     with engine(llama, backend="continuous") as eng:
         with pytest.raises(ValueError, match="greedy-only"):
@@ -183,6 +215,7 @@ def test_the_continuous_backend_refuses_sampling(llama: Any) -> None:
         assert eng.stats() == {"running": 0, "waiting": 0}
 
 
+@pytest.mark.continuous
 def test_the_continuous_backend_sizes_its_cache_when_the_budget_is_the_whole_host(llama: Any,
                                                                                    reference: Reference) -> None:
     """The budget deploykit passes is what the device tier has left after the weights (most of the host):
@@ -193,6 +226,7 @@ def test_the_continuous_backend_sizes_its_cache_when_the_budget_is_the_whole_hos
         assert eng.submit(GenerationRequest(p, max_new_tokens=8)).result(timeout=120).token_ids == expected
 
 
+@pytest.mark.continuous
 def test_the_continuous_backend_refuses_a_request_longer_than_its_cache(llama: Any, reference: Reference) -> None:
     """transformers' manager ends its thread on a request its paged cache cannot hold: refused at submit."""
     p = prompts(1, seed=10)[0]
@@ -225,6 +259,7 @@ def transformers_footprint(model: Any, cfg: Any) -> int:
     return int(handler.compute_memory_footprint(cfg.max_batch_tokens, handler.num_sectors_from_config()))
 
 
+@pytest.mark.continuous
 @pytest.mark.parametrize("budget,tokens", [(131_000_000_000, 16 * 8192), (3_000_000_000, None)])
 def test_the_continuous_cache_fits_transformers_footprint_within_the_budget(budget: int, tokens: int | None) -> None:
     """A Llama-3.2-1B-shaped model (bfloat16, on the meta device) and what a GPU tier has left: the paged

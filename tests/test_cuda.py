@@ -65,12 +65,27 @@ def test_quantized_linear_on_cuda_equals_its_dequantized_weights(scheme):
             if getattr(layer, name, None) is not None:
                 getattr(layer, name).copy_(torch.randn(getattr(layer, name).shape) / 10)
     layer = layer.to("cuda:0")
-    layer.prepare()  # a no-op off the CPU: the CUDA path dequantizes per call
     x = torch.randn(5, 64, dtype=torch.bfloat16, device="cuda:0")
     expected = torch.nn.functional.linear(x.float(), layer.dequantized(torch.float32), layer.bias.float())
+    layer.prepare()  # the CUDA kernels' forms (int4: tinygemm's tiles), replacing the stored ones
+    assert layer.kernel is not None and layer.kernel.name == {"int8": "int8-convert", "int4": "tinygemm"}[scheme]
     got = layer(x)
     assert got.dtype == torch.bfloat16 and got.device.type == "cuda"
     assert (got.float() - expected).norm() / expected.norm() < 1e-2
+
+
+@pytest.mark.parametrize("scheme", ["int8", "int4"])
+def test_quantized_linear_on_cuda_holds_the_plans_bytes(scheme):
+    from deploykit.engine.quantized import QuantizedLinear
+    from deploykit.model.quantization import quantized_nbytes
+
+    torch.cuda.synchronize()
+    before = torch.cuda.memory_allocated(0)
+    with torch.device("cuda:0"):
+        layer = QuantizedLinear(2048, 8192, bias=False, scheme=scheme, dtype=torch.bfloat16)
+    layer.prepare()
+    torch.cuda.synchronize()
+    assert torch.cuda.memory_allocated(0) - before == quantized_nbytes((8192, 2048), scheme, "bfloat16")
 
 
 def test_closing_a_gpu_deployment_returns_its_gpu_memory(tiny_model, tmp_path):

@@ -113,7 +113,7 @@ GREEDY = [GenerationRequest(p, max_new_tokens=12) for p in prompts(6, seed=3)]
 LONG = [GenerationRequest(tuple(range(10, 10 + n)), max_new_tokens=6) for n in (40, 70, 5, 33)]
 
 
-@pytest.mark.parametrize("backend", ["padded", "continuous"])
+@pytest.mark.parametrize("backend", ["padded", pytest.param("continuous", marks=pytest.mark.continuous)])
 def test_greedy_batches_that_grow_and_shrink(llama: Any, backend: str) -> None:
     both(llama, CharTokenizer(), GREEDY, backend=backend, kv_cache_bytes=64 << 20)
 

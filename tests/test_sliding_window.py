@@ -71,7 +71,8 @@ def served(model: Any, requests: list[GenerationRequest], **options: Any) -> lis
 
 
 @pytest.mark.parametrize("options", [{}, {"prefill_chunk": 16}, {"prefix_cache_bytes": 8 << 20},
-                                     {"backend": "continuous", "kv_cache_bytes": 64 << 20}],
+                                     pytest.param({"backend": "continuous", "kv_cache_bytes": 64 << 20},
+                                                  marks=pytest.mark.continuous)],
                          ids=["padded", "chunks", "prefix-cache", "continuous"])
 def test_greedy_equals_generate_past_the_window(model: Any, options: dict[str, Any]) -> None:
     requests = [GenerationRequest(p, max_new_tokens=24) for p in PROMPTS]

@@ -19,6 +19,21 @@ from .paged_cache import PagedCacheSize, paged_cache_size
 from .requests import RequestHandle
 
 CB_CACHE_BYTES = 1 << 30  # the continuous backend's paged cache is allocated up front: at most this much
+# the first transformers whose paged-cache memory arithmetic ``paged_cache`` sizes the cache with (older
+# versions lay the cache out differently: the padded loop serves them, ``make test-lowest`` runs it on 5.17)
+CONTINUOUS_TRANSFORMERS = (5, 24)
+
+
+def continuous_refusal(version: str) -> str | None:
+    """Why transformers ``version`` cannot run the continuous backend, or None when it can."""
+    from packaging.version import Version
+
+    if Version(version).release[:2] >= CONTINUOUS_TRANSFORMERS:
+        return None
+    needed = ".".join(map(str, CONTINUOUS_TRANSFORMERS))
+    return (f"spec.serving.batching: continuous needs transformers {needed} or later (its paged cache is sized "
+            f"by that version's memory arithmetic); transformers {version} is installed: upgrade it, or use "
+            f"batching: padded")
 
 
 class ContinuousBackend:
@@ -28,6 +43,11 @@ class ContinuousBackend:
     def __init__(self, model: Any, tokenizer: Any, closing: threading.Event, *, eos_ids: set[int],
                  max_batch_size: int, max_queued: int, kv_cache_bytes: int, context_length: int,
                  page_size: int) -> None:
+        import transformers
+
+        refusal = continuous_refusal(transformers.__version__)
+        if refusal is not None:
+            raise ValueError(refusal)
         self.tokenizer, self.eos_ids, self._closing = tokenizer, eos_ids, closing
         self.max_batch_size, self.max_queued = max_batch_size, max_queued
         self.manager, self.cache_tokens = _start_manager(
@@ -127,7 +147,11 @@ def cache_config(model: Any, *, page_size: int, max_batch_size: int, max_queued:
         max_batch_tokens=512, max_requests_per_batch=max_batch_size, max_queue_size=max_queued,
         max_blocks_per_request=0, use_async_batching=False, allow_block_sharing=False,
         **_versioned(ContinuousBatchingConfig, page_size))
-    resolve_max_memory_percent(cfg, has_logit_processors=False, device=model.device)
+    import inspect
+
+    # ``device`` (which warns when left out) came after 5.17, the lowest version (``make test-lowest``)
+    where = {"device": model.device} if "device" in inspect.signature(resolve_max_memory_percent).parameters else {}
+    resolve_max_memory_percent(cfg, has_logit_processors=False, **where)
     size = paged_cache_size(model, cfg, budget=budget, max_tokens=max_batch_size * context_length)
     cfg.num_blocks = size.num_blocks
     return cfg, size

@@ -14,15 +14,26 @@ Kernels, chosen by measurement on this CPU (docs/quantization.md has the figures
   there. The same kernels with float32 activations run 10-20x slower than float32, hence bfloat16.
 - CPU, int4: ``torch._weight_int4pack_mm_for_cpu`` (groups of 32, scales and zeros) with bfloat16
   activations; its weights are repacked once at load into the kernel's layout (same size).
-- CUDA (unverified here: no GPU on the machine these were measured on): the weights are dequantized to the
-  activation dtype per call and multiplied with ``F.linear``: correct, memory-saving, not fast.
+- CUDA, int4: torch's tinygemm kernel ``torch._weight_int4pack_mm`` (the kernel torchao's
+  ``Int4WeightOnlyConfig`` runs; its scale-and-zero convention is the one stored), bfloat16 activations, the
+  weights repacked once at load into the kernel's tiles (same bytes). torchao itself is not used: it pads
+  the inputs to a multiple of 1024 (576 -> 1024 on SmolLM2), which would hold more than the plan. Where
+  the kernel cannot run (compute capability below 8.0, outputs not a multiple of 8) the layer dequantizes
+  per call, and the load logs how many layers do and why (``cuda_kernel``).
+- CUDA, int8: no eager weight-only int8 kernel beats a GEMM (torch's CUDA ``_weight_int8pack_mm`` computes
+  each output in its own thread; torchao's ``Int8WeightOnlyConfig`` without ``torch.compile`` converts the
+  weight per call): the int8 weight is converted to the activation dtype per call and the output scaled,
+  as torchao does, one weight-sized temporary instead of two.
+- Neither CUDA path has been measured here (no GPU): ``gpucheck``'s ``quantized_kernels`` check compares
+  them with dequantizing per call and with the plan's bytes.
 
 Outputs are returned in the activation dtype, so the rest of the model runs at ``spec.model.dtype``.
 """
 
 from __future__ import annotations
 
-from typing import Any
+import logging
+from typing import Any, NamedTuple
 
 import torch
 from torch import nn
@@ -37,6 +48,33 @@ _SMALL = 32  # rows up to which the weight-only kernels beat dequantize + bfloat
 _COMPUTE = torch.bfloat16
 _ALIGN = 64  # bytes: what torch's CPU allocator gives and the int8 kernel's vector loads need
 _MADV_DONTNEED = 4
+_TINYGEMM_CAPABILITY = (8, 0)  # the int4 kernel's bfloat16 tensor-core instructions (Ampere and later)
+_TINYGEMM_N = 8  # outputs per tile of the int4 kernel's layout
+_INNER_K_TILES = (8, 4, 2)  # the int4 layout's inner tiles of 16 inputs, largest first
+
+log = logging.getLogger(__name__)
+
+
+class CudaKernel(NamedTuple):
+    """What a quantized layer runs on a CUDA device: ``name`` is ``"tinygemm"`` (int4 kernel),
+    ``"int8-convert"`` (int8 converted per call) or ``"dequantize"`` (the fallback, with the ``reason``)."""
+
+    name: str
+    reason: str = ""
+
+
+def cuda_kernel(scheme: str, out_features: int, capability: tuple[int, int]) -> CudaKernel:
+    """The kernel a layer of ``scheme`` with ``out_features`` outputs runs on a CUDA device of compute
+    ``capability``."""
+    if scheme == "int8":
+        return CudaKernel("int8-convert")
+    if capability < _TINYGEMM_CAPABILITY:
+        return CudaKernel("dequantize", f"the int4 kernel needs compute capability 8.0 or more, this GPU has "
+                                        f"{capability[0]}.{capability[1]}")
+    if out_features % _TINYGEMM_N:
+        return CudaKernel("dequantize", f"the int4 kernel needs outputs in multiples of {_TINYGEMM_N}, "
+                                        f"this layer has {out_features}")
+    return CudaKernel("tinygemm")
 
 
 class QuantizedLinear(nn.Module):
@@ -55,16 +93,44 @@ class QuantizedLinear(nn.Module):
             self.weight_scale = nn.Parameter(torch.empty(out_features, groups, dtype=dtype), **frozen)
             self.weight_zero = nn.Parameter(torch.empty(out_features, groups, dtype=dtype), **frozen)
         self.bias = nn.Parameter(torch.empty(out_features, dtype=dtype), **frozen) if bias else None
-        self._packed: torch.Tensor | None = None  # int4 on CPU: the kernel's layout
+        self._packed: torch.Tensor | None = None  # int4 on CPU or CUDA: the kernel's layout
         self._scales: torch.Tensor | None = None  # bfloat16 scales (int8) or scales and zeros (int4)
+        self.kernel: CudaKernel | None = None  # on CUDA, once prepared
 
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, scheme={self.scheme}"
 
     def prepare(self) -> None:
-        """After loading: the CPU kernels' forms of the weights (int4 replaces its stored weight)."""
-        if self.weight.device.type != "cpu":
+        """After loading: the kernels' forms of the weights (int4 replaces its stored weight)."""
+        device = self.weight.device
+        if device.type == "cuda":
+            self.prepare_for_cuda(torch.cuda.get_device_capability(device))
+        elif device.type == "cpu":
+            self._prepare_for_cpu()
+
+    def prepare_for_cuda(self, capability: tuple[int, int]) -> None:
+        """The CUDA kernel's forms, for a device of compute ``capability`` (an argument, so that the tests
+        run it on fake CUDA tensors, without a GPU, and check its bytes against the plan's)."""
+        self.kernel = cuda_kernel(self.scheme, self.out_features, capability)
+        if self.kernel.name != "tinygemm":
             return
+        # int4 layers have inputs in multiples of 32 (GROUP_SIZE), so 2 tiles of 16 always fit
+        tiles = next(t for t in _INNER_K_TILES if self.in_features % (t * 16) == 0)
+        self._packed = torch._convert_weight_to_int4pack(self.nibbles_for_cuda(), tiles)
+        self._scales = torch.stack([self.weight_scale.detach().t(), self.weight_zero.detach().t()],
+                                   dim=-1).to(_COMPUTE).contiguous()
+        # the kernel's forms replace the stored ones (the same bytes at bfloat16), so memory holds one copy
+        self.weight = nn.Parameter(self._packed, requires_grad=False)
+        self.weight_scale = nn.Parameter(self._scales, requires_grad=False)
+        del self.weight_zero
+
+    def nibbles_for_cuda(self) -> torch.Tensor:
+        """The stored int4 bytes in the order torch's CUDA packing reads them: input 2j in the high nibble
+        of byte j (the shards keep it in the low one)."""
+        stored = self.weight.detach()
+        return ((stored << 4) | (stored >> 4)).contiguous()
+
+    def _prepare_for_cpu(self) -> None:
         stored = self.weight.detach()
         if self.scheme == "int8":
             self._scales = self.weight_scale.detach().to(_COMPUTE)
@@ -90,6 +156,8 @@ class QuantizedLinear(nn.Module):
         return w.reshape(self.out_features, self.in_features)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.kernel is not None:
+            return self._forward_cuda(x)
         if x.device.type != "cpu" or self._scales is None:
             return F.linear(x, self.dequantized(x.dtype), self.bias)
         rows = x.reshape(-1, self.in_features).to(_COMPUTE)
@@ -100,6 +168,18 @@ class QuantizedLinear(nn.Module):
         else:
             y = F.linear(rows, self.weight.to(_COMPUTE) * self._scales[:, None])
         y = y.to(x.dtype).reshape(*x.shape[:-1], self.out_features)
+        return y + self.bias if self.bias is not None else y
+
+    def _forward_cuda(self, x: torch.Tensor) -> torch.Tensor:
+        assert self.kernel is not None
+        if self.kernel.name == "tinygemm":
+            rows = x.reshape(-1, self.in_features).to(_COMPUTE)
+            y = torch._weight_int4pack_mm(rows, self.weight, GROUP_SIZE, self.weight_scale)
+            y = y.to(x.dtype).reshape(*x.shape[:-1], self.out_features)
+        elif self.kernel.name == "int8-convert":
+            y = F.linear(x, self.weight.to(x.dtype)) * self.weight_scale.to(x.dtype)
+        else:
+            return F.linear(x, self.dequantized(x.dtype), self.bias)
         return y + self.bias if self.bias is not None else y
 
 
@@ -173,9 +253,10 @@ class DeploykitQuantizer(HfQuantizer):
         return model
 
     def _process_model_after_weight_loading(self, model: Any, **kwargs: Any) -> Any:
-        for module in model.modules():
-            if isinstance(module, QuantizedLinear):
-                module.prepare()
+        layers = [m for m in model.modules() if isinstance(m, QuantizedLinear)]
+        for module in layers:
+            module.prepare()
+        log_cuda_fallbacks(layers)
         _trim_heap()
         return model
 
@@ -185,6 +266,17 @@ class DeploykitQuantizer(HfQuantizer):
     @property
     def is_trainable(self) -> bool:
         return False
+
+
+def log_cuda_fallbacks(layers: list[QuantizedLinear]) -> None:
+    """Say in the log how many of ``layers`` dequantize per call on CUDA instead of running a kernel, and
+    why (the load goes on: the fallback is correct, only slower)."""
+    reasons: dict[str, int] = {}
+    for layer in layers:
+        if layer.kernel is not None and layer.kernel.name == "dequantize":
+            reasons[layer.kernel.reason] = reasons.get(layer.kernel.reason, 0) + 1
+    for reason, count in reasons.items():
+        log.warning("%d quantized layer(s) on CUDA dequantize their weights per call (slower): %s", count, reason)
 
 
 def _register() -> None:

@@ -21,6 +21,8 @@ class Check:
 CHECKS: tuple[Check, ...] = (
     Check("setup", "Set-up: the machine, the carried packages, the random-weight models", 120, False),
     Check("pytest_cuda", "`pytest -m cuda`: the suite's CUDA tests", 120, False),
+    Check("quantized_kernels", "int8 and int4 linears on CUDA: kernels against dequantizing per call and "
+          "against the plan's bytes", 45, False),
     Check("serve_exact", "`deploykit serve` greedy answers equal to `generate` (float32, 16 concurrent), the "
           "model whole on `cuda:0` and split over `cuda:0` and the CPU", 170),
     Check("apply_tiers", "apply with `gpus: [0]`, a CPU tier and a disk tier, against accelerate", 150),

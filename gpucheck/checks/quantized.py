@@ -1,7 +1,7 @@
 """int8 and int4 (``spec.model.quantization``) on the GPU against the same model at bfloat16: the plan's bytes
 against the GPU memory the loaded model holds, teacher-forced logits and greedy answers against bfloat16's,
-and decode speed (one batched ``generate`` over deploykit's loaded model: its quantized linears, which
-dequantize per call on CUDA).
+and decode speed (one batched ``generate`` over deploykit's loaded model: its quantized linears run their
+CUDA kernels, ``engine/quantized.py``; ``quantized_kernels`` times one layer of each path).
 
 The two quantizing layouts are written by ``deploykit apply`` processes started at once, in parallel (CPU
 work), while the bfloat16 reference loads; the speed runs wait until both are done, so nothing else uses the
