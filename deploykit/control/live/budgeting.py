@@ -18,18 +18,20 @@ from collections.abc import Callable
 from dataclasses import replace
 from typing import TYPE_CHECKING
 
+from ...errors import PlanInfeasible
 from ...names import Load, Strategy
 from ..budget import BudgetError, plan_tiers
 from ..revisions.change import Change
 from ..revisions.reconciler import ApplyOptions, ApplyOutcome, apply
 from .adapters import live_adapter_diff
-from .rollout import Rollout, RolloutResult
+from .rollout import Rollout, RolloutResult, inventory_beside
 
 if TYPE_CHECKING:
     from ...artifacts.reshard import ProgressSink
     from ..budget.host import Host
     from .canary import AbortSignal, CanaryProgress
     from .on_demand import Loads
+    from .pool import Generation
 
 StepSink = Callable[[str], None] | None
 
@@ -37,6 +39,17 @@ StepSink = Callable[[str], None] | None
 def need_of(change: Change) -> dict[str, int]:
     """Bytes per budget tier of the change's plan (the plan its apply uses: pure, no weights read)."""
     return plan_tiers(change.plan())
+
+
+def need_beside(change: Change, serving: Generation | None, need: dict[str, int]) -> dict[str, int]:
+    """Bytes per tier of the plan a rollout loads beside ``serving``: planned against the inventory less what
+    ``serving`` holds (``rollout.inventory_beside``), as ``Rollout.run`` plans it (a simulated inventory's
+    beside plan may place blocks elsewhere than the full one). ``need`` when it does not fit beside: the
+    rollout then decides what that means (recreate, or a refusal)."""
+    try:
+        return plan_tiers(change.plan(inventory_beside(change.inventory(), serving)))
+    except PlanInfeasible:
+        return need
 
 
 def start_budgeted(loads: Loads, host: Host, change: Change, *, force: bool = False,
@@ -98,7 +111,8 @@ def roll_budgeted(loads: Loads, host: Host, change: Change, *, force: bool = Fal
         requested = loaded.manifest.spec.rollout.strategy
         if loads.pool.current is not None and requested != Strategy.RECREATE:
             try:
-                with host.room(loads.name, need, reason="rollout", beside=True,
+                beside = need_beside(change, loads.pool.current, need)
+                with host.room(loads.name, beside, reason="rollout", beside=True,
                                timeout=0 if requested == Strategy.AUTO else None):
                     return rollout.run(loaded, force=force, progress=progress, on_step=on_step, change=change)
             except BudgetError as exc:

@@ -130,6 +130,7 @@ class Deployment(EmbeddedApi):
         change = change if change is not None else Change(loaded, self.devices)
         self.name = self.pool.name = self.loads.name = loaded.name
         self._cell.move(Event(Trigger.CHANGE_STARTED))
+        self.store.interrupt_restarted(loaded.name)  # a rollout a dead process left Progressing: say so
         try:
             if self.host is None:
                 self.loads.load_initial(loaded, force=force, progress=progress, on_step=on_step, change=change)
