@@ -100,3 +100,39 @@ def test_a_restart_in_the_middle_of_a_canary_serves_the_promoted_revision_and_fa
         assert "revision 3 Ready" in again.stdout, again.stdout
         assert load.failures == []
         assert chat_status(server)["serving_revision"] == 3
+
+
+def test_a_watched_file_restarted_mid_canary_serves_the_promoted_revision_and_runs_its_canary_again(
+        tmp_path: Path) -> None:
+    """`deploykit serve FILE`: the file still names the candidate's manifest after the restart. The server
+    serves the last promoted revision first and rolls the file out from it through its canary again (a new
+    revision), never loading it unjudged because nothing served yet."""
+    model = build_chat_model(tmp_path / "model")
+    state, path = tmp_path / "state", tmp_path / "chat.yaml"
+    path.write_text(manifest(model, "2GiB"))
+    with Server(path, state) as server:
+        load = Load(server.url, model="chat").run()
+        try:
+            path.write_text(manifest(model, "1MiB"))
+            wait_until(lambda: ((r := StateStore(state).get("chat", 2)) is not None
+                                and (r.progress or {}).get("step") == 1), timeout=180,
+                       what="the canary's first step recorded in the state store")
+            assert server.process is not None
+            server.process.kill()
+            server.process.wait(timeout=30)
+        finally:
+            load.stop.set()
+        load.join()
+
+    with Server(path, state) as server:
+        assert chat_status(server)["serving_revision"] == 1  # ready: the last promoted revision serves
+        answered = openai.OpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0) \
+            .completions.with_raw_response.create(model="chat", prompt="hello", max_tokens=2)
+        assert answered.headers["x-deploykit-revision"] in ("1", "3")  # the promoted one, or the new canary's
+        wait_until(lambda: (chat_status(server)["rollout"] or {}).get("revision") == 3, timeout=120,
+                   what="the file's manifest rolled out again as a canary")
+        now = chat_status(server)
+        assert now["serving_revision"] == 1 and now["phase"] == "Progressing", now
+        history = [(r.revision, r.phase, r.reason) for r in StateStore(state).history("chat")]
+        assert history[0][:2] == (1, "Ready") and history[2][:2] == (3, "Progressing"), history
+        assert history[1][:2] == (2, "Failed") and history[1][2].startswith("interrupted by a restart at step 1")

@@ -53,19 +53,21 @@ def need_beside(change: Change, serving: Generation | None, need: dict[str, int]
 
 
 def start_budgeted(loads: Loads, host: Host, change: Change, *, force: bool = False,
-                   progress: ProgressSink | None = None, on_step: StepSink = None) -> None:
+                   progress: ProgressSink | None = None, on_step: StepSink = None) -> bool:
+    """Start under the budget; True when the last promoted revision was loaded instead of the manifest,
+    which the caller then rolls out through its gates (``Loads.promoted_before_gates``)."""
     lifecycle = change.loaded.manifest.spec.lifecycle
     need = need_of(change)
     host.register(loads.name, loads.pool, need, priority=lifecycle.priority, keep_alive=lifecycle.keep_alive)
     try:
-        _start(loads, host, change, need, force=force, progress=progress, on_step=on_step)
+        return _start(loads, host, change, need, force=force, progress=progress, on_step=on_step)
     except BaseException:
         host.forget(loads.name)  # it never served: the budget holds nothing for it
         raise
 
 
 def _start(loads: Loads, host: Host, change: Change, need: dict[str, int], *, force: bool,
-           progress: ProgressSink | None, on_step: StepSink) -> None:
+           progress: ProgressSink | None, on_step: StepSink) -> bool:
     loaded = change.loaded
     if loaded.manifest.spec.lifecycle.load == Load.ON_DEMAND:
         probe = _probe(loads, change, force=force)
@@ -74,9 +76,15 @@ def _start(loads: Loads, host: Host, change: Change, need: dict[str, int], *, fo
             loads.pending = loaded  # applied (laid out, loaded, checked, recorded) at its first request
             loads.last_outcome = replace(probe, status="deferred")
         loads.pool.mark_unloaded()
-        return
+        return False
+    promoted = None if force else loads.promoted_before_gates(loaded)
+    if promoted is not None and promoted.plan is not None:
+        with host.room(loads.name, plan_tiers(promoted.plan), reason="start"):
+            loads.load_current()
+        return True
     with host.room(loads.name, need, reason="start"):
         loads.load_initial(loaded, force=force, progress=progress, on_step=on_step, change=change)
+    return False
 
 
 def _probe(loads: Loads, change: Change, *, force: bool) -> ApplyOutcome:

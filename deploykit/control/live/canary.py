@@ -9,7 +9,10 @@ given up (its running requests finish on it, then it is freed), the serving gene
 request again, and the revision is recorded Failed with the reason (``gate max_nll_increase: +0.84 nats >
 0.10``). No request fails because of it: a request runs to its end on the generation it started on.
 Blue-green with golden gates is the same without steps. Runs on the deployment's worker; the progress it
-publishes is what ``status()`` shows.
+publishes is what ``status()`` shows, and it is recorded with the revision in the state store as it advances
+(``_record``), so that a restart in its middle records where it stood (``StateStore.interrupt_restarted``).
+The point of no return is the revision recorded Ready: a failure before it rolls back, and once it is
+recorded the candidate is promoted whatever fails after (the store's current revision is what serves).
 """
 
 from __future__ import annotations
