@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import shutil
+import sqlite3
 import threading
 import time
 from pathlib import Path
@@ -15,9 +16,17 @@ from chatmodel import build_chat_model
 from helpers import wait_until
 
 from deploykit import Deployment
+from deploykit.control.revisions.state import Revision, StateStore
 
-GOLDEN = [{"prompt": "The capital of France is", "completion": " Paris, a city on the Seine."},
-          {"messages": [{"role": "user", "content": "Say hi"}], "completion": "Hi! How can I help you today?"}]
+# 4 cases of 64 to 90 completion tokens (the chat model's tokenizer is one token per byte): over the 256
+# reference tokens golden gates need by default
+GOLDEN = [{"prompt": "The capital of France is",
+           "completion": " Paris, a city on the Seine, known for its museums, its bridges and its cafes."},
+          {"messages": [{"role": "user", "content": "Say hi"}],
+           "completion": "Hi! How can I help you today? Ask me anything you like, I am listening."},
+          {"prompt": "Water boils at", "completion": " one hundred degrees Celsius at sea level, less on a mountain."},
+          {"messages": [{"role": "user", "content": "Name three colours"}],
+           "completion": "Red, green and blue: the three primary colours of light, mixed on every screen."}]
 
 
 def manifest(path: Path, *, shard: str = "2GiB", steps: str = "[50, 100]", seconds: str = "1s",
@@ -61,7 +70,7 @@ class Callers:
     def __init__(self, dep: Deployment) -> None:
         self.dep, self.done, self.failures = dep, 0, []  # type: ignore[var-annotated]
         self.stop = threading.Event()
-        self.threads = [threading.Thread(target=self._call) for _ in range(2)]
+        self.threads = [threading.Thread(target=self._call, daemon=True) for _ in range(2)]  # joined
         for thread in self.threads:
             thread.start()
 
@@ -86,7 +95,10 @@ def test_a_perturbed_checkpoint_fails_its_golden_gate_and_a_good_change_is_promo
     assert dep.reload() is False
     status = dep.status()
     assert status["generation"] == 1 and status["revision"] == 1
-    assert status["last_error"].startswith("gate min_top1_agreement: "), status["last_error"]
+    assert status["last_error"].startswith(("gate max_nll_increase: +", "gate min_top1_agreement: ")), status
+    failed = next(g for g in status["rollout"]["gates"] if not g["passed"])
+    if failed["gate"] == "max_nll_increase":  # the per-case paired differences, and the interval that decided
+        assert len(failed["per_case"]) == len(GOLDEN) and failed["interval"][1] > 0.05
     assert status["rollout"]["stage"] == "rolled-back" and status["rollout"]["step"] == 0
     assert [(r.revision, r.phase) for r in dep.store.history("chat")] == [(1, "Ready"), (2, "Failed")]
     old = dep.pool.current
@@ -101,6 +113,31 @@ def test_a_perturbed_checkpoint_fails_its_golden_gate_and_a_good_change_is_promo
     gates = {g["gate"]: g["value"] for g in status["rollout"]["gates"]}
     assert gates == {"max_nll_increase": pytest.approx(0.0, abs=1e-5), "min_top1_agreement": 1.0}
     assert dep.pool.candidate is None and status["generation"] == dep.pool.current.number  # type: ignore[union-attr]
+
+
+def test_golden_references_with_too_few_tokens_are_refused_before_anything_loads(deployed, tmp_path: Path) -> None:
+    """Golden gates need evidence: references of 2 short cases (44 tokens) are refused at the apply, naming
+    the field, how many tokens there are and the minimum; nothing is recorded or loaded, the old one serves."""
+    dep, path, good = deployed
+    (tmp_path / "golden.jsonl").write_text("".join(json.dumps(c) + "\n" for c in (
+        {"prompt": "The capital of France is", "completion": " Paris, on the Seine."},
+        {"messages": [{"role": "user", "content": "Say hi"}], "completion": "Hi! How are you?"})))
+    path.write_text(manifest(good, shard="1MiB"))
+    assert dep.reload() is False
+    error = dep.status()["last_error"]
+    assert f"{path}:11:" in error and "spec.rollout.gates.golden" in error, error
+    assert "holds 37 reference tokens in 2 cases" in error and "the 256 the golden gates need" in error, error
+    assert "min_golden_tokens" in error
+    assert [(r.revision, r.phase) for r in dep.store.history("chat")] == [(1, "Ready")]
+    assert dep.pool.candidate is None and dep.status()["generation"] == 1
+    path.write_text(manifest(good, shard="1MiB").replace("min_top1_agreement: 0.9}", "min_top1_agreement: 0.9, "
+                                                                                     "min_golden_tokens: 32}"))
+    callers = Callers(dep)  # the canary's steps need their requests
+    try:
+        assert dep.reload() is True  # the operator lowered the minimum: the same references decide
+    finally:
+        callers.join()
+    assert callers.failures == [] and dep.status()["revision"] == 2
 
 
 def test_an_abort_ends_a_canary_mid_way(deployed) -> None:
@@ -203,5 +240,66 @@ def test_an_abort_that_returns_true_is_never_followed_by_the_promotion(tmp_path:
         last = dep.store.history("chat")[-1]
         assert (last.revision, last.phase) == (2, "Failed"), last
         assert dep.status()["revision"] == 1 and dep.store.current("chat").revision == 1  # type: ignore[union-attr]
+    finally:
+        dep.close()
+
+
+class FullAtReady(StateStore):
+    """The state store on a disk that fills up as the canary's revision is recorded Ready."""
+
+    def finish_revision(self, name: str, revision: int, *, ready: bool, reason: str | None = None,
+                        timings: dict[str, float] | None = None) -> None:
+        if ready and revision == 2:
+            raise sqlite3.OperationalError("database or disk is full")
+        super().finish_revision(name, revision, ready=ready, reason=reason, timings=timings)
+
+
+class FailingAfterReady(StateStore):
+    """The state store failing once right after the canary's revision is recorded Ready (when the shards no
+    revision needs are looked up)."""
+
+    failing = False
+
+    def finish_revision(self, name: str, revision: int, *, ready: bool, reason: str | None = None,
+                        timings: dict[str, float] | None = None) -> None:
+        super().finish_revision(name, revision, ready=ready, reason=reason, timings=timings)
+        self.failing = ready and revision == 2
+
+    def history(self, name: str) -> list[Revision]:
+        if self.failing:
+            self.failing = False
+            raise sqlite3.OperationalError("disk I/O error")
+        return super().history(name)
+
+
+@pytest.mark.parametrize(("store_type", "serving", "phase"), [(FullAtReady, 1, "Failed"),
+                                                             (FailingAfterReady, 2, "Ready")])
+def test_a_store_failure_at_the_promotion_leaves_no_candidate_and_serves_what_the_store_says(
+        store_type: type[StateStore], serving: int, phase: str, tmp_path: Path) -> None:
+    """A failure before the revision is recorded Ready rolls back (the candidate given up and freed, the
+    revision Failed); one after it promotes (the store's current revision is what serves). Either way no
+    candidate is left staged, and the store never names as current a revision that does not serve."""
+    good = build_chat_model(tmp_path / "good")
+    (tmp_path / "golden.jsonl").write_text("".join(json.dumps(c) + "\n" for c in GOLDEN))
+    path = tmp_path / "chat.yaml"
+    path.write_text(manifest(good, steps="[100]", min_requests=1))
+    dep = Deployment.from_manifest(path, store=store_type(tmp_path / "state"))
+    callers = Callers(dep)
+    try:
+        path.write_text(manifest(good, shard="1MiB", steps="[100]", min_requests=1))
+        try:
+            assert dep.reload() is (serving == 2)
+        finally:
+            callers.join()
+        assert callers.failures == []
+        assert dep.pool.candidate is None
+        current = dep.pool.current
+        assert current is not None and current.revision == serving
+        assert dep.store.current("chat").revision == serving  # type: ignore[union-attr]
+        assert [(r.revision, r.phase) for r in dep.store.history("chat")] == [(1, "Ready"), (2, phase)]
+        other = 2 if serving == 1 else 1
+        wait_until(lambda: other in [n for n, _ in dep.pool.memory], timeout=30,
+                   what=f"generation {other} (revision {other}) is freed")
+        assert dep.status()["revision"] == serving
     finally:
         dep.close()

@@ -60,6 +60,12 @@ GOLDEN_GATES = "    gates: {golden: g.jsonl, max_nll_increase: 0.1}\n"
     ("    strategy: canary\n    gates: {min_top1_agreement: 1.5, golden: g.jsonl}\n", 8,
      "spec.rollout.gates.min_top1_agreement", "less than or equal to 1"),
     ("    strategy: canary\n    gates: {max_ttft_p95: fast}\n", 8, "spec.rollout.gates.max_ttft_p95", "duration"),
+    ("    strategy: canary\n    gates: {min_golden_tokens: 100}\n", 8, "spec.rollout.gates.min_golden_tokens",
+     "add golden"),
+    ("    strategy: blue-green\n    gates: {max_ttft_p95_ratio: 1.5}\n", 8, "spec.rollout.gates.max_ttft_p95_ratio",
+     "blue-green moves every request"),
+    ("    strategy: canary\n    gates: {max_error_rate_increase: 2}\n", 8,
+     "spec.rollout.gates.max_error_rate_increase", "less than or equal to 1"),
 ])
 def test_rollout_fields_are_checked_and_located(rollout: str, line: int, field: str, says: str,
                                                 tmp_path: Path) -> None:
@@ -165,21 +171,79 @@ def _case(ref: tuple[int, ...], nll: tuple[float, ...], top1: tuple[int, ...]) -
     return CaseScore(ref, nll, top1)
 
 
+SERVING = [_case((1, 2), (1.0, 1.0), (1, 2)), _case((3,), (2.0,), (3,)), _case((4, 5), (1.0, 3.0), (4, 5))]
+
+
 @pytest.mark.parametrize(("new", "failed"), [
-    ([_case((1, 2), (1.0, 1.0), (1, 2)), _case((3,), (2.0,), (3,))], None),
-    ([_case((1, 2), (1.5, 1.5), (1, 2)), _case((3,), (2.5,), (3,))], "gate max_nll_increase: +0.50 nats > 0.10"),
-    ([_case((1, 2), (1.0, 1.0), (1, 9)), _case((3,), (2.0,), (9,))], "gate min_top1_agreement: 0.333 < 0.9"),
-    ([_case((1, 2, 3), (1.0, 1.0, 1.0), (1, 2, 3)), _case((3,), (2.0,), (3,))],  # another tokenizer
-     "gate min_top1_agreement: 0.250 < 0.9"),
+    (SERVING, None),
+    ([_case((1, 2), (1.5, 1.5), (1, 2)), _case((3,), (2.5,), (3,)), _case((4, 5), (1.5, 3.5), (4, 5))],
+     "gate max_nll_increase: +0.50 nats per token, 95% CI [+0.50, +0.50] over 3 cases: upper bound > 0.10"),
+    # the mean is within the limit, but three cases cannot show that it is: the upper bound decides
+    ([_case((1, 2), (1.0, 1.0), (1, 2)), _case((3,), (2.0,), (3,)), _case((4, 5), (1.1, 3.1), (4, 5))],
+     "gate max_nll_increase: +0.03 nats per token, 95% CI [-0.11, +0.18] over 3 cases: upper bound > 0.10"),
+    ([_case((1, 2), (1.0, 1.0), (1, 9)), _case((3,), (2.0,), (9,)), _case((4, 5), (1.0, 3.0), (4, 5))],
+     "gate min_top1_agreement: 0.600 < 0.9"),
+    ([_case((1, 2, 3), (1.0, 1.0, 1.0), (1, 2, 3)), _case((3,), (2.0,), (3,)),  # another tokenizer
+      _case((4, 5), (1.0, 3.0), (4, 5))], "gate min_top1_agreement: 0.500 < 0.9"),
 ])
 def test_golden_gates(new: list[CaseScore], failed: str | None) -> None:
-    serving = [_case((1, 2), (1.0, 1.0), (1, 2)), _case((3,), (2.0,), (3,))]
-    comparison = compare(serving, new)
-    assert comparison.cases == 2
+    comparison = compare(SERVING, new)
+    assert comparison.cases == 3
     result = first_failure(golden_gates(Gates(golden=Path("g"), max_nll_increase=0.1, min_top1_agreement=0.9),
                                         comparison))
     assert (result.describe() if result else None) == failed
 
 
+def test_the_nll_increase_is_the_mean_of_per_case_differences_not_pooled_over_tokens() -> None:
+    """One long case does not outweigh the others: each case counts once, with its mean NLL per token."""
+    serving = [_case(tuple(range(100)), (1.0,) * 100, tuple(range(100))), _case((1,), (1.0,), (1,)),
+               _case((2,), (1.0,), (2,))]
+    new = [_case(tuple(range(100)), (1.0,) * 100, tuple(range(100))), _case((1,), (2.0,), (1,)),
+           _case((2,), (2.0,), (2,))]
+    comparison = compare(serving, new)
+    assert comparison.differences == (0.0, 1.0, 1.0)
+    assert comparison.nll_increase == pytest.approx(2 / 3)  # pooled over tokens it would be 2/102
+    low, high = comparison.interval
+    assert low < 2 / 3 < high  # t(0.975, 2) = 4.303: 2/3 +- 4.303 * 0.577 / sqrt(3)
+    assert high == pytest.approx(2 / 3 + 4.302653 * (1 / 3) ** 0.5 / 3 ** 0.5, rel=1e-5)
+    result = golden_gates(Gates(golden=Path("g"), max_nll_increase=0.1), comparison)[0]
+    assert result.to_dict()["per_case"] == [0.0, 1.0, 1.0] and result.to_dict()["interval"] == [low, high]
+
+
+def test_one_case_gives_no_interval_and_never_passes() -> None:
+    comparison = compare([_case((1,), (1.0,), (1,))], [_case((1,), (1.0,), (1,))])
+    result = golden_gates(Gates(golden=Path("g"), max_nll_increase=0.1), comparison)[0]
+    assert not result.passed and result.to_dict()["interval"] == [None, None]
+
+
+@pytest.mark.parametrize(("gates", "new", "serving", "failed"), [
+    (Gates(max_error_rate_increase=0.05), TrafficWindow(20, 2, ()), TrafficWindow(20, 1, ()), None),
+    (Gates(max_error_rate_increase=0.05), TrafficWindow(20, 4, ()), TrafficWindow(20, 1, ()),
+     "gate max_error_rate_increase: +0.150 > 0.05 (new 0.200 of 20 requests, serving 0.050 of 20)"),
+    (Gates(max_error_rate_increase=0.0), TrafficWindow(5, 1, ()), TrafficWindow(0, 0, ()), None),  # nothing to compare
+    (Gates(max_ttft_p95_ratio=1.5), TrafficWindow(2, 0, (0.2, 0.3)), TrafficWindow(2, 0, (0.2, 0.25)), None),
+    (Gates(max_ttft_p95_ratio=1.5), TrafficWindow(2, 0, (0.2, 0.8)), TrafficWindow(2, 0, (0.2, 0.25)),
+     "gate max_ttft_p95_ratio: 3.20x > 1.5x (new 0.800s, serving 0.250s)"),
+])
+def test_relative_traffic_gates_compare_with_the_serving_generation(gates: Gates, new: TrafficWindow,
+                                                                    serving: TrafficWindow,
+                                                                    failed: str | None) -> None:
+    result = first_failure(traffic_gates(gates, new, serving))
+    assert (result.describe() if result else None) == failed
+
+
 def test_the_issue_example_reads_as_documented() -> None:
     assert GateResult("max_nll_increase", 0.84, 0.10, False).describe() == "gate max_nll_increase: +0.84 nats > 0.10"
+
+
+def test_deploykit_golden_says_what_it_records() -> None:
+    """Its references are the serving model's own greedy answers: a regression check, not a quality measure."""
+    from click.testing import CliRunner
+
+    from deploykit.cli import main
+
+    shown = CliRunner().invoke(main, ["golden", "--help"], terminal_width=200)
+    assert shown.exit_code == 0, shown.output
+    text = " ".join(shown.output.split())
+    assert "own greedy answers" in text and "regression check" in text and "not that the answers are" in text
+    assert "min_golden_tokens" in text

@@ -167,6 +167,23 @@ def test_golden_scoring(chat: tuple[Any, Any]) -> None:
         assert score(loaded, tokenizer, cases) == plain
 
 
+def test_golden_scoring_keeps_no_kv_cache(chat: tuple[Any, Any]) -> None:
+    """Scoring is one forward per case: the model must not build a KV cache it would throw away."""
+    from deploykit.engine.loader import LoadedModel
+    from deploykit.engine.scoring import score
+    from deploykit.spec.golden import GoldenCase
+
+    model, tokenizer = chat
+    caches: list[Any] = []
+    hook = model.register_forward_hook(lambda module, args, output: caches.append(output.past_key_values))
+    try:
+        score(LoadedModel(model, None, Path("."), "cpu", False, tokenizer),  # type: ignore[arg-type]
+              tokenizer, [GoldenCase("a cat", prompt="Name an animal:")])
+    finally:
+        hook.remove()
+    assert caches == [None]
+
+
 def test_embeddings(chat: tuple[Any, Any]) -> None:
     from transformers import BertConfig, BertModel
 

@@ -264,3 +264,29 @@ def test_the_model_is_unreferenced_when_its_memory_is_given_back(fleet, how):
             replace_like_an_editor(f.root / "a.yaml", text(f.model, "a", max_tokens=32))
             assert dep.reload() is True and dep.reloads[-1].strategy == how
         collections.dead_at_the_free()
+
+
+def test_a_blue_green_rollout_reserves_the_plan_it_loads_beside_the_serving_one(tmp_path, chat_model):
+    """On a simulated host of cpu=700KB, the new generation planned beside the serving one (428,864 bytes)
+    puts one block in RAM (214,272 bytes) and offloads the rest to disk: that is what the budget reserves,
+    and it fits beside the serving one (643,136 <= 700,000), where the full plan (857,728) would not."""
+    def manifest(max_tokens: int) -> str:
+        return (f"apiVersion: deploykit/v1\nkind: ModelDeployment\nmetadata: {{name: chat}}\nspec:\n"
+                f"  model: {{path: {chat_model}, task: causal-lm, dtype: float32}}\n  placement: {{gpus: []}}\n"
+                f"  offload: {{disk: {{path: {tmp_path / 'offload'}}}}}\n"
+                f"  rollout: {{strategy: blue-green}}\n  serving: {{max_tokens: {max_tokens}}}\n")
+
+    path = tmp_path / "chat.yaml"
+    path.write_text(manifest(64))
+    host = Host(Budget({"cpu": 700_000}), wait_timeout=1.0)
+    dep = Deployment.from_manifest(path, store=StateStore(tmp_path / "state"), host=host, devices="cpu=700KB")
+    try:
+        before = dep.generate("hi", max_tokens=4).text
+        assert host.used() == {"cpu": 428_864}
+        replace_like_an_editor(path, manifest(32))
+        assert dep.reload() is True, dep.status()["last_error"]
+        assert dep.reloads[-1].strategy == "blue-green"
+        assert host.used() == {"cpu": 214_272}  # the plan it loaded beside, now the one it holds
+        assert dep.generate("hi", max_tokens=4).text == before
+    finally:
+        dep.close()

@@ -52,6 +52,31 @@ def test_running_apply_is_progressing(tmp_path):
         assert status_report(StateStore(tmp_path), "m")["phase"] == "Progressing"
 
 
+def test_a_canary_in_its_steps_is_progressing_and_a_restart_records_where_it_stood(tmp_path):
+    """A canary's steps hold the rollout lock, not the apply lock: while it is held the revision runs (for
+    `deploykit status` without a server too); once its process is gone, the next start records it Failed
+    at the step its progress names."""
+    store = StateStore(tmp_path)
+    store.finish_revision("m", begin(store), ready=True)
+    with store.rollout_lock("m"):
+        r2 = begin(store)
+        store.set_progress("m", r2, {"stage": "traffic", "steps": [50, 100], "step": 1, "share": 50})
+        assert status_report(StateStore(tmp_path), "m")["phase"] == "Progressing"
+        assert store.interrupt_restarted("m") == []  # it runs: nothing to record
+    assert store.interrupt_restarted("m") == [2]
+    revision = store.get("m", 2)
+    assert (revision.phase, revision.reason) == ("Failed", "interrupted by a restart at step 1 of 2 (50% of new "
+                                                           "requests)")
+    assert revision.progress == {"stage": "traffic", "steps": [50, 100], "step": 1, "share": 50}
+    status = status_report(store, "m")
+    assert status["phase"] == "Failed" and status["revision"] == 1
+    assert status["last_error"].startswith("interrupted by a restart at step 1"), status
+    assert store.interrupt_restarted("m") == []
+    begin(store)  # an apply that died while loading (no progress recorded)
+    store.interrupt_restarted("m")
+    assert store.get("m", 3).reason == "interrupted by a restart while it was being applied"
+
+
 def test_lock_serialises_and_non_blocking_refuses(tmp_path):
     store = StateStore(tmp_path)
     order = []

@@ -2,7 +2,9 @@
 
 Each line of FILE is ``{"prompt": "..."}`` or ``{"messages": [...]}``; each is sent to the running server
 greedily (temperature 0) and written out with its answer as ``"completion"``: a golden file for
-``spec.rollout.gates.golden`` (docs/rollout.md), on standard output.
+``spec.rollout.gates.golden`` (docs/rollout.md), on standard output. What it records is the serving model's
+own answers, so gates built on them check that a new revision still answers as today's model does (a
+regression check), not that the answers are good: it says so on standard error (``NOTICE``).
 """
 
 from __future__ import annotations
@@ -69,7 +71,12 @@ def _ask(url: str, api_key: str | None, name: str, item: dict[str, Any], max_tok
 def golden(name: str, prompts_file: Path, max_tokens: int, api_key: str | None, server: str | None,
            state_dir: str | None) -> None:
     """Print golden references (JSON lines) for NAME: each prompt with what the serving generation answers,
-    greedily."""
+    greedily.
+
+    These are the serving model's own greedy answers: golden gates built on them check that a new revision
+    still answers as today's model does (a regression check against it), not that the answers are right or
+    good. For a quality check, write the completions yourself. Golden gates need at least 256 completion
+    tokens by default (spec.rollout.gates.min_golden_tokens): give enough prompts and --max-tokens."""
     remote = None if server else connect(None, state_dir)  # the /v1 API needs no control token
     url = server or (remote.url if remote is not None else None)
     if url is None:
@@ -77,8 +84,15 @@ def golden(name: str, prompts_file: Path, max_tokens: int, api_key: str | None, 
     url = url.rstrip("/")
     cacert = given_cacert() or (remote.cacert if remote is not None else None)
     key = api_key or os.environ.get("DEPLOYKIT_API_KEY")
-    for item in _prompts(prompts_file):
+    items = _prompts(prompts_file)
+    for item in items:
         completion = _ask(url, key, name, item, max_tokens, cacert)
         if not completion:
             raise DeploykitError(f"the model answered {item} with nothing: a golden case needs a completion")
         click.echo(json.dumps({**item, "completion": completion}, ensure_ascii=False))
+    click.echo(NOTICE.format(cases=len(items), name=name), err=True)
+
+
+NOTICE = ("recorded {cases} golden references: {name}'s own greedy answers as it serves now. Gates on them check "
+          "that a new revision still answers as this model does (a regression check against it), not that the "
+          "answers are good.")

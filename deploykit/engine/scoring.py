@@ -2,9 +2,10 @@
 
 A rollout's golden gates ask how much a new generation moves the model's answers, without sampling:
 each reference (prompt or chat, then its completion) runs through the model in one forward, and the
-logits at the completion's positions give the mean per-token negative log-likelihood of the completion
-and the model's most likely token at each position. Two generations' scores then give the NLL increase
-and the share of positions where their most likely tokens agree (``compare``, pure).
+logits at the completion's positions give the per-token negative log-likelihood of the completion and the
+model's most likely token at each position. Two generations' scores then give the NLL increase, as the
+mean of the per-case paired differences with its confidence interval, and the share of positions where
+their most likely tokens agree (``compare``, pure).
 
 Only an in-process model can be scored (its ``LoadedModel.model``); a runtime whose model runs elsewhere
 (Ray stages, replicas) is refused at the manifest field before anything loads.
@@ -12,6 +13,8 @@ Only an in-process model can be scored (its ``LoadedModel.model``); a runtime wh
 
 from __future__ import annotations
 
+import math
+import statistics
 import threading
 from collections.abc import Sequence
 from contextlib import nullcontext
@@ -36,16 +39,26 @@ class CaseScore:
     top1: tuple[int, ...]
 
 
+CONFIDENCE = 0.95  # of the interval around the mean paired NLL difference
+
+
 @dataclass(frozen=True)
 class GoldenComparison:
-    """What the new generation changes on the golden set: mean per-token NLL of each (over every
-    completion token of every case) and the share of positions where both pick the same token."""
+    """What the new generation changes on the golden set, case by case.
+
+    Each case's NLL is its mean per completion token, so that a long completion does not outweigh the rest;
+    ``differences`` are the paired per-case differences (new minus serving, nats per token), ``serving_nll``
+    and ``new_nll`` the means of the cases' NLLs, and ``interval`` the 95% confidence interval of the mean
+    difference (Student's t over the cases; infinite with one case). ``top1_agreement`` is the share of all
+    completion positions where both generations pick the same token."""
 
     serving_nll: float
     new_nll: float
     top1_agreement: float
     positions: int
     cases: int
+    differences: tuple[float, ...] = ()
+    interval: tuple[float, float] = (-math.inf, math.inf)
 
     @property
     def nll_increase(self) -> float:
@@ -83,7 +96,7 @@ def _score_case(loaded: LoadedModel, tokenizer: Any, case: GoldenCase,
     prompt, completion = case_ids(tokenizer, case)
     ids = torch.tensor([prompt + completion], device=loaded.input_device)
     with torch.no_grad(), (forward_lock or nullcontext()):
-        logits = loaded.model(input_ids=ids).logits[0]
+        logits = loaded.model(input_ids=ids, use_cache=False).logits[0]  # one forward: no cache to keep
     # the logits at position i predict token i + 1: the completion is predicted from len(prompt) - 1 on
     at = logits[len(prompt) - 1: len(prompt) - 1 + len(completion)].float()
     target = torch.tensor(completion, device=at.device)
@@ -91,15 +104,36 @@ def _score_case(loaded: LoadedModel, tokenizer: Any, case: GoldenCase,
     return CaseScore(tuple(completion), tuple(nll.tolist()), tuple(at.argmax(dim=-1).tolist()))
 
 
+def reference_tokens(tokenizer: Any, cases: Sequence[GoldenCase]) -> int:
+    """How many completion tokens ``cases`` hold for ``tokenizer``: the evidence the golden gates score."""
+    return sum(len(case_ids(tokenizer, case)[1]) for case in cases)
+
+
 def compare(serving: Sequence[CaseScore], new: Sequence[CaseScore]) -> GoldenComparison:
     """The new generation against the serving one on the same cases. Where the two tokenize a completion
     differently (a changed tokenizer), none of its positions counts as agreeing."""
     if len(serving) != len(new) or not serving:
         raise ValueError("compare needs the same, non-empty list of cases scored by both generations")
-    old_sum = sum(sum(s.nll) for s in serving)
-    new_sum = sum(sum(s.nll) for s in new)
-    old_n = sum(len(s.nll) for s in serving)
-    new_n = sum(len(s.nll) for s in new)
+    old_means = [statistics.fmean(s.nll) for s in serving]
+    new_means = [statistics.fmean(n.nll) for n in new]
+    differences = tuple(b - a for a, b in zip(old_means, new_means))
+    new_n = sum(len(n.nll) for n in new)
     agree = sum(sum(a == b for a, b in zip(o.top1, n.top1)) for o, n in zip(serving, new)
                 if o.reference == n.reference)
-    return GoldenComparison(old_sum / old_n, new_sum / new_n, agree / new_n, new_n, len(new))
+    return GoldenComparison(statistics.fmean(old_means), statistics.fmean(new_means), agree / new_n, new_n,
+                            len(new), differences, mean_interval(differences))
+
+
+def mean_interval(values: Sequence[float], confidence: float = CONFIDENCE) -> tuple[float, float]:
+    """The ``confidence`` interval of the mean of ``values`` (Student's t, scipy's quantile): the mean
+    alone when they are all equal, unbounded with fewer than two."""
+    mean = statistics.fmean(values)
+    if len(values) < 2:
+        return -math.inf, math.inf
+    spread = statistics.stdev(values)
+    if spread == 0:
+        return mean, mean
+    from scipy.stats import t
+
+    half = float(t.ppf(0.5 + confidence / 2, len(values) - 1)) * spread / math.sqrt(len(values))
+    return mean - half, mean + half

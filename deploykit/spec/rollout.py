@@ -18,6 +18,9 @@ from pydantic_core import PydanticCustomError
 
 from .values import Duration, Strict
 
+DEFAULT_MIN_GOLDEN_TOKENS = 256  # reference tokens below which golden gates would decide on too little
+TRAFFIC_GATES = ("max_error_rate", "max_ttft_p95", "max_error_rate_increase", "max_ttft_p95_ratio")
+
 
 class HealthCheck(Strict):
     """A forward pass on a known input; the model serves only if it passes."""
@@ -85,6 +88,18 @@ class Gates(Strict):
     max_ttft_p95: Duration | None = Field(
         None, description="Longest time to first token, 95th percentile, of the new generation's requests in "
                           "a canary step. Needs strategy canary.")
+    max_error_rate_increase: float | None = Field(
+        None, ge=0, le=1, description="Most the new generation's error rate (share of 5xx) in a canary step may "
+                                      "exceed the serving generation's over the same window (0.02: two points "
+                                      "more). Needs strategy canary.")
+    max_ttft_p95_ratio: float | None = Field(
+        None, gt=0, description="Most the new generation's time to first token, 95th percentile, in a canary "
+                                "step may be, as a multiple of the serving generation's over the same window "
+                                "(1.5: half as slow again). Needs strategy canary.")
+    min_golden_tokens: int | None = Field(
+        None, ge=1, description=f"Least number of completion tokens the golden references must hold, counted "
+                                f"with the serving model's tokenizer, for the golden gates to decide on them; "
+                                f"fewer is refused at apply (default {DEFAULT_MIN_GOLDEN_TOKENS}). Needs golden.")
 
     @model_validator(mode="after")
     def _golden_and_its_gates(self) -> Gates:
@@ -93,6 +108,9 @@ class Gates(Strict):
             at = "max_nll_increase" if self.max_nll_increase is not None else "min_top1_agreement"
             raise PydanticCustomError("gates_golden", "{at} compares the generations on golden references: add "
                                                       "golden (a JSON lines file)", {"at": at})
+        if self.min_golden_tokens is not None and self.golden is None:
+            raise PydanticCustomError("gates_golden", "min_golden_tokens counts the golden references' tokens: "
+                                                      "add golden (a JSON lines file)", {"at": "min_golden_tokens"})
         if self.golden is not None and not scored:
             raise PydanticCustomError("gates_golden", "golden is scored only to check max_nll_increase or "
                                                       "min_top1_agreement: set one of them", {"at": "golden"})
@@ -101,7 +119,12 @@ class Gates(Strict):
     @property
     def traffic(self) -> bool:
         """Gates checked on each canary step's requests."""
-        return self.max_error_rate is not None or self.max_ttft_p95 is not None
+        return any(getattr(self, f) is not None for f in TRAFFIC_GATES)
+
+    @property
+    def golden_tokens_needed(self) -> int:
+        """``min_golden_tokens`` as set, else its default."""
+        return self.min_golden_tokens if self.min_golden_tokens is not None else DEFAULT_MIN_GOLDEN_TOKENS
 
     @model_serializer(mode="wrap")
     def _omit_unset(self, handler: SerializerFunctionWrapHandler) -> dict[str, Any]:
@@ -136,7 +159,7 @@ class Rollout(Strict):
                                  "before the new one loads; set strategy to canary or blue-green",
                 {"s": self.strategy, "at": "gates"})
         if self.strategy == "blue-green" and gates.traffic:
-            field = "max_error_rate" if gates.max_error_rate is not None else "max_ttft_p95"
+            field = next(f for f in TRAFFIC_GATES if getattr(gates, f) is not None)
             raise PydanticCustomError(
                 "rollout_gates", "{f} is checked on canary steps' traffic; blue-green moves every request at "
                                  "once: set strategy to canary", {"f": field, "at": f"gates.{field}"})

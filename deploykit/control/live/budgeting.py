@@ -18,18 +18,20 @@ from collections.abc import Callable
 from dataclasses import replace
 from typing import TYPE_CHECKING
 
+from ...errors import PlanInfeasible
 from ...names import Load, Strategy
 from ..budget import BudgetError, plan_tiers
 from ..revisions.change import Change
 from ..revisions.reconciler import ApplyOptions, ApplyOutcome, apply
 from .adapters import live_adapter_diff
-from .rollout import Rollout, RolloutResult
+from .rollout import Rollout, RolloutResult, inventory_beside
 
 if TYPE_CHECKING:
     from ...artifacts.reshard import ProgressSink
     from ..budget.host import Host
     from .canary import AbortSignal, CanaryProgress
     from .on_demand import Loads
+    from .pool import Generation
 
 StepSink = Callable[[str], None] | None
 
@@ -39,20 +41,33 @@ def need_of(change: Change) -> dict[str, int]:
     return plan_tiers(change.plan())
 
 
+def need_beside(change: Change, serving: Generation | None, need: dict[str, int]) -> dict[str, int]:
+    """Bytes per tier of the plan a rollout loads beside ``serving``: planned against the inventory less what
+    ``serving`` holds (``rollout.inventory_beside``), as ``Rollout.run`` plans it (a simulated inventory's
+    beside plan may place blocks elsewhere than the full one). ``need`` when it does not fit beside: the
+    rollout then decides what that means (recreate, or a refusal)."""
+    try:
+        return plan_tiers(change.plan(inventory_beside(change.inventory(), serving)))
+    except PlanInfeasible:
+        return need
+
+
 def start_budgeted(loads: Loads, host: Host, change: Change, *, force: bool = False,
-                   progress: ProgressSink | None = None, on_step: StepSink = None) -> None:
+                   progress: ProgressSink | None = None, on_step: StepSink = None) -> bool:
+    """Start under the budget; True when the last promoted revision was loaded instead of the manifest,
+    which the caller then rolls out through its gates (``Loads.promoted_before_gates``)."""
     lifecycle = change.loaded.manifest.spec.lifecycle
     need = need_of(change)
     host.register(loads.name, loads.pool, need, priority=lifecycle.priority, keep_alive=lifecycle.keep_alive)
     try:
-        _start(loads, host, change, need, force=force, progress=progress, on_step=on_step)
+        return _start(loads, host, change, need, force=force, progress=progress, on_step=on_step)
     except BaseException:
         host.forget(loads.name)  # it never served: the budget holds nothing for it
         raise
 
 
 def _start(loads: Loads, host: Host, change: Change, need: dict[str, int], *, force: bool,
-           progress: ProgressSink | None, on_step: StepSink) -> None:
+           progress: ProgressSink | None, on_step: StepSink) -> bool:
     loaded = change.loaded
     if loaded.manifest.spec.lifecycle.load == Load.ON_DEMAND:
         probe = _probe(loads, change, force=force)
@@ -61,9 +76,15 @@ def _start(loads: Loads, host: Host, change: Change, need: dict[str, int], *, fo
             loads.pending = loaded  # applied (laid out, loaded, checked, recorded) at its first request
             loads.last_outcome = replace(probe, status="deferred")
         loads.pool.mark_unloaded()
-        return
+        return False
+    promoted = None if force else loads.promoted_before_gates(loaded)
+    if promoted is not None and promoted.plan is not None:
+        with host.room(loads.name, plan_tiers(promoted.plan), reason="start"):
+            loads.load_current()
+        return True
     with host.room(loads.name, need, reason="start"):
         loads.load_initial(loaded, force=force, progress=progress, on_step=on_step, change=change)
+    return False
 
 
 def _probe(loads: Loads, change: Change, *, force: bool) -> ApplyOutcome:
@@ -98,7 +119,8 @@ def roll_budgeted(loads: Loads, host: Host, change: Change, *, force: bool = Fal
         requested = loaded.manifest.spec.rollout.strategy
         if loads.pool.current is not None and requested != Strategy.RECREATE:
             try:
-                with host.room(loads.name, need, reason="rollout", beside=True,
+                beside = need_beside(change, loads.pool.current, need)
+                with host.room(loads.name, beside, reason="rollout", beside=True,
                                timeout=0 if requested == Strategy.AUTO else None):
                     return rollout.run(loaded, force=force, progress=progress, on_step=on_step, change=change)
             except BudgetError as exc:

@@ -9,7 +9,10 @@ given up (its running requests finish on it, then it is freed), the serving gene
 request again, and the revision is recorded Failed with the reason (``gate max_nll_increase: +0.84 nats >
 0.10``). No request fails because of it: a request runs to its end on the generation it started on.
 Blue-green with golden gates is the same without steps. Runs on the deployment's worker; the progress it
-publishes is what ``status()`` shows.
+publishes is what ``status()`` shows, and it is recorded with the revision in the state store as it advances
+(``_record``), so that a restart in its middle records where it stood (``StateStore.interrupt_restarted``).
+The point of no return is the revision recorded Ready: a failure before it rolls back, and once it is
+recorded the candidate is promoted whatever fails after (the store's current revision is what serves).
 """
 
 from __future__ import annotations
@@ -21,12 +24,14 @@ from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING
 
-from ...errors import ApplyError
+from ...errors import ApplyError, ManifestError
 from ...spec.manifest import LoadedManifest, golden_path
+from ..revisions.layouts import collect_old_shards
 from ..revisions.reconciler import finish_gated
 from ..revisions.state import StateStore
 from .gates import GateResult, first_failure, golden_gates, traffic_gates
 from .pool import Generation, GenerationPool
+from .traffic import TrafficWindow
 
 if TYPE_CHECKING:
     from ...engine.loader import LoadedModel
@@ -35,6 +40,7 @@ if TYPE_CHECKING:
     from ...spec.schema import Canary, Gates
 
 log = logging.getLogger(__name__)
+RECORD_EVERY = 1.0  # seconds between two records of a step's gate values in the state store (``_record``)
 
 
 class GateFailed(ApplyError):
@@ -151,6 +157,29 @@ class AbortSignal:
             return self._reason is not None
 
 
+def refuse_thin_golden(loaded: LoadedManifest, gates: Gates | None, serving: Generation | None) -> None:
+    """Refuse golden gates whose references hold fewer completion tokens (by the serving model's tokenizer:
+    what the gates score) than ``gates.min_golden_tokens``, or fewer than two cases (no interval), before
+    anything loads: a ``ManifestError`` at ``spec.rollout.gates.golden`` saying how many there are."""
+    path = golden_path(loaded)
+    tokenizer = serving.loaded.tokenizer if serving is not None and serving.loaded is not None else None
+    if gates is None or path is None or tokenizer is None:
+        return
+    from ...engine.scoring import reference_tokens
+    from ...spec.golden import read_golden
+
+    cases = read_golden(path)
+    tokens, needed = reference_tokens(tokenizer, cases), gates.golden_tokens_needed
+    if tokens >= needed and len(cases) >= 2:
+        return
+    short = (f"holds {len(cases)} case; a confidence interval needs at least 2" if len(cases) < 2 else
+             f"holds {tokens} reference tokens in {len(cases)} cases (by the serving model's tokenizer), fewer "
+             f"than the {needed} the golden gates need to decide on (spec.rollout.gates.min_golden_tokens)")
+    raise ManifestError([loaded.issue("spec.rollout.gates.golden", f"{path} {short}",
+                                      hint="add references (`deploykit golden NAME --prompts FILE` records "
+                                           "them), or lower min_golden_tokens")])
+
+
 @dataclass(frozen=True)
 class GatedPlan:
     """What a gated rollout does: the gates (or None), and the canary's steps (None: blue-green)."""
@@ -167,6 +196,9 @@ class GatedRollout:
         self.pool, self.store, self.loaded, self.how = pool, store, loaded, how
         self.abort, self.publish = abort, publish
         self.progress: CanaryProgress | None = None
+        self._recorded: tuple[object, ...] | None = None  # what the store last got (``_record``)
+        self._recorded_at = 0.0
+        self._traffic_started = 0.0  # when the first step began (``_baseline``)
 
     def run(self, model: LoadedModel, plan: Plan | None, revision: int, serving: ServingSpec) -> Generation:
         """Stage, judge and promote; on any failure give the candidate up, record the revision Failed, raise.
@@ -183,15 +215,25 @@ class GatedRollout:
             if self.how.canary is not None:
                 self._steps(serving_gen, gen, self.how.canary)
             self.abort.commit()  # from here an abort comes too late: the candidate is promoted
-            finish_gated(self.loaded, self.store, revision, ready=True, reason=self._passed())
-            self.pool.promote()
+            self.store.finish_revision(self.loaded.name, revision, ready=True, reason=self._passed())
         except BaseException as exc:
             self._roll_back(revision, exc)
             raise
         finally:
             self.abort.disarm()
+        # Recorded Ready (the store's current revision): it serves from here, whatever fails after
+        self.pool.promote()
         self._show(self._now(stage="promoted", share=100))
+        self._collect_old_shards()
         return gen
+
+    def _collect_old_shards(self) -> None:
+        """Remove the shards no revision needs any more; a failure leaves them (the next promotion tries
+        again) and never undoes the promotion."""
+        try:
+            collect_old_shards(self.loaded, self.store)
+        except Exception:
+            log.exception("%s: removing old shards after promoting failed; they stay on disk", self.pool.name)
 
     def _golden(self, serving: Generation, new: Generation) -> None:
         gates = self.how.gates
@@ -213,6 +255,7 @@ class GatedRollout:
 
     def _steps(self, serving: Generation, new: Generation, canary: Canary) -> None:
         new.traffic.watch = serving.traffic.watch = self.abort.poke  # a finished request wakes the step
+        self._traffic_started = time.monotonic()
         try:
             for number, percent in enumerate(canary.steps, start=1):
                 self._step(serving, new, canary, number, percent)
@@ -232,7 +275,8 @@ class GatedRollout:
             token = self.abort.token()
             window = new.traffic.window(started)
             enough = window.requests >= canary.min_requests
-            results = traffic_gates(self.how.gates, window) if enough and self.how.gates is not None else []
+            results = traffic_gates(self.how.gates, window, self._baseline(serving, started)) \
+                if enough and self.how.gates is not None else []
             self._show_step(serving, new, window.requests, results)
             self._check(results, f"at step {number} ({percent}%)")
             now = time.monotonic()
@@ -243,6 +287,12 @@ class GatedRollout:
                                  f" at step {number} ({percent}%) after {now - started:.0f}s")
             if self.abort.wait((deadline if now < deadline else limit) - now, token):
                 self._check([], f"at step {number} ({percent}%)")
+
+    def _baseline(self, serving: Generation, started: float) -> TrafficWindow:
+        """What the relative gates compare with: the serving generation's requests over the step's window;
+        in the last step (100%: it takes no new request) those of the whole canary so far."""
+        window = serving.traffic.window(started)
+        return window if window.requests else serving.traffic.window(self._traffic_started)
 
     def _show_step(self, serving: Generation, new: Generation, step_requests: int,
                    results: list[GateResult]) -> None:
@@ -264,12 +314,14 @@ class GatedRollout:
             raise Aborted(f"{what} aborted{' ' + where if where else ''}: {reason}")
 
     def _roll_back(self, revision: int, exc: BaseException) -> None:
-        self.pool.discard()  # first: no new request goes to it from here (the staged one, if it was staged)
         reason = str(exc) or type(exc).__name__
-        log.warning("%s: revision %d rolled back; generation %s keeps serving: %s", self.pool.name, revision,
-                    self.pool.current.number if self.pool.current else "none", reason)
-        finish_gated(self.loaded, self.store, revision, ready=False, reason=reason)
-        self._show(self._now(stage="rolled-back", share=0, message=reason))
+        try:
+            self.pool.discard()  # first: no new request goes to it from here (the staged one, if it was staged)
+        finally:  # even if freeing it failed: the revision is recorded Failed, the progress says so
+            log.warning("%s: revision %d rolled back; generation %s keeps serving: %s", self.pool.name, revision,
+                        self.pool.current.number if self.pool.current else "none", reason)
+            finish_gated(self.loaded, self.store, revision, ready=False, reason=reason)
+            self._show(self._now(stage="rolled-back", share=0, message=reason))
 
     def _passed(self) -> str:
         gates = self._now().gates
@@ -283,3 +335,19 @@ class GatedRollout:
     def _show(self, progress: CanaryProgress) -> None:
         self.progress = progress
         self.publish(progress)
+        self._record(progress)
+
+    def _record(self, progress: CanaryProgress) -> None:
+        """Keep the progress in the state store as the rollout advances, so that a restart in its middle
+        records where it stood (``StateStore.interrupt_restarted``): every new stage, step and share at once,
+        new gate values at most once a second (each is a durable write, and requests end often)."""
+        if progress.revision == 0 or progress.stage not in ("golden", "traffic"):
+            return  # not staged yet, or ended: its outcome is recorded by ``finish_gated``
+        where = (progress.stage, progress.step, progress.share)
+        values = tuple((g.gate, g.value, g.passed) for g in progress.gates)
+        now = time.monotonic()
+        if self._recorded is not None and self._recorded[0] == where and (
+                self._recorded[1] == values or now - self._recorded_at < RECORD_EVERY):
+            return
+        self.store.set_progress(self.pool.name, progress.revision, progress.to_dict())
+        self._recorded, self._recorded_at = (where, values), now

@@ -130,15 +130,19 @@ class Deployment(EmbeddedApi):
         change = change if change is not None else Change(loaded, self.devices)
         self.name = self.pool.name = self.loads.name = loaded.name
         self._cell.move(Event(Trigger.CHANGE_STARTED))
+        self.store.interrupt_restarted(loaded.name)  # a rollout a dead process left Progressing: say so
         try:
             if self.host is None:
-                self.loads.load_initial(loaded, force=force, progress=progress, on_step=on_step, change=change)
+                gated_next = self.loads.start(loaded, force=force, progress=progress, on_step=on_step, change=change)
             else:
-                start_budgeted(self.loads, self.host, change, force=force, progress=progress, on_step=on_step)
+                gated_next = start_budgeted(self.loads, self.host, change, force=force, progress=progress,
+                                            on_step=on_step)
         except Exception as exc:
             self._cell.move(Event(Trigger.CHANGE_FAILED, serving=False, error=describe(exc, loaded)))
             raise
         self._cell.move(Event(Trigger.CHANGE_SUCCEEDED, serving=self._serving()))
+        if gated_next:  # the last promoted revision serves: the manifest rolls out from it, through its gates
+            self._worker.request(self.reload)
 
     def _serving(self) -> bool:
         return self.pool.current is not None or self.pool.unloaded  # unloaded: loads at its next request

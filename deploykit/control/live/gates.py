@@ -5,6 +5,7 @@ which gates pass and which fail, with the value and the limit as a reader should
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -18,38 +19,73 @@ if TYPE_CHECKING:
 @dataclass(frozen=True)
 class GateResult:
     """One gate checked: its name, the measured value (None: nothing to measure, e.g. no requests in the
-    step), its limit, and whether it passed."""
+    step), its limit, and whether it passed. ``interval``: the 95% confidence interval of the value (the
+    golden NLL increase, whose upper bound decides), ``per_case``: the paired per-case differences it comes
+    from, ``detail``: what a relative gate compared."""
 
     gate: str
     value: float | None
     limit: float
     passed: bool
+    interval: tuple[float, float] | None = None
+    per_case: tuple[float, ...] = ()
+    detail: str | None = None
 
     def describe(self) -> str:
-        if self.value is None:
-            return f"gate {self.gate}: nothing measured (limit {self.limit:g})"
-        if self.gate == "max_nll_increase":
-            return f"gate {self.gate}: {self.value:+.2f} nats {'<=' if self.passed else '>'} {self.limit:.2f}"
-        if self.gate == "min_requests":
-            return f"gate min_requests: {self.value:.0f} {'>=' if self.passed else '<'} {self.limit:g} requests"
-        if self.gate == "max_ttft_p95":
-            return f"gate {self.gate}: {self.value:.3f}s {'<=' if self.passed else '>'} {self.limit:g}s"
-        op = (">=" if self.passed else "<") if self.gate.startswith("min_") else ("<=" if self.passed else ">")
-        return f"gate {self.gate}: {self.value:.3f} {op} {self.limit:g}"
+        return _describe(self) + (f" ({self.detail})" if self.detail else "")
 
     def to_dict(self) -> dict[str, object]:
-        return {"gate": self.gate, "value": self.value, "limit": self.limit, "passed": self.passed}
+        out: dict[str, object] = {"gate": self.gate, "value": self.value, "limit": self.limit,
+                                  "passed": self.passed}
+        if self.interval is not None:
+            out["interval"] = [_finite(v) for v in self.interval]
+            out["per_case"] = [round(d, 6) for d in self.per_case]
+        if self.detail:
+            out["detail"] = self.detail
+        return out
 
 
-def _at_most(gate: str, value: float | None, limit: float | None) -> list[GateResult]:
+def _finite(value: float) -> float | None:
+    return value if math.isfinite(value) else None  # JSON has no infinity: an unbounded end is null
+
+
+def _describe(result: GateResult) -> str:
+    gate, value, limit, passed = result.gate, result.value, result.limit, result.passed
+    if value is None:
+        return f"gate {gate}: nothing measured (limit {limit:g})"
+    if gate == "max_nll_increase" and result.interval is not None:
+        low, high = result.interval
+        return (f"gate {gate}: {value:+.2f} nats per token, 95% CI [{low:+.2f}, {high:+.2f}] over "
+                f"{len(result.per_case)} cases: upper bound {'<=' if passed else '>'} {limit:.2f}")
+    if gate == "max_nll_increase":
+        return f"gate {gate}: {value:+.2f} nats {'<=' if passed else '>'} {limit:.2f}"
+    if gate == "min_requests":
+        return f"gate min_requests: {value:.0f} {'>=' if passed else '<'} {limit:g} requests"
+    if gate == "max_ttft_p95":
+        return f"gate {gate}: {value:.3f}s {'<=' if passed else '>'} {limit:g}s"
+    if gate == "max_ttft_p95_ratio":
+        return f"gate {gate}: {value:.2f}x {'<=' if passed else '>'} {limit:g}x"
+    if gate == "max_error_rate_increase":
+        return f"gate {gate}: {value:+.3f} {'<=' if passed else '>'} {limit:g}"
+    op = (">=" if passed else "<") if gate.startswith("min_") else ("<=" if passed else ">")
+    return f"gate {gate}: {value:.3f} {op} {limit:g}"
+
+
+def _at_most(gate: str, value: float | None, limit: float | None, detail: str | None = None) -> list[GateResult]:
     if limit is None:
         return []
-    return [GateResult(gate, value, limit, value is None or value <= limit)]
+    return [GateResult(gate, value, limit, value is None or value <= limit, detail=detail)]
 
 
 def golden_gates(gates: Gates, comparison: GoldenComparison) -> list[GateResult]:
-    """The golden gates the manifest sets, on the two generations' scores."""
-    results = _at_most("max_nll_increase", comparison.nll_increase, gates.max_nll_increase)
+    """The golden gates the manifest sets, on the two generations' scores. max_nll_increase decides on the
+    upper bound of its confidence interval: it passes only when the evidence shows the increase is within
+    the limit, not when the mean happens to be."""
+    results = []
+    if gates.max_nll_increase is not None:
+        high = comparison.interval[1]
+        results.append(GateResult("max_nll_increase", comparison.nll_increase, gates.max_nll_increase,
+                                  high <= gates.max_nll_increase, comparison.interval, comparison.differences))
     if gates.min_top1_agreement is not None:
         value = comparison.top1_agreement
         results.append(GateResult("min_top1_agreement", value, gates.min_top1_agreement,
@@ -57,12 +93,31 @@ def golden_gates(gates: Gates, comparison: GoldenComparison) -> list[GateResult]
     return results
 
 
-def traffic_gates(gates: Gates, window: TrafficWindow) -> list[GateResult]:
-    """The traffic gates the manifest sets, on one step's requests of the new generation (the canary checks
-    them once the step has its ``min_requests``; a gate with nothing to measure, e.g. no first token, passes)."""
+def traffic_gates(gates: Gates, window: TrafficWindow, serving: TrafficWindow | None = None) -> list[GateResult]:
+    """The traffic gates the manifest sets, on one step's requests of the new generation, and the relative
+    ones against ``serving``, the serving generation's requests over the same window (the canary checks
+    them once the step has its ``min_requests``; a gate with nothing to measure, e.g. no first token, or no
+    request of the serving generation to compare with, passes)."""
     rate = window.error_rate if window.requests else None
-    return (_at_most("max_error_rate", rate, gates.max_error_rate)
-            + _at_most("max_ttft_p95", p95(window.ttfts), gates.max_ttft_p95))
+    ttft = p95(window.ttfts)
+    results = (_at_most("max_error_rate", rate, gates.max_error_rate)
+               + _at_most("max_ttft_p95", ttft, gates.max_ttft_p95))
+    base = serving if serving is not None and serving.requests else None
+    if gates.max_error_rate_increase is not None:
+        value: float | None = None
+        detail: str | None = None
+        if rate is not None and base is not None:
+            value = rate - base.error_rate
+            detail = f"new {rate:.3f} of {window.requests} requests, serving {base.error_rate:.3f} of {base.requests}"
+        results += _at_most("max_error_rate_increase", value, gates.max_error_rate_increase, detail)
+    if gates.max_ttft_p95_ratio is not None:
+        base_ttft = p95(base.ttfts) if base is not None else None
+        value = detail = None
+        if ttft is not None and base_ttft:
+            value = ttft / base_ttft
+            detail = f"new {ttft:.3f}s, serving {base_ttft:.3f}s"
+        results += _at_most("max_ttft_p95_ratio", value, gates.max_ttft_p95_ratio, detail)
+    return results
 
 
 def first_failure(results: list[GateResult]) -> GateResult | None:

@@ -14,6 +14,7 @@ import logging
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
+from ...names import Strategy
 from ..revisions.loading import checked_current, load_laid_out, serving_of
 from ..revisions.reconciler import ApplyOptions, ApplyOutcome, apply
 
@@ -24,7 +25,7 @@ if TYPE_CHECKING:
     from ...spec.manifest import LoadedManifest
     from ..budget.host import Host
     from ..revisions.change import Change
-    from ..revisions.state import StateStore
+    from ..revisions.state import Revision, StateStore
     from .pool import GenerationPool
 
 log = logging.getLogger(__name__)
@@ -56,6 +57,28 @@ class Loads:
         self.last_outcome = outcome
         if outcome.revision is not None:
             self.verified = outcome.revision
+
+    def start(self, loaded: LoadedManifest, *, force: bool = False, progress: ProgressSink | None = None,
+              on_step: Callable[[str], None] | None = None, change: Change | None = None) -> bool:
+        """Serve at a start: ``load_initial``, or, when ``promoted_before_gates``, the last promoted revision
+        (``load_current``). True in that case: the caller then rolls ``loaded`` out from it, gates and all."""
+        if not force and self.promoted_before_gates(loaded) is not None:
+            self.load_current()
+            return True
+        self.load_initial(loaded, force=force, progress=progress, on_step=on_step, change=change)
+        return False
+
+    def promoted_before_gates(self, loaded: LoadedManifest) -> Revision | None:
+        """The current revision when a start's manifest rolls out through gates (a canary, or blue-green
+        with gates) and differs from it (e.g. a restart in the middle of its canary): that one serves first,
+        and the change rolls out from it, rather than being loaded unjudged because nothing served yet."""
+        rollout = loaded.manifest.spec.rollout
+        gated = rollout.strategy == Strategy.CANARY or (rollout.strategy == Strategy.BLUE_GREEN
+                                                        and rollout.gates is not None)
+        current = self.store.current(self.name) if gated else None
+        if current is None or current.plan is None or current.manifest_digest == loaded.digest:
+            return None
+        return current
 
     def load_current(self) -> None:
         """Load the current revision from its laid-out shards (no reshard) and serve it: shards checked

@@ -30,7 +30,7 @@ from ..revisions.loading import load_revision, recorded_manifest, serving_of
 from ..revisions.reconciler import ApplyOptions, ApplyOutcome, apply
 from ..revisions.state import StateStore
 from .adapters import apply_live, live_adapter_diff
-from .canary import AbortSignal, CanaryProgress, GatedPlan, GatedRollout
+from .canary import AbortSignal, CanaryProgress, GatedPlan, GatedRollout, refuse_thin_golden
 from .pool import Generation, GenerationPool
 
 log = logging.getLogger(__name__)
@@ -138,14 +138,16 @@ class Rollout:
     def _gated(self, loaded: LoadedManifest, beside: Inventory, how: _How, gated: GatedPlan) -> RolloutResult:
         """Load and check beside the serving generation, leave the revision Progressing, and let the gates
         (and a canary's steps) decide (``canary.GatedRollout``)."""
-        outcome = apply(loaded, store=self.store, options=ApplyOptions(inventory=beside, keep_model=True,
-                                                                       force=how.force, gated=True),
-                        progress=how.progress, on_step=how.on_step, change=how.change)
-        if outcome.status == "unchanged" or outcome.loaded is None:
-            return RolloutResult(False, "none", outcome)
-        model, outcome.loaded = outcome.loaded, None  # the pool owns the model now
-        run = GatedRollout(self.pool, self.store, loaded, gated, abort=self.abort, publish=self.publish)
-        run.run(model, outcome.plan, outcome.revision or 0, serving_of(loaded))
+        refuse_thin_golden(loaded, gated.gates, self.pool.current)  # before anything loads or is recorded
+        with self.store.rollout_lock(loaded.name):  # its revision stays Progressing without the apply lock
+            outcome = apply(loaded, store=self.store, options=ApplyOptions(inventory=beside, keep_model=True,
+                                                                           force=how.force, gated=True),
+                            progress=how.progress, on_step=how.on_step, change=how.change)
+            if outcome.status == "unchanged" or outcome.loaded is None:
+                return RolloutResult(False, "none", outcome)
+            model, outcome.loaded = outcome.loaded, None  # the pool owns the model now
+            run = GatedRollout(self.pool, self.store, loaded, gated, abort=self.abort, publish=self.publish)
+            run.run(model, outcome.plan, outcome.revision or 0, serving_of(loaded))
         return RolloutResult(True, str(Strategy.CANARY if gated.canary else Strategy.BLUE_GREEN), outcome)
 
     def _recreate(self, loaded: LoadedManifest, how: _How) -> RolloutResult:

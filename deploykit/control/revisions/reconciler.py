@@ -120,8 +120,10 @@ def apply(loaded: LoadedManifest, *, store: StateStore, options: ApplyOptions = 
             _refuse_changed_in_place(current, checkpoint, actual, options)
         decision = decide(desired, actual, force=options.force)
         if not decision.new_revision and current is not None:
-            if not options.dry_run:
-                store.settle(loaded.name)  # a no-op confirms what serves: earlier errors are over
+            if not options.dry_run and not options.load_if_unchanged:
+                # a no-op confirms what serves: earlier errors are over. A start that loads the current revision
+                # (a restart) confirms nothing: a change it interrupted stays Failed where status shows it
+                store.settle(loaded.name)
             return _reuse(loaded, current, decision, timer, options)
         if options.dry_run:
             return ApplyOutcome(loaded.name, "dry-run", None, _plan(change, options, timer), decision.actions,

@@ -70,7 +70,7 @@ def status_report(store: StateStore, name: str, held: Held | None = None) -> dic
     alone must guess from the apply lock whether a Progressing revision still runs)."""
     current, latest = store.current(name), store.latest(name)
     if held is None:
-        running = latest is not None and latest.phase == Phase.PROGRESSING and store.apply_running(name)
+        running = latest is not None and latest.phase == Phase.PROGRESSING and store.change_running(name)
         last_error = _open_failure(store, name, latest, running)
     else:
         running = held.progressing

@@ -33,7 +33,7 @@ from ...placement.plan import Plan
 SCHEMA_VERSION = 2
 # Columns added after schema 1, for databases created before them.
 _MIGRATIONS = (("revisions", "checksums_json", "TEXT"), ("deployments", "settled_revision", "INTEGER"),
-               ("deployments", "pending_error", "TEXT"))
+               ("deployments", "pending_error", "TEXT"), ("revisions", "progress_json", "TEXT"))
 _SCHEMA = """
 CREATE TABLE IF NOT EXISTS meta (key TEXT PRIMARY KEY, value TEXT NOT NULL);
 CREATE TABLE IF NOT EXISTS revisions (
@@ -53,6 +53,7 @@ CREATE TABLE IF NOT EXISTS revisions (
     finished_at REAL,
     timings_json TEXT,
     checksums_json TEXT,               -- size and hash of each weight file when used in place
+    progress_json TEXT,                -- a gated rollout's progress (stage, step, share, gates so far)
     PRIMARY KEY (name, revision)
 );
 CREATE TABLE IF NOT EXISTS deployments (
@@ -99,6 +100,12 @@ class Revision:
     finished_at: float | None
     timings_json: str | None
     checksums_json: str | None = None
+    progress_json: str | None = None
+
+    @property
+    def progress(self) -> dict[str, Any] | None:
+        """A gated rollout's last recorded progress (``set_progress``), None when none was recorded."""
+        return json.loads(self.progress_json) if self.progress_json else None
 
     @property
     def checksums(self) -> dict[str, dict] | None:
@@ -225,6 +232,26 @@ class StateStore:
                            (revision, name))
             self._event(db, name, revision, "Ready" if ready else "Failed", reason or "ready")
 
+    def set_progress(self, name: str, revision: int, progress: dict[str, Any]) -> None:
+        """Record where a gated rollout of ``revision`` stands (stage, step, share, gate values so far), so a
+        restart in its middle can say what happened to it. Only while the revision is still Progressing."""
+        with self._write() as db:
+            db.execute("UPDATE revisions SET progress_json=? WHERE name=? AND revision=? AND phase='Progressing'",
+                       (json.dumps(progress), name, revision))
+
+    def interrupt_restarted(self, name: str) -> list[int]:
+        """A process starts holding ``name`` (``deploykit serve`` started again, a ``Deployment`` created):
+        record every Progressing revision that no process applies or rolls out any more as Failed,
+        "interrupted by a restart at step k" (what the last gated rollout recorded of itself). Returns them."""
+        if self.change_running(name):
+            return []
+        with self._write() as db:
+            rows = db.execute("SELECT revision, progress_json FROM revisions WHERE name=? AND phase='Progressing'",
+                              (name,)).fetchall()
+            for revision, progress in rows:
+                self._fail(db, name, revision, "interrupted by a restart " + _where(progress))
+        return [r for r, _ in rows]
+
     def record_event(self, name: str, kind: str, message: str, revision: int | None = None) -> None:
         with self._write() as db:
             self._event(db, name, revision, kind, message)
@@ -256,13 +283,18 @@ class StateStore:
     @staticmethod
     def _interrupt_stale(db: sqlite3.Connection, name: str) -> None:
         # Called with the deployment lock held: a Progressing revision now belongs to a dead process.
-        stale = db.execute("SELECT revision FROM revisions WHERE name=? AND phase='Progressing'",
+        stale = db.execute("SELECT revision, progress_json FROM revisions WHERE name=? AND phase='Progressing'",
                            (name,)).fetchall()
-        for (revision,) in stale:
-            db.execute("UPDATE revisions SET phase='Failed', reason=?, finished_at=? WHERE name=? "
-                       "AND revision=?", ("interrupted: the applying process died", time.time(), name,
-                                          revision))
-            StateStore._event(db, name, revision, "Failed", "interrupted: the applying process died")
+        for revision, progress in stale:
+            reason = ("interrupted: the applying process died" if progress is None
+                      else f"interrupted {_where(progress)}: the process running it stopped")
+            StateStore._fail(db, name, revision, reason)
+
+    @staticmethod
+    def _fail(db: sqlite3.Connection, name: str, revision: int, reason: str) -> None:
+        db.execute("UPDATE revisions SET phase='Failed', reason=?, finished_at=? WHERE name=? AND revision=?",
+                   (reason, time.time(), name, revision))
+        StateStore._event(db, name, revision, "Failed", reason)
 
     # ---- reads ------------------------------------------------------------------------------------
 
@@ -271,7 +303,7 @@ class StateStore:
 
     _COLUMNS = ("name, revision, phase, reason, manifest_path, manifest_text, manifest_digest, plan_json, "
                 "plan_digest, checkpoint_fingerprint, shards_path, git_commit, created_at, finished_at, "
-                "timings_json, checksums_json")
+                "timings_json, checksums_json, progress_json")
 
     def current(self, name: str) -> Revision | None:
         with self._read() as db:
@@ -321,6 +353,17 @@ class StateStore:
         except ApplyError:
             return True
 
+    def change_running(self, name: str) -> bool:
+        """Whether some process applies ``name`` or runs a gated rollout of it (whose steps hold no apply
+        lock) right now: a Progressing revision is then still on its way, not interrupted."""
+        if self.apply_running(name):
+            return True
+        try:
+            with self.rollout_lock(name, wait=False):
+                return False
+        except ApplyError:
+            return True
+
     def deployment(self, name: str) -> dict[str, Any] | None:
         """The deployment's row: manifest path, settled revision, pending error."""
         with self._read() as db:
@@ -336,6 +379,28 @@ class StateStore:
         locks.mkdir(exist_ok=True)
         with _file_lock(locks / f"{name}.lock", busy=None if wait else f"another apply of {name!r} is running"):
             yield
+
+    @contextlib.contextmanager
+    def rollout_lock(self, name: str, *, wait: bool = True) -> Iterator[None]:
+        """Held by the process that runs a gated rollout of ``name``, from its apply to its outcome: while
+        it is held, the rollout's Progressing revision is alive (``change_running``); it dies with its
+        process, so a ``kill -9`` in a canary's step leaves it free for ``interrupt_restarted``."""
+        locks = self.directory / "locks"
+        locks.mkdir(exist_ok=True)
+        with _file_lock(locks / f"{name}.rollout.lock",
+                        busy=None if wait else f"a rollout of {name!r} is running"):
+            yield
+
+
+def _where(progress_json: str | None) -> str:
+    """Where a rollout stood, from its recorded progress: "at step 1 of 2 (50% of new requests)"."""
+    progress = json.loads(progress_json) if progress_json else None
+    if progress is None:
+        return "while it was being applied"
+    steps, step = progress.get("steps") or [], progress.get("step") or 0
+    if step:
+        return f"at step {step} of {len(steps)} ({progress.get('share', 0)}% of new requests)"
+    return "before its first step (while its golden gates ran)" if steps else "while its golden gates ran"
 
 
 @contextlib.contextmanager

@@ -1,0 +1,138 @@
+"""`deploykit serve` killed (-9) in the middle of a canary's step and started again over the same state
+directory: it comes back serving the last promoted revision, the candidate's revision is recorded Failed
+"interrupted by a restart at step k" (history and status say so, never Ready, never "the applying process
+died"), requests are answered by the old revision, and a new apply works afterwards.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import openai
+from chatmodel import build_chat_model
+from helpers import wait_until
+from servers import Server, get
+from traffic import Load
+
+from deploykit.control.revisions.state import StateStore
+
+CLI = [sys.executable, "-m", "deploykit.cli"]
+
+
+def manifest(model: Path, shard: str, *, step_seconds: str = "300s") -> str:
+    return (f"apiVersion: deploykit/v1\nkind: ModelDeployment\nmetadata: {{name: chat}}\nspec:\n"
+            f"  model: {{path: {model}, dtype: float32}}\n  placement: {{gpus: []}}\n"
+            f"  sharding: {{max_shard_size: {shard}}}\n"
+            f"  rollout:\n    strategy: canary\n"
+            f"    canary: {{steps: [50, 100], step_seconds: {step_seconds}, "
+            f"max_step_seconds: 600s, min_requests: 1}}\n")
+
+
+def cli(*args: str, state: Path) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([*CLI, *args], env={**os.environ, "DEPLOYKIT_STATE": str(state)}, capture_output=True,
+                          text=True, check=False, timeout=300)
+
+
+def chat_status(server: Server) -> dict[str, Any]:
+    code, body = get(f"{server.url}/status")
+    assert code == 200, body
+    return next(s for s in body if s.get("name") == "chat")
+
+
+def test_a_restart_in_the_middle_of_a_canary_serves_the_promoted_revision_and_fails_the_candidate(
+        tmp_path: Path) -> None:
+    model = build_chat_model(tmp_path / "model")
+    state = tmp_path / "state"
+    old, new = tmp_path / "old.yaml", tmp_path / "new.yaml"
+    old.write_text(manifest(model, "2GiB"))
+    new.write_text(manifest(model, "1MiB"))  # the same weights laid out otherwise: a healthy change
+
+    assert cli("apply", str(old), state=state).returncode == 0  # no server yet: recorded, served when it starts
+    with Server(None, state) as server:
+        load = Load(server.url, model="chat").run()
+        applying = subprocess.Popen([*CLI, "apply", str(new)], env={**os.environ, "DEPLOYKIT_STATE": str(state)},
+                                    stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        try:
+            recorded = lambda: (StateStore(state).get("chat", 2) or None)  # noqa: E731
+            wait_until(lambda: ((r := recorded()) is not None and (r.progress or {}).get("step") == 1
+                                and (r.progress or {}).get("share") == 50), timeout=180,
+                       what="the canary's first step recorded in the state store")
+            assert server.process is not None
+            server.process.kill()  # no handler runs: only what the store holds survives
+            server.process.wait(timeout=30)
+        finally:
+            load.stop.set()
+            applying.kill()
+            applying.communicate()
+        load.join()
+
+    history = StateStore(state).history("chat")
+    assert [(r.revision, r.phase) for r in history] == [(1, "Ready"), (2, "Progressing")]  # as the kill left it
+
+    with Server(None, state) as server:
+        now = chat_status(server)
+        assert now["serving_revision"] == 1 and now["revision"] == 1, now
+        assert "interrupted by a restart at step 1 of 2 (50% of new requests)" in (now["last_error"] or ""), now
+        assert "process died" not in json.dumps(now)
+        conditions = {c["type"]: c for c in now["conditions"]}
+        assert conditions["Ready"]["status"] is True and conditions["Failed"]["reason"] == "Revision2Failed"
+        rows = json.loads(cli("history", "chat", "-o", "json", state=state).stdout)
+        assert [(r["revision"], r["phase"], r["current"]) for r in rows] == [(1, "Ready", True),
+                                                                              (2, "Failed", False)]
+        assert rows[1]["reason"].startswith("interrupted by a restart at step 1 of 2"), rows[1]
+        client = openai.OpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0)
+        answered = client.chat.completions.with_raw_response.create(
+            model="chat", messages=[{"role": "user", "content": "hello"}], max_tokens=2)
+        assert answered.headers["x-deploykit-revision"] == "1"
+
+        new.write_text(manifest(model, "1MiB", step_seconds="1s"))  # short steps, each with its request
+        load = Load(server.url, model="chat").run()
+        try:
+            again = cli("apply", str(new), state=state)
+        finally:
+            load.join()
+        assert again.returncode == 0, again.stderr
+        assert "revision 3 Ready" in again.stdout, again.stdout
+        assert load.failures == []
+        assert chat_status(server)["serving_revision"] == 3
+
+
+def test_a_watched_file_restarted_mid_canary_serves_the_promoted_revision_and_runs_its_canary_again(
+        tmp_path: Path) -> None:
+    """`deploykit serve FILE`: the file still names the candidate's manifest after the restart. The server
+    serves the last promoted revision first and rolls the file out from it through its canary again (a new
+    revision), never loading it unjudged because nothing served yet."""
+    model = build_chat_model(tmp_path / "model")
+    state, path = tmp_path / "state", tmp_path / "chat.yaml"
+    path.write_text(manifest(model, "2GiB"))
+    with Server(path, state) as server:
+        load = Load(server.url, model="chat").run()
+        try:
+            path.write_text(manifest(model, "1MiB"))
+            wait_until(lambda: ((r := StateStore(state).get("chat", 2)) is not None
+                                and (r.progress or {}).get("step") == 1), timeout=180,
+                       what="the canary's first step recorded in the state store")
+            assert server.process is not None
+            server.process.kill()
+            server.process.wait(timeout=30)
+        finally:
+            load.stop.set()
+        load.join()
+
+    with Server(path, state) as server:
+        assert chat_status(server)["serving_revision"] == 1  # ready: the last promoted revision serves
+        answered = openai.OpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0) \
+            .completions.with_raw_response.create(model="chat", prompt="hello", max_tokens=2)
+        assert answered.headers["x-deploykit-revision"] in ("1", "3")  # the promoted one, or the new canary's
+        wait_until(lambda: (chat_status(server)["rollout"] or {}).get("revision") == 3, timeout=120,
+                   what="the file's manifest rolled out again as a canary")
+        now = chat_status(server)
+        assert now["serving_revision"] == 1 and now["phase"] == "Progressing", now
+        history = [(r.revision, r.phase, r.reason) for r in StateStore(state).history("chat")]
+        assert history[0][:2] == (1, "Ready") and history[2][:2] == (3, "Progressing"), history
+        assert history[1][:2] == (2, "Failed") and history[1][2].startswith("interrupted by a restart at step 1")
