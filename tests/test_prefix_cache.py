@@ -247,3 +247,17 @@ def test_chunks_are_sized_to_take_about_one_and_a_half_decode_steps() -> None:
         sizer.decoded(1.0)  # slow steps: the chunk is bounded by prefill_chunk
     assert sizer.next(decoding=True) == 256
     assert sizer.next(decoding=False) == 256
+
+
+def test_continuous_batching_refuses_a_prefix_cache_it_would_not_keep(model: Any, tmp_path: Any) -> None:
+    """The default is sized where prefixes are kept (none with continuous batching: the plan counts 0, as
+    above); a size or switch named for continuous batching would be ignored, so it is refused at the field."""
+    from deploykit.errors import ManifestError
+    from deploykit.spec.manifest import load_manifests
+    from manifests import manifest_text
+
+    (tmp_path / "m.yaml").write_text(manifest_text(model) + "  serving: {batching: continuous, prefix_cache: "
+                                                            "{max_bytes: 8MiB}}\n")
+    with pytest.raises(ManifestError, match="needs batching: padded") as err:
+        load_manifests(tmp_path / "m.yaml")
+    assert err.value.issues[0].field.startswith("spec.serving.prefix_cache")
