@@ -9,7 +9,7 @@ one warm-up chat went through; stopped with SIGTERM then SIGKILL):
 - llama.cpp: `llama-server -m GGUF -np 16 -c 16384 --threads 2` (--llama-server; 16 slots of 1,024
   tokens, its prompt cache on as by default);
 - deploykit-fp32 / -int8 / -int4: `deploykit serve` on the GGUF (imported to float32 safetensors; int8 or
-  int4 weights with spec.model.quantization), max_concurrent 16, prefix_cache.max_bytes --prefix-cache.
+  int4 weights with spec.model.quantization), max_concurrent 16, the prefix cache as the plan sizes it by default (--prefix-cache SIZE sets its max_bytes).
 
 Scenarios, in this order on each server (streamed greedy chats through the official `openai` client):
 1. one client: --single requests of 64 tokens one after another; tokens/s = generated tokens / wall;
@@ -64,7 +64,7 @@ metadata: {{name: smollm2}}
 spec:
   model: {{path: {gguf}, task: causal-lm, dtype: float32, quantization: {quantization}}}
   placement: {{gpus: []}}
-  serving: {{max_tokens: 512, max_concurrent: 16, max_queued: 64, prefix_cache: {{enabled: true, max_bytes: {cache}}}}}
+  serving: {{max_tokens: 512, max_concurrent: 16, max_queued: 64{cache}}}
 """
 
 
@@ -211,7 +211,8 @@ def server_cmd(system: str, args: argparse.Namespace, port: int) -> tuple[list[s
                 str(args.threads), "--host", "127.0.0.1", "--port", str(port), "--alias", "smollm2"], env
     quantization = system.split("-")[1].replace("fp32", "none")
     manifest = args.work / f"{system}.yaml"
-    manifest.write_text(MANIFEST.format(gguf=args.gguf, quantization=quantization, cache=args.prefix_cache))
+    cache = f", prefix_cache: {{max_bytes: {args.prefix_cache}}}" if args.prefix_cache else ""
+    manifest.write_text(MANIFEST.format(gguf=args.gguf, quantization=quantization, cache=cache))
     env["DEPLOYKIT_STATE"] = str(args.work / "deploykit-state")
     return [sys.executable, "-m", "deploykit.cli", "serve", str(manifest), "--port", str(port)], env
 
@@ -256,7 +257,8 @@ def main() -> None:
     parser.add_argument("--scenarios", default="one-client,chats,conversations,documents")
     parser.add_argument("--single", type=int, default=3, help="requests of the one-client figure")
     parser.add_argument("--threads", type=int, default=2, help="llama-server --threads")
-    parser.add_argument("--prefix-cache", default="1GiB", help="deploykit's prefix_cache.max_bytes")
+    parser.add_argument("--prefix-cache", default=None,
+                        help="deploykit's prefix_cache.max_bytes (default: the manifest's default, sized by the plan)")
     parser.add_argument("--llama-server", type=Path, default=None,
                         help="default: the binary deploykit's llama.cpp engine finds (docs/engines.md)")
     parser.add_argument("--gguf", type=Path, default=None)

@@ -64,6 +64,8 @@ def test_adapter_bytes_at_the_base_dtype_in_plan_json_and_total(lora: Any, tmp_p
 
 def test_adapters_sit_on_the_gpus_of_the_layers_they_adapt_and_count_in_the_budget(lora: Any,
                                                                                       tmp_path: Path) -> None:
+    from deploykit.placement.kv import prefix_cache_tiers
+
     [loaded] = load_manifests(_manifest(tmp_path, lora, gpus="[0, 1]"))
     plan = plan_manifest(loaded, devices="2x1GiB,cpu=1GiB")
     layer_device = {int(k.split(".")[2]): d for k, d in plan.device_map.items() if k.startswith("model.layers.")}
@@ -72,7 +74,10 @@ def test_adapters_sit_on_the_gpus_of_the_layers_they_adapt_and_count_in_the_budg
     want = {d: sum(b for layer, b in per_layer.items() if layer_device[layer] == d) for d in (0, 1)}
     assert dict(plan.adapters[0].devices) == want
     without = {d.device: d.bytes for d in plan.devices}
-    assert plan_tiers(plan) == {"gpu0": without[0] + 2 * want[0], "gpu1": without[1] + 2 * want[1]}
+    cached = prefix_cache_tiers(plan)  # the default prefix cache, spread as the KV is
+    assert cached["gpu0"] + cached["gpu1"] == plan.prefix_cache_bytes > 0
+    assert plan_tiers(plan) == {"gpu0": without[0] + 2 * want[0] + cached["gpu0"],
+                                "gpu1": without[1] + 2 * want[1] + cached["gpu1"]}
 
 
 def test_plan_text_lists_each_adapter(lora: Any, tmp_path: Path) -> None:

@@ -115,6 +115,24 @@ def test_requests_join_a_running_batch_and_stream(llama: Any, reference: Referen
         assert [h.result(timeout=120).token_ids for h in first + late] == expected
 
 
+def test_running_rows_and_a_long_prompt_share_forwards_and_equal_generate(llama: Any, reference: Reference) -> None:
+    """Mixed steps (deploykit.engine.mixed): a prompt longer than prefill_chunk arrives while rows decode; each
+    forward then holds the rows' next tokens and a chunk of it. Every answer, the rows' and the prompt's,
+    equals generate's."""
+    rows = [p for p in prompts(30, seed=3) if len(reference(p, 40)) == 40][:3]  # none ends early (EOS)
+    long = tuple((7 * i) % 250 + 4 for i in range(150))
+    expected = [reference(p, 40) for p in rows] + [reference(long, 8)]
+    with engine(llama, max_batch_size=8, prefill_chunk=16) as eng:
+        running = [eng.submit(GenerationRequest(p, max_new_tokens=40)) for p in rows]
+        streamed = [next(iter(running[0]))]  # a token came out: the rows decode
+        read = eng.submit(GenerationRequest(long, max_new_tokens=8))
+        streamed += list(running[0])
+        assert [h.result(timeout=120).token_ids for h in running + [read]] == expected
+        assert streamed == expected[0]
+        assert read.result().cached_tokens == 0
+        assert eng.mixed_steps >= 1
+
+
 def test_a_small_kv_budget_runs_requests_one_after_another(llama: Any, reference: Reference) -> None:
     ps = prompts(3, seed=2)
     expected = [reference(p, 12) for p in ps]
@@ -327,6 +345,52 @@ def test_a_row_that_fails_a_decode_step_fails_alone(tiny_model: Callable[[str], 
         assert failed.token_ids == [rows + 7]  # chosen at the join, fatal at the first shared decode step
         assert good.result(timeout=60).token_ids == expected
         assert eng.submit(GenerationRequest(p, max_new_tokens=40)).result(timeout=60).token_ids == expected
+
+
+def test_a_row_that_fails_a_mixed_step_fails_alone(tiny_model: Callable[[str], Path]) -> None:
+    """The same bad request joins rows that share their forwards with a long prompt being read (mixed
+    steps): the forward fails, the rows' and the prompt's caches drop what it appended, the bad row fails
+    alone, and the other row and the prompt still equal ``generate``."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_model("llama"), dtype=torch.float32).eval()
+    rows = model.config.vocab_size
+    head = torch.nn.Linear(model.config.hidden_size, rows + 44, bias=True)
+    with torch.no_grad():
+        head.weight[:rows] = model.get_output_embeddings().weight
+        head.weight[rows:] = 0.0
+        head.bias.zero_()
+        head.bias[rows:] = -50.0
+    model.lm_head = head
+    p = prompts(1, seed=11)[0]
+    long = tuple((7 * i) % 250 + 4 for i in range(200))
+    expected, read_expected = generate(model, p, 40), generate(model, long, 6)
+    with engine(model, max_batch_size=4, prefill_chunk=16) as eng:
+        good = eng.submit(GenerationRequest(p, max_new_tokens=40))
+        next(iter(good))
+        read = eng.submit(GenerationRequest(long, max_new_tokens=6))  # read a chunk per forward of the rows
+        bad = eng.submit(GenerationRequest(p, max_new_tokens=12, logit_bias=((rows + 7, 100.0),)))
+        failed = bad.result(timeout=60)
+        assert failed.finish_reason == "error" and "index out of range" in (failed.error or "")
+        assert good.result(timeout=60).token_ids == expected
+        assert read.result(timeout=60).token_ids == read_expected
+        assert eng.mixed_steps >= 1
+
+
+def test_a_prompt_that_fails_a_mixed_step_fails_alone(llama: Any, reference: Reference) -> None:
+    """A long prompt holding an id beyond the vocabulary arrives while a row decodes: the mixed forward
+    fails, the row's step runs again alone, the prompt's chunk alone then fails it alone, and the row still
+    equals ``generate`` (a failed mixed step that retried the pair would loop for ever)."""
+    p = next(p for p in prompts(30, seed=5) if len(reference(p, 200)) == 200)  # no EOS: the row runs on
+    expected = reference(p, 200)
+    bad = tuple(300 if i == 20 else (7 * i) % 250 + 4 for i in range(100))
+    with engine(llama, max_batch_size=4, prefill_chunk=16) as eng:
+        good = eng.submit(GenerationRequest(p, max_new_tokens=200))
+        next(iter(good))
+        failed = eng.submit(GenerationRequest(bad, max_new_tokens=4)).result(timeout=60)
+        assert not good.done  # failed while the row decodes, not once the row had left the batch
+        assert failed.finish_reason == "error" and "index out of range" in (failed.error or "")
+        assert good.result(timeout=60).token_ids == expected
 
 
 def test_when_the_retry_alone_fails_too_the_rows_fail_and_the_engine_goes_on(llama: Any, reference: Reference,

@@ -46,6 +46,8 @@ def test_a_manifest_without_an_engine_keeps_its_digest(tmp_path):
     ("  engine: {name: llama.cpp}\n  serving: {max_concurrent: 4}\n", "spec.serving.max_concurrent", "spec.engine.slots"),
     ("  engine: {name: llama.cpp, context: 256}\n  serving: {max_tokens: 300}\n", "spec.serving.max_tokens", "no room"),
     ("  engine: {slots: 3}\n", "spec.engine.slots", "option of the llama.cpp engine"),
+    ("  engine: {name: llama.cpp}\n  serving: {prefix_cache: {max_bytes: 8MiB}}\n", "spec.serving.prefix_cache.max_bytes",
+     "its slots' own prompts"),
 ])
 def test_what_llama_cpp_cannot_honour_is_refused_at_the_field(tmp_path, extra, field, words):
     with pytest.raises(ManifestError) as err:

@@ -46,6 +46,7 @@ def test_plan_bytes_and_flags_from_the_gguf(tmp_path):
     layers = 30  # SmolLM2-135M
     # exact: this file's tensors need no alignment padding (sizes come from the table's offsets)
     assert plan["total_bytes"] == tensors + layers * kv_per_token * SLOTS * CONTEXT
+    assert "prefix_cache_bytes" not in plan  # the default prefix cache is the transformers engine's: none here
     flags = plan["llama_server"]
     assert flags["gpu_layers"] == layers + 1 and sum(flags["tensor_split"]) == layers + 1 and flags["cpu_layers"] == 0
     assert flags["flags"][:4] == ["--n-gpu-layers", "31", "--device", "CUDA0,CUDA1,CUDA2,CUDA3"]

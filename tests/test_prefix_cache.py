@@ -189,22 +189,46 @@ def test_chunked_prefill_keeps_a_running_stream_flowing(long_llama: Any, one_thr
     assert chunked_gap < whole_gap / 3, (chunked_gap, whole_gap)
 
 
-@pytest.mark.parametrize(("serving", "held"), [("", 0), ("serving: {prefix_cache: {enabled: true}}", 256 << 20),
-                                               ("serving: {prefix_cache: {enabled: true, max_bytes: 8MiB}}", 8 << 20),
-                                               ("serving: {prefix_cache: {enabled: false}}", 0),
-                                               ("serving: {batching: continuous, prefix_cache: {enabled: false}}", 0)])
-def test_the_plan_and_the_budget_count_the_prefix_cache(model: Any, tmp_path: Any, serving: str, held: int) -> None:
+@pytest.mark.parametrize(("serving", "cpu", "held"), [
+    ("", "8GiB", 1 << 30),  # the default: a quarter of the KV room, at most 1 GiB
+    ("serving: {prefix_cache: {enabled: true}}", "8GiB", 1 << 30),
+    ("", "201MiB", 50 << 20),  # a small tier: a quarter of what the weights leave, in whole MiB
+    ("", "3MiB", 0),  # a quarter is under 1 MiB: none
+    ("serving: {prefix_cache: {max_bytes: 8MiB}}", "8GiB", 8 << 20),
+    ("serving: {prefix_cache: {enabled: false}}", "8GiB", 0),
+    ("serving: {batching: continuous}", "8GiB", 0),  # transformers' continuous batching keeps none
+    ("serving: {batching: continuous, prefix_cache: {enabled: false}}", "8GiB", 0)])
+def test_the_plan_and_the_budget_count_the_prefix_cache(model: Any, tmp_path: Any, serving: str, cpu: str,
+                                                        held: int) -> None:
     from deploykit.control.budget import plan_tiers
     from deploykit.placement.planning import plan_manifest
     from deploykit.spec.manifest import load_manifests
     from manifests import manifest_text
 
-    (tmp_path / "m.yaml").write_text(manifest_text(model) + (f"  {serving}\n" if serving else ""))
+    (tmp_path / "m.yaml").write_text(manifest_text(model, cpu=cpu) + (f"  {serving}\n" if serving else ""))
     [loaded] = load_manifests(tmp_path / "m.yaml")
     plan = plan_manifest(loaded, devices="cpu=8GiB")
+    assert plan.total_bytes < 1 << 20  # the tiny model: the default's size is all the tier's room
     assert plan.prefix_cache_bytes == held
     assert plan_tiers(plan)["cpu"] == plan.total_bytes + held
     assert ("prefix_cache_bytes" in plan.to_dict()) == bool(held)  # plans without one keep their former shape
+
+
+def test_a_prefix_cache_that_leaves_the_batch_no_room_is_a_plan_error(model: Any, tmp_path: Any) -> None:
+    from deploykit.errors import PlanInfeasible
+    from deploykit.placement.planning import plan_manifest
+    from deploykit.spec.manifest import load_manifests
+    from manifests import manifest_text
+
+    def planned(cpu: str) -> Any:
+        (tmp_path / "m.yaml").write_text(manifest_text(model, cpu=cpu) + "  serving: {prefix_cache: {max_bytes: 200MiB}}\n")
+        [loaded] = load_manifests(tmp_path / "m.yaml")
+        return plan_manifest(loaded, devices="cpu=8GiB")
+
+    with pytest.raises(PlanInfeasible, match=r"max_bytes 200 MiB does not fit.*at most 1[23]\d\.\d MiB") as err:
+        planned("201MiB")
+    assert err.value.field == "spec.serving.prefix_cache.max_bytes"
+    assert planned("1GiB").prefix_cache_bytes == 200 << 20
 
 
 def test_chunks_are_sized_to_take_about_one_and_a_half_decode_steps() -> None:
@@ -223,3 +247,17 @@ def test_chunks_are_sized_to_take_about_one_and_a_half_decode_steps() -> None:
         sizer.decoded(1.0)  # slow steps: the chunk is bounded by prefill_chunk
     assert sizer.next(decoding=True) == 256
     assert sizer.next(decoding=False) == 256
+
+
+def test_continuous_batching_refuses_a_prefix_cache_it_would_not_keep(model: Any, tmp_path: Any) -> None:
+    """The default is sized where prefixes are kept (none with continuous batching: the plan counts 0, as
+    above); a size or switch named for continuous batching would be ignored, so it is refused at the field."""
+    from deploykit.errors import ManifestError
+    from deploykit.spec.manifest import load_manifests
+    from manifests import manifest_text
+
+    (tmp_path / "m.yaml").write_text(manifest_text(model) + "  serving: {batching: continuous, prefix_cache: "
+                                                            "{max_bytes: 8MiB}}\n")
+    with pytest.raises(ManifestError, match="needs batching: padded") as err:
+        load_manifests(tmp_path / "m.yaml")
+    assert err.value.issues[0].field.startswith("spec.serving.prefix_cache")

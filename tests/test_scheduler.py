@@ -114,8 +114,8 @@ def test_plan_tiers_count_cpu_and_gpus_not_disk(model, tmp_path):
     [loaded] = load_manifests(write_manifest(tmp_path, model, cpu="100KiB"))
     plan = plan_manifest(loaded, devices="cpu=1GiB,disk=1GiB")
     tiers = plan_tiers(plan)
-    weights = tiers["cpu"] - plan.prefix_cache_bytes  # the prefix cache counts beside the input embeddings
-    assert plan.prefix_cache_bytes == 0  # spec.serving.prefix_cache is off unless enabled
+    weights = tiers["cpu"] - plan.prefix_cache_bytes  # the prefix cache counts where the KV lives
+    assert plan.prefix_cache_bytes == 0  # the default is a quarter of the KV room: under 1 MiB here, none
     assert set(tiers) == {"cpu"} and 0 < weights <= 100 << 10
     assert weights < plan.total_bytes  # the rest went to disk, which costs no budget
 

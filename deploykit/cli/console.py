@@ -143,7 +143,7 @@ def plan_table(plan: Any) -> Any:
     quantized = f" ({plan.quantization} linear weights)" if getattr(plan, "is_quantized", False) else ""
     table = Table(title=f"{plan.name}: {plan.architecture} at {plan.dtype}{quantized}, balance by {plan.balance}"
                         + (f", KV cache for {plan.kv_cache_tokens} tokens" if plan.kv_cache_tokens else "")
-                        + (f", prefix cache {format_size(plan.prefix_cache_bytes)} beside the embeddings"
+                        + (f", prefix cache {format_size(plan.prefix_cache_bytes)} where its KV lives"
                            if getattr(plan, "prefix_cache_bytes", 0) else ""),
                   title_justify="left")
     columns = ["device", "blocks", "bytes", "budget", "% budget", "target", "actual"]

@@ -126,6 +126,11 @@ class Engine:
         """Requests being decoded and waiting for a slot, now; the prefix cache's counters when it has one."""
         return self._batcher.stats()
 
+    @property
+    def mixed_steps(self) -> int:
+        """Forwards that held the running rows' next tokens and a chunk of a prompt together (``mixed.py``)."""
+        return int(getattr(self._batcher, "mixed_steps", 0))
+
     def close(self, timeout: float | None = None) -> None:
         """Stop accepting requests, let in-flight and waiting ones finish, stop the worker."""
         self._queue.close()

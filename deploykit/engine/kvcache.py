@@ -152,6 +152,14 @@ def merged(cache: Any, mask: torch.Tensor, add: Any, add_mask: torch.Tensor) -> 
     return cache, torch.cat([left_pad(mask, width), left_pad(add_mask, width)])
 
 
+def truncate(cache: Any, n: int) -> None:
+    """Cut every layer of ``cache`` back to its first ``n`` positions (what a failed forward appended goes;
+    the next update appends after them in place)."""
+    for layer in cache.layers:
+        if layer.keys is not None:
+            layer.keys, layer.values = layer.keys[:, :, :n], layer.values[:, :, :n]
+
+
 def keep_rows(cache: Any, rows: torch.Tensor, lead: int) -> None:
     """Keep only ``rows`` of every layer of ``cache``, without their first ``lead`` positions: each layer's
     rows copied into a new buffer with ``HEADROOM`` more positions, which replaces the old one before the

@@ -15,8 +15,9 @@ OpenAI-compatible server must allow; and on this CPU it is slower (SmolLM2-135M 
 the padded loop and 152-155 for ``transformers serve``; docs/benchmarks.md).
 A new prompt whose beginning the prefix cache holds (``prefixcache.py``) reads that beginning from it
 and computes only the rest. Prompts with more than ``prefill_chunk`` tokens left to compute are read
-alone in chunks that alternate with the decode steps (``prefill.py``): running rows keep producing tokens
-meanwhile, and such a prompt joins the batch only once it is read. Limits of
+alone in chunks (``prefill.py``), each in the same forward as the running rows' next tokens (a mixed
+step, ``mixed.py``; where a model or a row's adapter cannot be mixed, chunks and decode steps alternate):
+running rows keep producing tokens meanwhile, and such a prompt joins the batch only once it is read. Limits of
 the padded loop: rows pad to the longest row while they run together (the padding goes when it leaves),
 short new prompts still join in one padded prefill step, and it serves full and sliding-window attention
 (a windowed layer keeps every position, the model's mask applies the window: ``kvcache.growing_cache``),
@@ -47,8 +48,10 @@ from .kvcache import (
     peak_positions,
     read_hits,
     returned_cache,
+    truncate,
     with_cache,
 )
+from .mixed import Layout, mixable, mixed_attention
 from .prefill import ChunkSizer, Prefill
 from .prefixcache import Hit, PrefixCache
 from .requests import GenerationRequest, RequestHandle
@@ -73,6 +76,8 @@ class PaddedBackend:
         self._chunks = ChunkSizer(prefill_chunk)  # the chunk size while rows decode
         self._layers = len(growing_cache(model.config).layers)  # a model this loop cannot serve fails here
         self.prefix = PrefixCache(prefix_cache_bytes) if prefix_cache_bytes > 0 else None
+        self.mixable = mixable(model)  # decode steps and prompt chunks share forwards (mixed.py)
+        self.mixed_steps = 0  # forwards that held the rows' tokens and a prompt's chunk (read by any thread)
         self._hits: dict[str, Hit] = {}  # request id -> its cached beginning, from _route to its prefill
 
     def submit(self, h: RequestHandle) -> RequestHandle:
@@ -92,8 +97,9 @@ class PaddedBackend:
     @torch.inference_mode()
     def run(self) -> None:
         """The worker thread: admit, then one unit of work per step: join short new prompts to the batch,
-        or read one chunk of a prompt prefilled alone, or decode the running rows (chunks and decode steps
-        alternate while both wait), and choose the tokens of the rows that got logits."""
+        or decode the running rows and read one chunk of a prompt prefilled alone in one forward (a mixed
+        step), or either alone (chunks and decode steps alternate where they cannot be mixed), and choose
+        the tokens of the rows that got logits."""
         rows: list[RequestHandle] = []
         cache: Any = None
         mask = torch.zeros(0, 0, dtype=torch.long, device=self.device)  # 0 = left padding
@@ -118,6 +124,11 @@ class PaddedBackend:
                 if short:  # join step: only the new rows get a token (old rows advance next step)
                     logits, cache, mask, short = self._join(short, cache, mask)
                     step_rows, rows = short, rows + short
+                elif reading and rows and self._mixes(rows, reading[0]):  # one forward: rows' tokens and a chunk
+                    rows, logits, cache, mask, step_rows = self._decode_and_read(rows, reading[0], cache, mask)
+                    chunk_next = True  # unless mixed again: the chunk alone next (after a failed mixed forward)
+                    if reading[0].handle.done or reading[0].handle in step_rows:
+                        reading.pop(0)
                 elif reading and (chunk_next or not rows):
                     logits, cache, mask, step_rows = self._read(reading[0], cache, mask, decoding=bool(rows))
                     rows, chunk_next = rows + step_rows, False
@@ -127,8 +138,7 @@ class PaddedBackend:
                     started = time.perf_counter()
                     rows, logits, cache, mask = self._decode_rows(rows, cache, mask)
                     step_rows, chunk_next = rows, True
-                    if reading:  # what a chunk is sized against
-                        self._chunks.decoded(time.perf_counter() - started)
+                    self._chunks.decoded(time.perf_counter() - started)  # what a chunk is sized against
                 else:
                     continue
                 self._choose(step_rows, logits)
@@ -151,6 +161,52 @@ class PaddedBackend:
                 for h in rows:
                     h.finish("error", repr(again))
                 return [], None, None, mask[:0, :0]
+
+    def _mixes(self, rows: list[RequestHandle], p: Prefill) -> bool:
+        """Whether the running rows and ``p``'s next chunk can share a forward (base weights only)."""
+        return (self.mixable and p.mixes and p.handle.request.adapter is None
+                and all(h.request.adapter is None for h in rows))
+
+    def _decode_and_read(self, rows: list[RequestHandle], p: Prefill, cache: Any, mask: torch.Tensor
+                         ) -> tuple[list[RequestHandle], torch.Tensor | None, Any, torch.Tensor, list[RequestHandle]]:
+        """A mixed step (``mixed.py``): the rows' next tokens and a chunk of ``p`` in one forward; once ``p``
+        is read, its cache joins the batch's and its row gets logits too. When the forward fails, neither
+        cache keeps any of it, and the step is a decode step alone (each row's failure its own), the chunk
+        read alone at the next step (its own failure its own)."""
+        width, read = mask.shape[1], p.done
+        started = time.perf_counter()
+        try:
+            logits, chunk_logits, mask = self._mixed(rows, p, cache, mask)
+        except Exception:
+            truncate(cache, width)
+            truncate(p.cache, read)
+            p.done, p.mixes = read, False  # its next chunk is read alone: a prompt the model cannot run fails alone
+            rows, decoded, cache, mask = self._decode_rows(rows, cache, mask)
+            return rows, decoded, cache, mask, rows
+        self.mixed_steps += 1
+        if self._chunks.step_seconds is not None:  # what the chunk added to a decode step
+            self._chunks.read(p.done - read, max(0.0, time.perf_counter() - started - self._chunks.step_seconds))
+        if chunk_logits is None:
+            return rows, logits, cache, mask, rows
+        cache, mask = merged(cache, mask, p.cache, torch.ones(1, p.done, dtype=torch.long, device=self.device))
+        return rows + [p.handle], torch.cat([logits, chunk_logits]), cache, mask, rows + [p.handle]
+
+    def _mixed(self, rows: list[RequestHandle], p: Prefill, cache: Any, mask: torch.Tensor
+               ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
+        """The mixed forward: the rows' logits, ``p``'s once its last token is read, and the rows' new mask."""
+        mask = F.pad(mask, (0, 1), value=1)
+        ids, positions, end = p.next_chunk(self._chunks.next(decoding=True), self.device)
+        tokens = torch.tensor([[h.tokens[-1] for h in rows]], device=self.device)
+        keep = torch.arange(len(rows) + (1 if end == len(p.prompt) else 0), device=self.device)
+        if len(keep) > len(rows):  # the chunk's last token gives the prompt's first new one
+            keep[-1] = len(rows) + ids.shape[1] - 1
+        with self._forwarding(rows + [p.handle]), mixed_attention(self.model, Layout(len(rows), cache, mask, p.cache)):
+            out = self.model(input_ids=torch.cat([tokens, ids], 1),
+                             position_ids=torch.cat([mask.sum(1) - 1, positions])[None], use_cache=False,
+                             logits_to_keep=keep)
+        p.done = end
+        logits = out.logits[0].float()
+        return logits[:len(rows)], (logits[len(rows):] if len(keep) > len(rows) else None), mask
 
     def _route(self, new: list[RequestHandle]) -> tuple[list[RequestHandle], list[Prefill]]:
         """Which new requests join the batch in one padded prefill (what is left to compute of their prompt,

@@ -2,9 +2,10 @@
 
 The padded loop (``padded.py``) gives a prompt this path when the prefix cache holds its beginning (only
 the rest is computed, after the cached keys and values) or when it is longer than one chunk: the loop then
-runs one chunk of it between two decode steps of the running rows, so that they keep producing tokens
-while it is read (``ChunkSizer``: a chunk takes about 1.5 of their decode steps), and the prompt pads
-nobody while it is read (its cache joins the batch's only once it is whole). The cache is transformers' ``DynamicCache`` with ``kvcache.GrowingLayer``s, as the batch's.
+reads one chunk of it in the same forward as each decode step of the running rows (``mixed.py``; or
+between two of them where the forward cannot be mixed), so that they keep producing tokens while it is
+read (``ChunkSizer``: a chunk adds about 1.5 of their decode steps), and the prompt pads nobody while it
+is read (its cache joins the batch's only once it is whole). The cache is transformers' ``DynamicCache`` with ``kvcache.GrowingLayer``s, as the batch's.
 """
 
 from __future__ import annotations
@@ -60,6 +61,7 @@ class Prefill:
         self.handle = handle
         self.cache = growing_cache(config)
         self.done = 0
+        self.mixes = True  # its chunks may share the running rows' forwards (False once such a forward failed)
         if hit is not None:
             for layer, (keys, values) in enumerate(zip(hit.keys, hit.values)):
                 self.cache.update(keys, values, layer)  # copied into the layer's own growing buffer
@@ -69,6 +71,13 @@ class Prefill:
     @property
     def prompt(self) -> list[int]:
         return list(self.handle.request.prompt_ids)
+
+    def next_chunk(self, budget: int, device: Any) -> tuple[torch.Tensor, torch.Tensor, int]:
+        """The ids ``[1, n]`` and positions ``[n]`` of the next up to ``budget`` prompt tokens, and where they
+        end (a mixed step reads them: ``mixed.py``)."""
+        end = min(len(self.handle.request.prompt_ids), self.done + budget)
+        ids = torch.tensor([self.prompt[self.done:end]], device=device)
+        return ids, torch.arange(self.done, end, device=device), end
 
     def step(self, model: Any, lock: AbstractContextManager[Any], budget: int,
              sizer: ChunkSizer | None = None) -> torch.Tensor | None:

@@ -94,7 +94,7 @@ class TextRuntime:
         engine = Engine(loaded.model, loaded.tokenizer, max_batch_size=limits.max_concurrent,
                         max_queued=limits.max_queued, kv_cache_bytes=kv_cache_bytes, forward_lock=forward_lock,
                         backend="padded" if padded else "continuous",
-                        prefix_cache_bytes=limits.prefix_cache_bytes, prefill_chunk=limits.prefill_chunk,
+                        prefix_cache_bytes=loaded.plan.prefix_cache_bytes, prefill_chunk=limits.prefill_chunk,
                         context_length=length, adapters=registry)
         return cls(engine, loaded.tokenizer, limits, context_length=length, loaded=loaded)
 

@@ -22,7 +22,6 @@ class Limits:
     max_input_items: int = 256
     batching: str = "padded"
     tool_call_parser: str | None = None  # how tool calls are read from an answer (``tool_choice: auto``)
-    prefix_cache_bytes: int = 0  # spec.serving.prefix_cache: 0 = none
     prefill_chunk: int = 256  # prompt tokens read per step while other requests decode
 
 

@@ -42,6 +42,20 @@ def kv_budget(plan: Plan) -> int | None:
     return min(room) if room else None
 
 
+DEFAULT_PREFIX_CACHE_SHARE = 4  # the default prefix cache takes a quarter of the room the KV would have...
+DEFAULT_PREFIX_CACHE_CAP = 1 << 30  # ...at most 1 GiB
+MIN_KV_BYTES = 64 << 20  # the least KV a batch is given (control.live.pool.kv_cache_budget)
+
+
+def default_prefix_cache(room: int | None) -> int:
+    """The prefix cache a manifest gets without ``max_bytes``: a quarter of ``room`` (the KV room its plan
+    leaves: ``kv_budget`` of the plan without a prefix cache), at most 1 GiB, in whole MiB; 1 GiB where no
+    device holding KV has a budget. A quarter leaves the running batch three times the cache's bytes."""
+    if room is None:
+        return DEFAULT_PREFIX_CACHE_CAP
+    return min(DEFAULT_PREFIX_CACHE_CAP, room // DEFAULT_PREFIX_CACHE_SHARE) >> 20 << 20
+
+
 def prefix_cache_tiers(plan: Plan) -> dict[str, int]:
     """The prefix cache's bytes on each budget tier ("cpu", "gpu0", ...), spread as its KV is."""
     return {("cpu" if device == "cpu" else f"gpu{device}"): round(plan.prefix_cache_bytes * share)

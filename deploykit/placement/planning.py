@@ -11,10 +11,12 @@ from __future__ import annotations
 
 from dataclasses import replace
 
-from ..errors import CheckpointError
+from ..errors import CheckpointError, PlanInfeasible
+from ..units import format_size
 from .inventory import Inventory, resolve
 from ..spec.manifest import LoadedManifest
 from ..spec.schema import Spec
+from .kv import DEFAULT_PREFIX_CACHE_CAP, MIN_KV_BYTES, default_prefix_cache, kv_budget
 from .plan import Plan
 from .planner import plan
 from ..model.gguf import is_gguf
@@ -48,8 +50,7 @@ def plan_manifest(loaded: LoadedManifest, *, devices: str | None = None,
     spec = loaded.manifest.spec
     if spec.placement.tensor_parallel > 1:
         return _plan_tensor_parallel(loaded, inv)
-    planned = replace(plan(structure_for(loaded), spec, inv, name=loaded.name),
-                      prefix_cache_bytes=prefix_cache_bytes(spec))
+    planned = with_prefix_cache(plan(structure_for(loaded), spec, inv, name=loaded.name), spec)
     if not spec.adapters:
         return planned
     from .adapters import plan_adapters
@@ -58,14 +59,37 @@ def plan_manifest(loaded: LoadedManifest, *, devices: str | None = None,
     return replace(planned, adapters=adapters, total_bytes=planned.total_bytes + sum(a.bytes for a in adapters))
 
 
-def prefix_cache_bytes(spec: Spec) -> int:
-    """Bytes ``spec.serving.prefix_cache`` may hold: 0 where it is off or where nothing keeps prefixes (an
-    embedding model, pipeline stages, tensor-parallel ranks, the llama.cpp engine, which keeps its slots' own
-    prompts; continuous batching refuses it)."""
+def keeps_prefixes(spec: Spec) -> bool:
+    """Whether the deployment's engine keeps prompt prefixes: the padded loop of a causal LM in one process
+    or Ray Serve replica. Not an embedding model, pipeline stages, tensor-parallel ranks, transformers'
+    continuous batching, or the llama.cpp engine (llama-server keeps its slots' own prompts)."""
+    return (spec.model.task == "causal-lm" and spec.serving.batching == "padded" and spec.placement.nodes == 1
+            and spec.placement.tensor_parallel == 1 and spec.engine.name == "transformers")
+
+
+def with_prefix_cache(planned: Plan, spec: Spec) -> Plan:
+    """``planned`` with the bytes its prefix cache holds (``spec.serving.prefix_cache``): 0 where it is off or
+    where nothing keeps prefixes; ``max_bytes`` where set (``PlanInfeasible`` when it leaves the batch less
+    than 64 MiB of KV beside the weights); else ``kv.default_prefix_cache`` of the room the KV has."""
     cache = spec.serving.prefix_cache
-    keeps = (spec.model.task == "causal-lm" and spec.serving.batching == "padded" and spec.placement.nodes == 1
-             and spec.placement.tensor_parallel == 1 and spec.engine.name == "transformers")
-    return cache.max_bytes if cache.enabled and keeps else 0
+    if not cache.enabled or not keeps_prefixes(spec):
+        return planned
+    room = kv_budget(planned)
+    if cache.max_bytes is None:
+        held = default_prefix_cache(room)
+        note = (f"prefix cache {format_size(held)}: a quarter of the {format_size(room)} of KV room, at most "
+                f"{format_size(DEFAULT_PREFIX_CACHE_CAP)} (spec.serving.prefix_cache.max_bytes sets it)"
+                if room is not None else f"prefix cache {format_size(held)}: the default where nothing limits the KV")
+        return replace(planned, prefix_cache_bytes=held, notes=planned.notes + (note,))
+    if room is not None and cache.max_bytes > room - MIN_KV_BYTES:
+        raise PlanInfeasible(
+            f"spec.serving.prefix_cache.max_bytes {format_size(cache.max_bytes)} does not fit: beside the weights "
+            f"the devices holding the KV cache have {format_size(room)} left, and the running batch needs at least "
+            f"{format_size(MIN_KV_BYTES)} of it; lower max_bytes (at most {format_size(max(0, room - MIN_KV_BYTES))}) "
+            "or remove it for a default sized from the room",
+            shortfall={"prefix_cache": cache.max_bytes - max(0, room - MIN_KV_BYTES)},
+            field="spec.serving.prefix_cache.max_bytes")
+    return replace(planned, prefix_cache_bytes=cache.max_bytes)
 
 
 def _plan_tensor_parallel(loaded: LoadedManifest, inventory: Inventory) -> Plan:

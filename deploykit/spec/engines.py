@@ -76,6 +76,9 @@ def _serving_problem(spec: Any) -> tuple[str, str] | None:
     if serving.context_length is not None and serving.context_length > engine.context:
         return ("serving.context_length", f"context_length {serving.context_length} is more than a llama.cpp "
                 f"slot holds (spec.engine.context {engine.context}): raise engine.context or lower it")
+    if serving.prefix_cache.enabled and serving.prefix_cache.max_bytes is not None:
+        return ("serving.prefix_cache.max_bytes", "llama-server keeps its slots' own prompts to reuse (its prompt "
+                "cache, within the slots' KV); max_bytes sizes the transformers engine's prefix cache: remove it")
     if serving.max_tokens >= engine.context:
         return ("serving.max_tokens", f"max_tokens {serving.max_tokens} leaves no room for a prompt in a slot of "
                 f"{engine.context} tokens (spec.engine.context)")

@@ -23,13 +23,17 @@ class PrefixCache(Strict):
     """The KV cache of finished requests' token sequences, kept to serve later requests that share their
     beginning (a shared system prompt, a conversation's earlier turns, a document sent again)."""
 
-    enabled: bool = Field(False, description="Keep and reuse prompt prefixes (padded batching of a causal LM "
-                                             "in one process or Ray Serve replica; others keep none). Off by "
-                                             "default: its max_bytes count in the plan and the host budget.")
-    max_bytes: Size = Field(256 * 2**20, description="Most bytes the kept KV may hold, spread as the model's "
-                                                    "KV is (each layer's on the device that runs it); least "
-                                                    "recently used evicted first. Part of the plan's bytes "
-                                                    "(and of the host budget).")
+    enabled: bool = Field(True, description="Keep and reuse prompt prefixes where the engine keeps them: "
+                                            "padded batching of a causal LM in one process or Ray Serve "
+                                            "replica (elsewhere the plan counts no bytes for it). false: "
+                                            "none kept, no bytes planned.")
+    max_bytes: Size | None = Field(
+        None, description="Most bytes the kept KV may hold, spread as the model's KV is (each layer's on the "
+                          "device that runs it); least recently used evicted first. Part of the plan's bytes "
+                          "(and of the host budget). Default: a quarter of the KV room the plan leaves beside "
+                          "the weights on the devices holding the KV, at most 1 GiB, in whole MiB (1 GiB where "
+                          "those devices have no budget; 0, none kept, where a quarter is under 1 MiB). A value "
+                          "that leaves the running batch less than 64 MiB of KV is a plan error.")
 
 
 class Serving(Strict):
@@ -64,10 +68,10 @@ class Serving(Strict):
     @field_validator("prefix_cache")
     @classmethod
     def _padded_only(cls, cache: PrefixCache, info: ValidationInfo) -> PrefixCache:
-        if cache.enabled and info.data.get("batching") == "continuous":
+        if cache != PrefixCache() and cache.enabled and info.data.get("batching") == "continuous":
             raise PydanticCustomError(
                 "prefix_cache_continuous", "the prefix cache needs batching: padded (transformers' continuous "
-                                           "batching keeps no prefixes here); set prefix_cache.enabled: false", {})
+                                           "batching keeps no prefixes here); remove prefix_cache or set its enabled: false", {})
         return cache
 
     @model_serializer(mode="wrap")

@@ -15,7 +15,6 @@ from typing import TYPE_CHECKING, Any
 from ...artifacts.verify import read_lock, recorded_problem, shard_problem
 from ...errors import ApplyError, CheckpointError
 from ...placement.plan import Plan
-from ...placement.planning import prefix_cache_bytes
 from ...spec.engines import LLAMA_CPP
 from ...spec.manifest import LoadedManifest
 from .state import Revision, StateStore
@@ -69,8 +68,7 @@ def serving_of(loaded: LoadedManifest, *, show_progress: bool = False) -> Servin
                        allow_pickle=spec.model.allow_pickle, offload_dir=loaded.resolve(disk.path) if disk else None,
                        show_progress=show_progress)
     limits = Limits(s.context_length, s.max_tokens, s.default_max_tokens, s.max_concurrent, s.max_queued,
-                    s.max_input_items, s.batching, s.tool_call_parser, prefix_cache_bytes=prefix_cache_bytes(spec),
-                    prefill_chunk=s.prefill_chunk)
+                    s.max_input_items, s.batching, s.tool_call_parser, prefill_chunk=s.prefill_chunk)
     if spec.engine.name == LLAMA_CPP:  # its slots decode together; each holds engine.context tokens
         limits = Limits(s.context_length or spec.engine.context, s.max_tokens, s.default_max_tokens, spec.engine.slots,
                         s.max_queued, s.max_input_items, s.batching, s.tool_call_parser)

@@ -1,0 +1,91 @@
+"""Long new prompts while streams decode, with and without mixed steps (deploykit/engine/mixed.py), in one
+process on the same model: the padded loop's engine, 2 streams running, then 8 distinct ~750-token
+documents at once (16 tokens each). Reports the documents' time to first token (p50) and the streams' median
+gap between tokens while the documents are read against their gap before. Rounds alternate mixed and
+alternating (chunks between decode steps), so both see the same machine; the load average is printed.
+
+    .venv/bin/python bench/mixed_prefill.py --model .bench/smollm2-f32 --rounds 2 [--documents 8 --threads 1]
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import random
+import statistics
+import sys
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+import torch  # noqa: E402
+
+from deploykit.engine.batching import Engine, GenerationRequest, GenerationResult  # noqa: E402
+
+WORDS = ("time year people way day man thing woman life child world school state family student group country "
+         "problem hand part place case week company system program question work government number night").split()
+
+
+def load(path: str) -> tuple[Any, Any]:
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    return AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval(), AutoTokenizer.from_pretrained(path)
+
+
+def one_round(model: Any, tokenizer: Any, mixed: bool, seed: int, n: int) -> tuple[float, float, float]:
+    """(documents' TTFT p50, streams' gap while read, their gap before), seconds."""
+    rng = random.Random(seed)
+    docs = [tokenizer(" ".join(rng.choice(WORDS) for _ in range(700)))["input_ids"][:750] for _ in range(n)]
+    times: list[float] = []
+    started = threading.Event()
+
+    def listen(event: int | GenerationResult) -> None:
+        if isinstance(event, int):
+            times.append(time.monotonic())
+            if len(times) == 20:
+                started.set()
+
+    engine = Engine(model, tokenizer, max_batch_size=16, prefill_chunk=256, kv_cache_bytes=4 << 30)
+    engine._batcher.mixable = mixed and engine._batcher.mixable  # the comparison: the same loop, unmixed
+    try:
+        ends = tuple((e, -100.0) for e in engine.eos_ids)  # the streams never end by themselves
+        streams = [engine.submit(GenerationRequest(prompt_ids=[1, 2, 3 + i], max_new_tokens=1000, logit_bias=ends),
+                                 listener=listen if i == 0 else None) for i in range(2)]
+        assert started.wait(120)
+        sent = time.monotonic()
+        handles = [engine.submit(GenerationRequest(prompt_ids=d, max_new_tokens=16)) for d in docs]
+        results = [h.result(timeout=600) for h in handles]
+        last = max(sent + (r.time_to_first_token or 0) for r in results)
+        for s in streams:
+            engine.cancel(s)
+    finally:
+        engine.close(timeout=60)
+    before = [b - a for a, b in zip(times, times[1:]) if b < sent]
+    during = [b - a for a, b in zip(times, times[1:]) if sent <= a and b <= last]
+    ttft = statistics.median(r.time_to_first_token or 0 for r in results)
+    return ttft, statistics.median(during or [0.0]), statistics.median(before[-10:])
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model", required=True)
+    parser.add_argument("--rounds", type=int, default=2)
+    parser.add_argument("--documents", type=int, default=8)
+    parser.add_argument("--threads", type=int, default=1, help="torch threads (1: a loaded machine's cores "
+                                                                "stall a team of two at every operation)")
+    args = parser.parse_args()
+    torch.set_num_threads(args.threads)
+    model, tokenizer = load(args.model)
+    for r in range(args.rounds):
+        for mixed in ((True, False) if r % 2 == 0 else (False, True)):
+            ttft, during, before = one_round(model, tokenizer, mixed, seed=r, n=args.documents)
+            print(f"round {r} {'mixed' if mixed else 'alternating'}: {args.documents} documents TTFT p50 {ttft:.2f} s; streams' gap "
+                  f"{1000 * during:.0f} ms while read vs {1000 * before:.0f} ms before ({during / before:.1f}x); "
+                  f"load {' '.join(f'{x:.1f}' for x in os.getloadavg())}", flush=True)
+
+
+if __name__ == "__main__":
+    main()
