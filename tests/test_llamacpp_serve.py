@@ -190,6 +190,19 @@ def test_structured_output_follows_its_schema_and_tools_are_refused(server):
     assert err.value.body["param"] == "tools"  # type: ignore[index]
 
 
+def test_the_engine_runs_in_a_session_of_its_own_as_llama_server_alone_does(server):
+    """With the kernel's autogroup scheduling a session is one scheduling group: an engine inside deploykit's
+    session shared deploykit's CPU share, unlike llama-server alone (bench/llamacpp.py)."""
+    assert server.process is not None
+    [pid] = engine_pids(server.process.pid)
+    assert os.getsid(pid) == pid and os.getpgid(pid) == pid  # a session and a group of its own
+    assert os.getsid(pid) != os.getsid(server.process.pid)
+    groups = [Path(f"/proc/{p}/autogroup") for p in (pid, server.process.pid)]
+    if all(g.exists() for g in groups):  # kernels with CONFIG_SCHED_AUTOGROUP
+        engine, deploykit = (g.read_text().split()[0] for g in groups)
+        assert engine != deploykit
+
+
 def test_a_killed_engine_fails_its_request_at_once_and_the_next_one_gets_a_fresh_process(server):
     assert server.process is not None
     [pid] = engine_pids(server.process.pid)
