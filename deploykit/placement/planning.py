@@ -12,7 +12,9 @@ from __future__ import annotations
 from dataclasses import replace
 
 from ..errors import CheckpointError
+from .capacity import block_sizes
 from .inventory import Inventory, resolve
+from .llamacpp import as_llama_cpp_places
 from ..spec.manifest import LoadedManifest
 from ..spec.schema import Spec
 from .plan import Plan
@@ -48,8 +50,10 @@ def plan_manifest(loaded: LoadedManifest, *, devices: str | None = None,
     spec = loaded.manifest.spec
     if spec.placement.tensor_parallel > 1:
         return _plan_tensor_parallel(loaded, inv)
-    planned = replace(plan(structure_for(loaded), spec, inv, name=loaded.name),
-                      prefix_cache_bytes=prefix_cache_bytes(spec))
+    structure = structure_for(loaded)
+    planned = replace(plan(structure, spec, inv, name=loaded.name), prefix_cache_bytes=prefix_cache_bytes(spec))
+    if spec.engine.name == LLAMA_CPP and spec.placement.nodes == 1:  # the layers where llama.cpp holds them
+        planned = as_llama_cpp_places(planned, structure, block_sizes(structure, spec))
     if not spec.adapters:
         return planned
     from .adapters import plan_adapters
