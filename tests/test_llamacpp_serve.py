@@ -26,6 +26,7 @@ from llamacpp import alive, engine_pids, llama_server, manifest
 from servers import Server, free_port, get
 
 from deploykit.engine.llamacpp.process import ServerOptions
+from deploykit.engine.llamacpp.sampling import sampling_fields
 
 CHATS = ["What is the capital of France?", "Name three colours.", "Write one sentence about the sea."]
 PROMPTS = ["The capital of France is", "Once upon a time"]
@@ -139,6 +140,26 @@ def test_unset_sampling_fields_are_the_openai_apis_defaults_not_llama_servers(se
         unset = theirs.chat.completions.create(model="x", messages=messages, max_tokens=24, seed=seed)
         own_defaults_differ |= unset.choices[0].message.content != explicit.choices[0].message.content
     assert own_defaults_differ  # llama-server's own defaults (0.8, 0.95, 40, 0.05) sample differently
+
+
+def test_a_greedy_request_leaves_llama_cpp_one_candidate_and_answers_as_without_truncation(server, alone):
+    """temperature 0 is sent top_k 1 (llama.cpp would otherwise run its samplers over the whole vocabulary
+    for every token); the text and the logprobs equal llama-server alone's without truncation."""
+    assert sampling_fields(temperature=0.0, top_p=1.0, seed=None)["top_k"] == 1
+    assert sampling_fields(temperature=0.7, top_p=1.0, seed=None)["top_k"] == 0
+    messages = [{"role": "user", "content": CHATS[1]}]
+    mine = _client(server.url).chat.completions.create(model="smol", messages=messages, max_tokens=12, temperature=0,
+                                                       logprobs=True, top_logprobs=3)
+    theirs = _client(alone).chat.completions.create(model="x", messages=messages, max_tokens=12, temperature=0,
+                                                    logprobs=True, top_logprobs=3, top_p=1,
+                                                    extra_body={"top_k": 0, "min_p": 0})
+    assert mine.choices[0].message.content == theirs.choices[0].message.content
+    assert mine.choices[0].logprobs and theirs.choices[0].logprobs
+
+    def tops(answer):  # type: ignore[no-untyped-def]
+        return [[(t.token, round(t.logprob, 4)) for t in c.top_logprobs] for c in answer.choices[0].logprobs.content]
+
+    assert tops(mine) == tops(theirs)
 
 
 def test_logit_bias_and_seed_must_fit_the_model_and_llama_cpp(server):
