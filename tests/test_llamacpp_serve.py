@@ -26,6 +26,7 @@ from llamacpp import alive, engine_pids, llama_server, manifest
 from servers import Server, free_port, get
 
 from deploykit.engine.llamacpp.process import ServerOptions
+from deploykit.engine.llamacpp.sampling import sampling_fields
 
 CHATS = ["What is the capital of France?", "Name three colours.", "Write one sentence about the sea."]
 PROMPTS = ["The capital of France is", "Once upon a time"]
@@ -141,6 +142,26 @@ def test_unset_sampling_fields_are_the_openai_apis_defaults_not_llama_servers(se
     assert own_defaults_differ  # llama-server's own defaults (0.8, 0.95, 40, 0.05) sample differently
 
 
+def test_a_greedy_request_leaves_llama_cpp_one_candidate_and_answers_as_without_truncation(server, alone):
+    """temperature 0 is sent top_k 1 (llama.cpp would otherwise run its samplers over the whole vocabulary
+    for every token); the text and the logprobs equal llama-server alone's without truncation."""
+    assert sampling_fields(temperature=0.0, top_p=1.0, seed=None)["top_k"] == 1
+    assert sampling_fields(temperature=0.7, top_p=1.0, seed=None)["top_k"] == 0
+    messages = [{"role": "user", "content": CHATS[1]}]
+    mine = _client(server.url).chat.completions.create(model="smol", messages=messages, max_tokens=12, temperature=0,
+                                                       logprobs=True, top_logprobs=3)
+    theirs = _client(alone).chat.completions.create(model="x", messages=messages, max_tokens=12, temperature=0,
+                                                    logprobs=True, top_logprobs=3, top_p=1,
+                                                    extra_body={"top_k": 0, "min_p": 0})
+    assert mine.choices[0].message.content == theirs.choices[0].message.content
+    assert mine.choices[0].logprobs and theirs.choices[0].logprobs
+
+    def tops(answer):  # type: ignore[no-untyped-def]
+        return [[(t.token, round(t.logprob, 4)) for t in c.top_logprobs] for c in answer.choices[0].logprobs.content]
+
+    assert tops(mine) == tops(theirs)
+
+
 def test_logit_bias_and_seed_must_fit_the_model_and_llama_cpp(server):
     client = _client(server.url)
     messages = [{"role": "user", "content": "hi"}]
@@ -188,6 +209,19 @@ def test_structured_output_follows_its_schema_and_tools_are_refused(server):
         client.chat.completions.create(model="smol", messages=messages, max_tokens=8, tools=[tool],  # type: ignore[list-item]
                                        tool_choice="required")
     assert err.value.body["param"] == "tools"  # type: ignore[index]
+
+
+def test_the_engine_runs_in_a_session_of_its_own_as_llama_server_alone_does(server):
+    """With the kernel's autogroup scheduling a session is one scheduling group: an engine inside deploykit's
+    session shared deploykit's CPU share, unlike llama-server alone (bench/llamacpp.py)."""
+    assert server.process is not None
+    [pid] = engine_pids(server.process.pid)
+    assert os.getsid(pid) == pid and os.getpgid(pid) == pid  # a session and a group of its own
+    assert os.getsid(pid) != os.getsid(server.process.pid)
+    groups = [Path(f"/proc/{p}/autogroup") for p in (pid, server.process.pid)]
+    if all(g.exists() for g in groups):  # kernels with CONFIG_SCHED_AUTOGROUP
+        engine, deploykit = (g.read_text().split()[0] for g in groups)
+        assert engine != deploykit
 
 
 def test_a_killed_engine_fails_its_request_at_once_and_the_next_one_gets_a_fresh_process(server):

@@ -13,7 +13,9 @@ from dataclasses import replace
 
 from ..errors import CheckpointError, PlanInfeasible
 from ..units import format_size
+from .capacity import block_sizes
 from .inventory import Inventory, resolve
+from .llamacpp import as_llama_cpp_places
 from ..spec.manifest import LoadedManifest
 from ..spec.schema import Spec
 from .kv import DEFAULT_PREFIX_CACHE_CAP, MIN_KV_BYTES, default_prefix_cache, kv_budget
@@ -50,7 +52,10 @@ def plan_manifest(loaded: LoadedManifest, *, devices: str | None = None,
     spec = loaded.manifest.spec
     if spec.placement.tensor_parallel > 1:
         return _plan_tensor_parallel(loaded, inv)
-    planned = with_prefix_cache(plan(structure_for(loaded), spec, inv, name=loaded.name), spec)
+    structure = structure_for(loaded)
+    planned = with_prefix_cache(plan(structure, spec, inv, name=loaded.name), spec)
+    if spec.engine.name == LLAMA_CPP and spec.placement.nodes == 1:  # the layers where llama.cpp holds them
+        planned = as_llama_cpp_places(planned, structure, block_sizes(structure, spec))
     if not spec.adapters:
         return planned
     from .adapters import plan_adapters

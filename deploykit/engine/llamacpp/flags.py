@@ -7,16 +7,18 @@ there are ``n_layer + 1`` slots, the decoder layers then the output head; ``--n-
 cumulative fractions over the offloaded slots, and slot ``i`` goes to the first device whose fraction exceeds
 ``i / offloaded``; the input embeddings always stay on the CPU. So deploykit asks for the plan's GPU layers
 plus the output slot (``gpu_layers = layers on GPUs + 1``) and weighs each GPU by its layer count, the last
-GPU's plus one for the output slot: each GPU then holds exactly the plan's number of layers. Layers are
-alike in size, so a plan that leaves its *last* layers on the CPU holds the same bytes per device when
-llama.cpp leaves its *first* ones there instead.
+GPU's plus one for the output slot: each GPU then holds exactly the plan's number of layers. Which layers
+is llama.cpp's choice (the CPU keeps the first ones, not the last): ``placement.llamacpp`` gives a llama.cpp
+plan those layers, so its bytes per device are llama.cpp's also when a GGUF's layers differ in size.
 
 Two tensors are pinned where the plan put them (``--override-tensor``), since the rule alone would move
 them: the output head and its norm to the CPU when the plan keeps them there (the rule offloads the output
-slot first), and the input embeddings to the plan's GPU (the rule keeps them on the CPU). Still not planned
-(docs/engines.md): the copy of ``token_embd`` that llama.cpp makes as the output head of a tied-embedding
-GGUF (it follows the output slot) and llama.cpp's compute buffers. Pure: no process, no I/O. GPU execution
-of these flags is unverified on deploykit's CPU-only test machine.
+slot first), and the input embeddings to the plan's GPU (the rule keeps them on the CPU). A tied-embedding
+GGUF has no ``output.weight``: llama.cpp loads ``token_embd.weight`` a second time as the output tensor,
+under that same name, so the embeddings' pin places it too, and llama.cpp, finding it already in that
+buffer, makes no copy (unpinned, the copy would land on the last GPU). The head then runs on the
+embeddings' GPU. Still not planned: llama.cpp's compute buffers (docs/engines.md). Pure: no process, no
+I/O. GPU execution of these flags is unverified on deploykit's CPU-only test machine.
 """
 
 from __future__ import annotations

@@ -9,14 +9,20 @@ anchor). What deploykit owes a process it starts:
 - **A scrubbed environment**: only an allowlist of deploykit's variables reaches it (``PATH``, ``HOME``,
   locale, ``TMPDIR``, the OpenMP/ggml/CUDA settings: ``_ENV_NAMES``, ``_ENV_PREFIXES``); deploykit's control
   token and API keys, cloud and Hugging Face credentials, proxies and ``LLAMA_ARG_*`` never do.
+- **A session of its own**, as ``llama-server`` started alone is (``start_new_session``: ``setsid`` in the
+  child, no Python code between fork and exec). With the kernel's autogroup scheduling (on by default on
+  desktop and server kernels) a session is one scheduling group: an engine inside deploykit's session
+  shares one group's CPU share with deploykit's own threads (the relay, the API), unlike the llama-server
+  alone it is measured against (bench/llamacpp.py). Its own session is also its own process group, so a
+  terminal's Ctrl-C does not reach it behind deploykit's back.
 - **It dies with deploykit**, even when deploykit is killed with SIGKILL, without Python code between fork
   and exec (``preexec_fn`` is unsafe in a threaded process; ``PR_SET_PDEATHSIG`` through ctypes there could
   deadlock, and it follows the forking *thread*, not the process): each engine has a watcher, a ``/bin/sh``
-  blocked reading a pipe whose only write end deploykit holds. When deploykit ends, however it ends, the
-  kernel closes that end, the watcher reads end-of-file and kills its process group, which the engine
-  joined (``process_group``: a group of its own, so a terminal's Ctrl-C does not reach it behind deploykit's
-  back either). A child forked with ``os.fork`` (not ``subprocess``) would inherit the write end and delay
-  this until it ends too.
+  blocked reading a pipe whose only write end deploykit holds. deploykit writes the engine's process group
+  id (its pid) into the pipe as soon as it has started; when deploykit ends, however it ends, the kernel
+  closes that end, the watcher reads end-of-file and kills that group. (Only a SIGKILL of deploykit
+  between the engine's fork and that one write would leave it running.) A child forked with ``os.fork``
+  (not ``subprocess``) would inherit the write end and delay this until it ends too.
 - **A bounded log**: its output goes to a ring of its last lines (``logring``), never to a growing file.
 - ``stop`` ends the process group (SIGTERM, then SIGKILL after a grace; SIGKILL at once for a hung one)
   and reaps both processes.
@@ -51,9 +57,9 @@ STOP_GRACE_SECONDS = 5.0
 LOG_TAIL_BYTES = 4000
 HEALTH_READ_TIMEOUT = 2.0  # the watchdog's /health poll
 SOCKET_NAME = "server.sock"  # llama-server listens on a unix socket when --host ends in .sock
-# The watcher: wait for end-of-file on stdin (deploykit's end of the pipe closed: deploykit has ended),
-# then kill the process group, the engine and itself. Only shell builtins: nothing to find on PATH.
-_WATCHER = ["/bin/sh", "-c", "read -r _ ; kill -s KILL 0"]
+# The watcher: read the engine's process group id, wait for end-of-file on stdin (deploykit's end of the
+# pipe closed: deploykit has ended), then kill that group. Only shell builtins: nothing to find on PATH.
+_WATCHER = ["/bin/sh", "-c", 'read -r group || exit 0; read -r _ ; kill -s KILL -- "-$group"']
 _ENV_NAMES = frozenset({"PATH", "HOME", "LANG", "LANGUAGE", "TZ", "TMPDIR", "USER", "LOGNAME", "LD_LIBRARY_PATH"})
 _ENV_PREFIXES = ("LC_", "OMP_", "GOMP_", "KMP_", "GGML_", "CUDA_", "HIP_", "ROCR_", "NVIDIA_")
 
@@ -156,12 +162,14 @@ class LlamaServer:
         out_read, out_write = os.pipe()
         try:
             self._proc = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=out_write, stderr=subprocess.STDOUT,
-                                          env=child_environment(self.api_key), process_group=self._watcher.pid)
+                                          env=child_environment(self.api_key), start_new_session=True)
         except BaseException:
             os.close(out_read)
             raise
         finally:
             os.close(out_write)
+        assert self._lifeline is not None
+        os.write(self._lifeline, f"{self._proc.pid}\n".encode())  # the watcher's group to kill: the engine's
         self._log = LogRing(out_read, name=f"deploykit-llama-log-{self._proc.pid}")
 
     def wait_ready(self, timeout: float, stop: threading.Event | None = None) -> float:
@@ -200,8 +208,11 @@ class LlamaServer:
             if self._health is not None:
                 self._health.close()
                 self._health = None
-            if watcher is not None:
-                _end_group(watcher.pid, [p for p in (proc, watcher) if p is not None], grace)
+            if proc is not None:
+                _end_group(proc, grace)
+            if watcher is not None:  # killed, not told by the pipe's end: the engine's pid may be reused now
+                watcher.kill()
+                watcher.wait()
             if proc is not None:
                 log.info("llama-server pid %d stopped (status %s)", proc.pid, proc.returncode)
                 self._stopped_status = proc.returncode
@@ -223,20 +234,18 @@ def healthy(client: Any) -> bool:
         return False
 
 
-def _end_group(pgid: int, procs: list[subprocess.Popen[bytes]], grace: float) -> None:
-    """SIGTERM the group (the engine shuts down cleanly), SIGKILL it after ``grace``, reap ``procs``."""
-    _signal_group(pgid, signal.SIGTERM if grace > 0 else signal.SIGKILL)
-    deadline = time.monotonic() + grace
-    for proc in procs:
-        try:
-            proc.wait(max(0.0, deadline - time.monotonic()))
-        except subprocess.TimeoutExpired:
-            _signal_group(pgid, signal.SIGKILL)
-            proc.wait()
+def _end_group(proc: subprocess.Popen[bytes], grace: float) -> None:
+    """SIGTERM the engine's group (it shuts down cleanly), SIGKILL it after ``grace``, reap the engine."""
+    _signal_group(proc.pid, signal.SIGTERM if grace > 0 else signal.SIGKILL)
+    try:
+        proc.wait(grace)
+    except subprocess.TimeoutExpired:
+        _signal_group(proc.pid, signal.SIGKILL)
+        proc.wait()
 
 
 def _signal_group(pgid: int, sig: int) -> None:
     try:
-        os.killpg(pgid, sig)  # the watcher leads the group; the engine joined it
+        os.killpg(pgid, sig)  # the engine leads its own session and group (start_new_session)
     except ProcessLookupError:
         pass
