@@ -26,7 +26,8 @@ def text(model: Path, name: str, *, strategy: str = "auto", priority: int = 0, m
          load: str = "eager", keep_alive: str = "forever") -> str:
     return (f"apiVersion: deploykit/v1\nkind: ModelDeployment\nmetadata: {{name: {name}}}\nspec:\n"
             f"  model: {{path: {model}, task: causal-lm, dtype: float32}}\n  placement: {{gpus: []}}\n"
-            f"  rollout: {{strategy: {strategy}}}\n  serving: {{max_tokens: {max_tokens}}}\n"
+            f"  rollout: {{strategy: {strategy}}}\n"  # budgets of a few hundred KB: no room for a prefix cache
+            f"  serving: {{max_tokens: {max_tokens}, prefix_cache: {{enabled: false}}}}\n"
             f"  lifecycle: {{load: {load}, priority: {priority}, keep_alive: {keep_alive}}}\n")
 
 

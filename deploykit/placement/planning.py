@@ -18,7 +18,7 @@ from .inventory import Inventory, resolve
 from .llamacpp import as_llama_cpp_places
 from ..spec.manifest import LoadedManifest
 from ..spec.schema import Spec
-from .kv import DEFAULT_PREFIX_CACHE_CAP, MIN_KV_BYTES, default_prefix_cache, kv_budget
+from .kv import DEFAULT_PREFIX_CACHE_CAP, MIN_KV_BYTES, default_prefix_cache, kv_budget, kv_shares
 from .plan import Plan
 from .planner import plan
 from ..model.gguf import is_gguf
@@ -53,7 +53,7 @@ def plan_manifest(loaded: LoadedManifest, *, devices: str | None = None,
     if spec.placement.tensor_parallel > 1:
         return _plan_tensor_parallel(loaded, inv)
     structure = structure_for(loaded)
-    planned = with_prefix_cache(plan(structure, spec, inv, name=loaded.name), spec)
+    planned = with_prefix_cache(plan(structure, spec, inv, name=loaded.name), spec, inv)
     if spec.engine.name == LLAMA_CPP and spec.placement.nodes == 1:  # the layers where llama.cpp holds them
         planned = as_llama_cpp_places(planned, structure, block_sizes(structure, spec))
     if not spec.adapters:
@@ -72,14 +72,25 @@ def keeps_prefixes(spec: Spec) -> bool:
             and spec.placement.tensor_parallel == 1 and spec.engine.name == "transformers")
 
 
-def with_prefix_cache(planned: Plan, spec: Spec) -> Plan:
+def _kv_room(planned: Plan, inventory: Inventory | None) -> int | None:
+    """``kv_budget`` of ``planned``; where the CPU holds KV with no tier budget, what the machine's memory
+    (``inventory.cpu``: this host's, or ``--devices cpu=...``) leaves beside the weights there."""
+    room = kv_budget(planned)
+    share = kv_shares(planned).get("cpu")
+    if room is not None or inventory is None or inventory.cpu is None or not share:
+        return room
+    held = sum(d.bytes for d in planned.devices if d.tier == "cpu")
+    return int(max(0, inventory.cpu - held) / share)
+
+
+def with_prefix_cache(planned: Plan, spec: Spec, inventory: Inventory | None = None) -> Plan:
     """``planned`` with the bytes its prefix cache holds (``spec.serving.prefix_cache``): 0 where it is off or
     where nothing keeps prefixes; ``max_bytes`` where set (``PlanInfeasible`` when it leaves the batch less
     than 64 MiB of KV beside the weights); else ``kv.default_prefix_cache`` of the room the KV has."""
     cache = spec.serving.prefix_cache
     if not cache.enabled or not keeps_prefixes(spec):
         return planned
-    room = kv_budget(planned)
+    room = _kv_room(planned, inventory)
     if cache.max_bytes is None:
         held = default_prefix_cache(room)
         note = (f"prefix cache {format_size(held)}: a quarter of the {format_size(room)} of KV room, at most "
