@@ -13,6 +13,7 @@ The app only queues and streams: model work runs on each generation's own thread
 from __future__ import annotations
 
 from collections.abc import Iterable
+from concurrent.futures import Future
 from typing import TYPE_CHECKING, Any
 
 from fastapi import FastAPI
@@ -46,8 +47,10 @@ class Deployments:
     def items(self) -> list[tuple[str, Deployment]]:
         return list(self._by_name.items())
 
-    def wait_served(self, name: str, timeout: float) -> Deployment | None:
-        return self._by_name.get(name)  # a fixed set: nothing loads later
+    def when_served(self, name: str) -> Future[None]:
+        done: Future[None] = Future()
+        done.set_result(None)  # a fixed set: nothing loads later
+        return done
 
     def why_not_served(self, name: str) -> str | None:
         return None

@@ -186,26 +186,28 @@ class Host:
                 self._cond.notify_all()
 
     def load(self, name: str, do_load: Callable[[], None], *, reason: str, need: dict[str, int] | None = None,
-             timeout: float | None = None) -> bool:
+             timeout: float | None = None, stop: threading.Event | None = None) -> bool:
         """Load ``name`` with ``do_load`` once room is made (one load per name at a time; False when it was
-        loaded meanwhile). Raises BudgetError when no room can be made within ``timeout``."""
+        loaded meanwhile). Raises BudgetError when no room can be made within ``timeout``, or once
+        ``stop`` is set while it waits for room (the deployment is closing)."""
         entry = self._entry(name)
         with entry.load_lock:
             if entry.pool.loaded:
                 return False
-            with self.room(name, need or entry.bytes, reason=reason, timeout=timeout):
+            with self.room(name, need or entry.bytes, reason=reason, timeout=timeout, stop=stop):
                 do_load()
             return True
 
     @contextmanager
     def room(self, name: str, need: dict[str, int], *, reason: str, timeout: float | None = None,
-             beside: bool = False) -> Iterator[None]:
+             beside: bool = False, stop: threading.Event | None = None) -> Iterator[None]:
         """Reserve ``need`` for ``name`` while the block loads it, unloading idle deployments as the
         scheduler says (waiting up to ``timeout`` for room). ``beside``: a blue-green rollout's next
         generation, held beside the one that serves; else the block makes ``need`` what ``name`` holds."""
         entry = self._entry(name)
         started = self.clock()
-        self._reserve(entry, need, timeout=self.wait_timeout if timeout is None else timeout, beside=beside)
+        self._reserve(entry, need, timeout=self.wait_timeout if timeout is None else timeout, beside=beside,
+                      stop=stop)
         ok = False
         try:
             yield
@@ -232,7 +234,8 @@ class Host:
             raise BudgetError(f"{name!r} is not registered with the host budget")
         return entry
 
-    def _reserve(self, entry: Entry, need: dict[str, int], *, timeout: float, beside: bool) -> None:
+    def _reserve(self, entry: Entry, need: dict[str, int], *, timeout: float, beside: bool,
+                 stop: threading.Event | None = None) -> None:
         deadline = self.clock() + timeout
         while True:
             with self._cond:
@@ -249,6 +252,8 @@ class Host:
                     return
                 victims = self._detach(decision.unload, "pressure") if isinstance(decision, Room) else []
                 if not isinstance(decision, Room):
+                    if stop is not None and stop.is_set():
+                        raise BudgetError(f"stopped waiting for room for {entry.name!r}: it is closing")
                     remaining = deadline - self.clock()
                     if remaining <= 0:
                         raise BudgetError(f"no room for {entry.name!r} after waiting {timeout:g}s: {decision.reason}")

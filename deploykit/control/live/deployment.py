@@ -25,7 +25,11 @@ in its events. A later reload that succeeds, or finds nothing to change, clears 
 from __future__ import annotations
 
 import logging
+import threading
 from collections.abc import Callable
+from concurrent.futures import Future
+from concurrent.futures import TimeoutError as FutureTimeout
+from contextlib import AbstractContextManager, nullcontext
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -79,6 +83,9 @@ class Deployment(EmbeddedApi):
         self._closed = False
         self._given: LoadedManifest | None = None  # a manifest handed over (control API), not a file
         self._abort = AbortSignal()  # a rollback ends a gated rollout in progress with it
+        self._closing = threading.Event()  # close() began: a load waiting for room stops waiting
+        self._loading_lock = threading.Lock()
+        self._loading: Future[None] | None = None  # the load on demand asked of the worker (``servable``)
         self.rollout_progress: CanaryProgress | None = None  # the latest gated rollout (in progress or ended)
 
     @classmethod
@@ -176,29 +183,59 @@ class Deployment(EmbeddedApi):
         return self.reload_log.failures
 
     def pin(self, timeout: float | None = None) -> Generation:
-        """The current generation, pinned (``unpin`` it). Under a host, an unloaded deployment is loaded
-        first, once the host has made room (a ``BudgetError`` naming the budget if it cannot in time)."""
+        """The current generation, pinned (``unpin`` it), waiting on this thread (the library's calls).
+        Under a host, an unloaded deployment is loaded first, once the host has made room (a
+        ``BudgetError`` naming the budget if it cannot in time). The event loop waits without a thread:
+        ``pool.try_pin`` and ``servable``."""
         import time
 
         timeout = self.acquire_timeout if timeout is None else timeout
         if self.host is None:
             return self.pool.pin(timeout)
         deadline = time.monotonic() + timeout
-        with self.host.wanted(self.name):  # busy from now: what loads for this request stays loaded
+        with self.wanted():
             while True:
+                gen = self.pool.try_pin()
+                if gen is not None:
+                    return gen
                 try:
-                    return self.pool.pin(max(0.0, deadline - time.monotonic()))
-                except NotLoaded:
-                    self.host.load(self.name, lambda: self._worker.call(self._load_on_demand), reason="request")
+                    self.servable().result(max(0.0, deadline - time.monotonic()))
+                except NotLoaded:  # unloaded (keep-alive, pressure) since it looked: load it
+                    continue
+                except FutureTimeout:
+                    raise ApplyError(f"deployment {self.name!r} is still loading after {timeout:g}s") from None
+
+    def wanted(self) -> AbstractContextManager[None]:
+        """A request waits for this deployment (to load, then to pin it): under a host it is busy meanwhile,
+        so what loads for the request stays loaded until it is pinned."""
+        return self.host.wanted(self.name) if self.host is not None else nullcontext()
+
+    def servable(self) -> Future[None]:
+        """A future that ends once a pin may succeed (then pin again: ``pool.try_pin``): a generation is
+        current, or (under a host) the load on demand this asks the change thread for has ended, raising
+        what it raised. A caller waits on it without holding the change thread or a thread of its own."""
+        if self.host is None or not self.pool.unloaded:
+            return self.pool.changed()
+        with self._loading_lock:  # a burst of requests asks for one load
+            if self._loading is None or self._loading.done():
+                self._loading = self._worker.submit(self._load_for_request)
+            return self._loading
 
     def unpin(self, gen: Generation) -> None:
         self.pool.unpin(gen)
 
+    def _load_for_request(self) -> None:
+        """On the worker: a request found the deployment unloaded; load it once the host has made room
+        (waiting for room here, on this deployment's own thread; a close stops the wait)."""
+        assert self.host is not None
+        if self._closed:
+            raise ApplyError(f"deployment {self.name!r} is closed")
+        if self.pool.unloaded:
+            self.host.load(self.name, self._load_on_demand, reason="request", stop=self._closing)
+
     def _load_on_demand(self) -> None:
         """On the worker: load what serves now (``Loads.load_current``); a failure that is not a lack of
         room shows in ``status()`` like a failed reload, and a load that works clears it."""
-        if self._closed:
-            raise ApplyError(f"deployment {self.name!r} is closed")
         if not self.pool.unloaded:
             return  # loaded meanwhile (a rollout, another request)
         try:
@@ -413,6 +450,7 @@ class Deployment(EmbeddedApi):
         """Stop watching, let in-flight calls finish (up to ``timeout``), free the model, and join the
         worker."""
         self.interrupt("the deployment is closing")  # first: a canary's step must not hold the worker
+        self._closing.set()  # and neither must a load on demand waiting for room
         if self._watcher is not None:
             self._watcher.stop()
             self._watcher = None

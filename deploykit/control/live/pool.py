@@ -19,6 +19,7 @@ import logging
 import threading
 import time
 from collections import deque
+from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -99,6 +100,7 @@ class GenerationPool:
         self._frees = ThreadGroup()  # frees started by ``release``; ``close`` joins them
         self._candidate: Generation | None = None  # a canary's new generation, beside the current one
         self._split = Split()  # the share of new pins the candidate takes
+        self._watchers: list[Future[None]] = []  # ``changed()``'s futures, ended by the next change
 
     @property
     def current(self) -> Generation | None:
@@ -167,6 +169,30 @@ class GenerationPool:
             gen.refs += 1
             return gen
 
+    def changed(self) -> Future[None]:
+        """A future that ends once a pin may find something new: at once when a generation is current,
+        else at the next install, unload or close. It ends with ``NotLoaded`` while the deployment is
+        unloaded (the caller loads it) and with ``ApplyError`` once closed. A request on the event loop
+        waits on it without holding a thread (``pin`` is the blocking wait)."""
+        future: Future[None] = Future()
+        with self._cond:
+            if self._closed:
+                future.set_exception(ApplyError(f"deployment {self.name!r} is closed"))
+            elif self._current is None and self.unloaded:
+                future.set_exception(NotLoaded(f"deployment {self.name!r} is not loaded"))
+            elif self._current is not None:
+                future.set_result(None)
+            else:
+                self._watchers.append(future)
+        return future
+
+    def _wake(self) -> None:
+        """Under the lock: what the current generation is, or whether one is loaded, changed."""
+        self._cond.notify_all()
+        watchers, self._watchers = self._watchers, []
+        for future in watchers:
+            future.set_result(None)  # its waiter looks again (``changed`` says what it finds)
+
     def unpin(self, gen: Generation) -> None:
         """Unpin; frees a retired generation on this thread when this was its last caller."""
         if self._unpinned(gen):
@@ -208,7 +234,7 @@ class GenerationPool:
             if old is not None:
                 old.retired = True
             free_old = old is not None and old.refs == 0
-            self._cond.notify_all()
+            self._wake()
         if self.baseline_rss is None:
             self.baseline_rss = process_rss()
         if free_old and old is not None:
@@ -239,7 +265,7 @@ class GenerationPool:
             if old is not None:
                 old.retired = True
             free_old = old is not None and old.refs == 0
-            self._cond.notify_all()
+            self._wake()
         if free_old and old is not None:
             self._free(old)
         return gen
@@ -281,7 +307,7 @@ class GenerationPool:
             if gen is None or gen.refs > 0 or self._closed:
                 return None
             self._current, self.unloaded, gen.retired = None, True, True
-            self._cond.notify_all()
+            self._wake()
         return gen
 
     def free(self, gen: Generation) -> None:
@@ -293,14 +319,14 @@ class GenerationPool:
         with self._cond:
             if self._current is None:
                 self.unloaded = True
-                self._cond.notify_all()
+                self._wake()
 
     def close(self, timeout: float) -> None:
         self.discard()
         self.drain(timeout)
         with self._cond:
             self._closed = True
-            self._cond.notify_all()
+            self._wake()
         left = self._frees.join(timeout)
         if left:
             log.warning("%s: still freeing after %gs: %s", self.name, timeout, ", ".join(left))

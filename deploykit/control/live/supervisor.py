@@ -21,7 +21,7 @@ from __future__ import annotations
 import logging
 import threading
 from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -420,8 +420,8 @@ class Supervisor:
     def items(self) -> list[tuple[str, Deployment]]:
         return self.served.items()
 
-    def wait_served(self, name: str, timeout: float) -> Deployment | None:
-        return self.served.wait_served(name, timeout)
+    def when_served(self, name: str) -> Future[None]:
+        return self.served.when_served(name)
 
     def why_not_served(self, name: str) -> str | None:
         return self.served.why_not_served(name)
