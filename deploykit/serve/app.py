@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING, Any
 
 from fastapi import FastAPI
 
+from ..control.live.status import not_ready
 from . import ops
 from .auth import BODY_TIMEOUT, DEFAULT_MAX_BODY, Guard
 from .errors import install_handlers
@@ -56,7 +57,7 @@ class Deployments:
         return None
 
     def ready(self) -> tuple[bool, list[str]]:
-        missing = [n for n, d in self._by_name.items() if d.pool.current is None]
+        missing = not_ready([d.state() for d in self._by_name.values()])  # the supervisor's rule
         return not missing and bool(self._by_name), missing
 
     def statuses(self) -> list[dict[str, Any]]:

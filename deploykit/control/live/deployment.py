@@ -77,6 +77,7 @@ class Deployment(EmbeddedApi):
         self.loads = Loads(self.name, self.pool, self.store, devices, host, acquire_timeout)
         self._cell = StateCell()  # moved only on the worker
         self._worker = ChangeWorker(name or self.manifest_path.stem)
+        self.pool.owner = self._worker.submit  # what is loaded changes on this deployment's change thread
         self._callbacks: list[Callable[[Deployment], None]] = []
         self.reload_log = ReloadLog()
         self._watcher: ManifestWatcher | None = None
@@ -148,7 +149,7 @@ class Deployment(EmbeddedApi):
         self._cell.move(Event(Trigger.CHANGE_SUCCEEDED, serving=self._serving()))
 
     def _serving(self) -> bool:
-        return self.pool.current is not None or self.pool.unloaded  # unloaded: loads at its next request
+        return self.pool.view().serving  # the one meaning (unloaded: loads at its next request)
 
     # ---- serving --------------------------------------------------------------------------------
 
@@ -432,10 +433,12 @@ class Deployment(EmbeddedApi):
     # ---- status and shutdown --------------------------------------------------------------------
 
     def state(self) -> LiveStatus:
-        """Phase, generation, revision, load state, budget, last error, reloads, memory and plan."""
-        gen = self.pool.current  # first: a state read after it can only be newer
-        return live_status(gen, self._cell.get(), name=self.name, pool=self.pool, host=self.host,
-                           manifest=self.manifest_path, reloads=self.reload_log, rollout=self.rollout_progress)
+        """The one snapshot of this deployment (phase, generation and revision read together, load state,
+        budget, last error, reloads, memory, plan, canary progress) that every view formats: read it once
+        per answer."""
+        view = self.pool.view()  # first: a state read after it can only be newer
+        return live_status(view, self._cell.get(), name=self.name, host=self.host, manifest=self.manifest_path,
+                           reloads=self.reload_log, rollout=self.rollout_progress)
 
     def status(self) -> dict[str, Any]:
         """``state()`` as a JSON object."""

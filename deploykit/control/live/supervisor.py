@@ -35,6 +35,7 @@ from ..revisions.state import StateStore
 from .deployment import Deployment
 from .ownership import Owners
 from .served import ServedSet
+from .status import not_ready as not_serving
 from .status import served_status
 from .turns import Turns
 from .watcher import ManifestWatcher
@@ -442,7 +443,7 @@ class Supervisor:
     def ready(self) -> tuple[bool, list[str]]:
         """(every deployment can serve, what cannot)."""
         items = self.items()
-        not_ready = [n for n, d in items if not d.state().serving]
+        not_ready = not_serving([d.state() for _, d in items])
         not_ready += [f"{n}: loading" for n in self.loading_names()]
         not_ready += [f"{f}: {e}" for f, e in self._unserved_errors(items)]
         return (not not_ready and bool(items)), not_ready
