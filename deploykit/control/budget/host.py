@@ -3,9 +3,10 @@
 It keeps what the scheduler needs (bytes per tier, priority, keep-alive, busy counts), asks
 ``scheduler.make_room`` before every load and does what it answers: asks the chosen idle deployments to
 unload (each does, on its own change thread, through the drain/free path with the leak guard: the host
-never changes what a deployment has loaded), then lets the load run with its bytes reserved. A load that finds no room waits (``wait_timeout``, default 120 s) for deployments to become
-idle or unload, then fails with a ``BudgetError`` naming the budget. A thread unloads deployments idle
-past their keep-alive (``scheduler.expired``). It never loads a model itself: the deployment does.
+never changes what a deployment has loaded), then lets the load run with its bytes reserved. A load that
+finds no room waits (``wait_timeout``, default 120 s) for deployments to become idle or unload, then fails
+with a ``BudgetError`` naming the budget. A thread finds deployments idle past their keep-alive
+(``scheduler.expired``) and asks them to unload. It never loads a model itself: the deployment does.
 """
 
 from __future__ import annotations

@@ -1,7 +1,8 @@
 """What a supervisor serves, in one place behind one lock: the deployments that serve, the names still
-loading for the first time, and why a declared one does not serve. A request for a listed name waits
-on ``when_served`` (a future: the event loop waits on it without holding a thread) until its load ends; a served deployment is added before its name stops loading, so
-a reader always finds a declared name in one of the two.
+loading for the first time, and why a declared one does not serve. A request for a listed name waits on
+``when_served`` (a future: the event loop waits on it without holding a thread) until its load ends; a
+served deployment is added before its name stops loading, so a reader always finds a declared name in one of
+the two.
 """
 
 from __future__ import annotations

@@ -1,10 +1,10 @@
-"""The one thread that changes a deployment: every start, reload, apply, rollback and close runs on it,
-in the order asked, so no two changes of one deployment ever interleave and its state has one writer.
+"""The one thread that changes a deployment: every start, reload, apply, rollback and close runs on it, in
+the order asked, so no two changes of one deployment ever interleave and its state has one writer.
 
-``call(fn)`` runs ``fn`` on the worker and returns (or raises) what it did (``submit(fn)``: a future of
-it, for a caller that must not block); a call from the worker itself runs at once (a change that asks for another part of itself). ``request(fn)`` asks for ``fn`` to run
-once soon without waiting (a file changed); requests made while one waits coalesce into one run.
-``stop`` runs nothing more and joins the thread.
+``call(fn)`` runs ``fn`` on the worker and returns (or raises) what it did (``submit(fn)``: a future of it,
+for a caller that must not block); a call from the worker itself runs at once (a change that asks for
+another part of itself). ``request(fn)`` asks for ``fn`` to run once soon without waiting (a file changed);
+requests made while one waits coalesce into one run. ``stop`` runs nothing more and joins the thread.
 """
 
 from __future__ import annotations

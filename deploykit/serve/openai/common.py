@@ -1,11 +1,11 @@
-"""What the endpoints share: finding the model, pinning its generation without blocking the event
-loop or holding a thread while it loads, turning sampling fields into an engine request, and bridging the engine's thread to asyncio.
+"""What the endpoints share: finding the model, pinning its generation without blocking the event loop or
+holding a thread while it loads, turning sampling fields into an engine request, and bridging the engine's
+thread to asyncio.
 
 A request pins the newest Ready generation for its whole life (a stream included) with a ``Lease`` and
-releases it exactly once when it ends, however it ends: answered, refused, or the client gone before,
-during or after its response started (``stream.LeasedStream`` releases a stream's lease even when its
-body never runs). The generation it started on serves it to the end even if a reload swapped a newer
-one in meanwhile.
+releases it exactly once when it ends, however it ends: answered, refused, or the client gone before, during
+or after its response started (``stream.LeasedStream`` releases a stream's lease even when its body never
+runs). The generation it started on serves it to the end even if a reload swapped a newer one in meanwhile.
 """
 
 from __future__ import annotations
