@@ -5,6 +5,7 @@ Each deployment's plan is 428,864 bytes: ``ONE`` holds one of them, ``TWO`` two.
 
 from __future__ import annotations
 
+import logging
 import threading
 import time
 from pathlib import Path
@@ -99,6 +100,22 @@ def test_a_pinned_generation_is_never_unloaded_for_another(fleet):
     assert f.host.used() == {"cpu": 428_864}
     assert a.generate("hi", max_tokens=2).text is not None  # a comes back, b (idle) makes room
     assert f.states() == {"a": "loaded", "b": "unloaded"}
+
+
+def test_an_unload_runs_on_the_owners_change_thread(fleet, caplog):
+    """What a deployment has loaded changes on its own change thread only: an unload for another's room or
+    for keep-alive is asked of its owner, which does it there (never on the thread that needs the room,
+    nor on the keep-alive thread)."""
+    caplog.set_level(logging.INFO, logger="deploykit.control.budget.host")
+    f = fleet(ONE)
+    f.add("a")
+    b = f.add("b", load="on-demand", keep_alive="0.3s")
+    assert b.generate("hi", max_tokens=2).text is not None  # a is idle: unloaded to make b's room
+    wait_until(lambda: f.host.unload_expired() == ["b"])  # then b is idle past its keep-alive
+    assert f.states() == {"a": "unloaded", "b": "unloaded"}
+    unloads = [(r.getMessage(), r.threadName) for r in caplog.records if r.getMessage().startswith("unloaded")]
+    assert unloads == [("unloaded a (making room under the budget)", "deploykit-change-a"),
+                       ("unloaded b (idle past its keep-alive)", "deploykit-change-b")]
 
 
 def test_the_wait_for_room_is_bounded_and_names_the_budget(fleet):

@@ -152,8 +152,8 @@ def test_errors_are_written_under_the_lock_that_readers_hold(model, watched):
     try:
         for _ in range(20):
             for f in files:
-                supervisor._names(f)  # what a file event does: records or clears the file's error
-                supervisor._file_removed(f, [])
+                supervisor.files.names(f)  # what a file event does: records or clears the file's error
+                supervisor.files.file_removed(f, [])
     finally:
         stop.set()
         reader.join()

@@ -13,10 +13,12 @@ The app only queues and streams: model work runs on each generation's own thread
 from __future__ import annotations
 
 from collections.abc import Iterable
+from concurrent.futures import Future
 from typing import TYPE_CHECKING, Any
 
 from fastapi import FastAPI
 
+from ..control.live.status import not_ready
 from . import ops
 from .auth import BODY_TIMEOUT, DEFAULT_MAX_BODY, Guard
 from .errors import install_handlers
@@ -46,14 +48,16 @@ class Deployments:
     def items(self) -> list[tuple[str, Deployment]]:
         return list(self._by_name.items())
 
-    def wait_served(self, name: str, timeout: float) -> Deployment | None:
-        return self._by_name.get(name)  # a fixed set: nothing loads later
+    def when_served(self, name: str) -> Future[None]:
+        done: Future[None] = Future()
+        done.set_result(None)  # a fixed set: nothing loads later
+        return done
 
     def why_not_served(self, name: str) -> str | None:
         return None
 
     def ready(self) -> tuple[bool, list[str]]:
-        missing = [n for n, d in self._by_name.items() if d.pool.current is None]
+        missing = not_ready([d.state() for d in self._by_name.values()])  # the supervisor's rule
         return not missing and bool(self._by_name), missing
 
     def statuses(self) -> list[dict[str, Any]]:

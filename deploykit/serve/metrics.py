@@ -15,7 +15,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Histo
 
 if TYPE_CHECKING:
     from ..control.budget.host import Host
-    from ..control.live.deployment import Deployment
+    from ..control.live.status import LiveStatus
     from .openai.common import Registry
 
 _LABELS = ("model_name", "generation")
@@ -74,34 +74,30 @@ class DeploymentCollector:
         device_bytes = GaugeMetricFamily("deploykit_device_bytes", "Bytes placed per device by the serving "
                                          "plan", labels=["deployment", "device"])
         prefix = _prefix_families()
-        for name, dep in self.registry.items():
-            status = dep.status()
-            gen = dep.pool.current
-            engine = getattr(gen.runtime, "engine", None) if gen is not None else None
-            if engine is not None and gen is not None:
-                stats = engine.stats()
-                running.add_metric([name, str(gen.number)], stats["running"])
-                waiting.add_metric([name, str(gen.number)], stats["waiting"])
-                for key, family in prefix.items():
+        snapshots = [(name, dep, dep.state()) for name, dep in self.registry.items()]  # one per deployment
+        for name, dep, snap in snapshots:
+            stats = snap.requests
+            if stats is not None:
+                for key, family in {"running": running, "waiting": waiting, **prefix}.items():
                     if key in stats:
-                        family.add_metric([name, str(gen.number)], stats[key])
-            reloads.add_metric([name], status["reloads"]["total"])
-            failed.add_metric([name], status["reloads"]["failed"])
+                        family.add_metric([name, str(snap.generation)], stats[key])
+            reloads.add_metric([name], snap.reloads["total"])
+            failed.add_metric([name], snap.reloads["failed"])
             records = list(dep.reload_log.records)
             buckets = [(str(b) if b != float("inf") else "+Inf", sum(r.seconds <= b for r in records))
                        for b in _RELOAD_BUCKETS]
             duration.add_metric([name], buckets, sum(r.seconds for r in records))
-            generation.add_metric([name], status["generation"])
-            in_flight.add_metric([name], status["in_flight"])
-            pending.add_metric([name], 1 if status["last_error"] else 0)
-            for device in status["plan"] or []:
-                device_bytes.add_metric([name, str(device["device"])], device["bytes"])
+            generation.add_metric([name], snap.generation)
+            in_flight.add_metric([name], snap.in_flight)
+            pending.add_metric([name], 1 if snap.last_error else 0)
+            for device in snap.plan or []:
+                device_bytes.add_metric([name, str(device.device)], device.bytes)
         yield from (running, waiting, reloads, failed, duration, generation, in_flight, pending, device_bytes)
         yield from prefix.values()
-        yield from rollout_metrics(self.registry.items())
+        yield from rollout_metrics([(name, snap) for name, _, snap in snapshots])
         host = getattr(self.registry, "host", None)
         if host is not None:
-            yield from budget_metrics(host, [name for name, _ in self.registry.items()])
+            yield from budget_metrics(host, {name: snap.loaded for name, _, snap in snapshots})
 
 
 def _prefix_families() -> dict[str, Any]:
@@ -122,7 +118,7 @@ def _prefix_families() -> dict[str, Any]:
     }
 
 
-def rollout_metrics(deployments: list[tuple[str, Deployment]]) -> Iterator[Any]:
+def rollout_metrics(deployments: list[tuple[str, LiveStatus]]) -> Iterator[Any]:
     """Each deployment's latest gated rollout: its step, the new generation's share, its gates."""
     step = GaugeMetricFamily("deploykit_rollout_step", "Canary step in progress (1..n; 0 before traffic moves)",
                              labels=["deployment", "stage"])
@@ -132,8 +128,8 @@ def rollout_metrics(deployments: list[tuple[str, Deployment]]) -> Iterator[Any]:
                               labels=["deployment", "gate"])
     passed = GaugeMetricFamily("deploykit_rollout_gate_passed", "1 when the gate passed, 0 when it failed",
                                labels=["deployment", "gate"])
-    for name, dep in deployments:
-        progress = dep.rollout_progress
+    for name, snap in deployments:
+        progress = snap.rollout
         if progress is None:
             continue
         step.add_metric([name, progress.stage], progress.step)
@@ -145,7 +141,7 @@ def rollout_metrics(deployments: list[tuple[str, Deployment]]) -> Iterator[Any]:
     yield from (step, share, value, passed)
 
 
-def budget_metrics(host: Host, names: list[str]) -> Iterator[Any]:
+def budget_metrics(host: Host, loaded_of: dict[str, str]) -> Iterator[Any]:
     """The host budget: what is loaded, loads and unloads by reason, the budget and its use per tier."""
     loaded = GaugeMetricFamily("deploykit_model_loaded", "1 while the model is in memory, else 0 (unloaded "
                                "ones load at their next request)", labels=["model"])
@@ -156,8 +152,8 @@ def budget_metrics(host: Host, names: list[str]) -> Iterator[Any]:
     used = GaugeMetricFamily("deploykit_budget_used_bytes", "The plan bytes of the loaded (and loading) models",
                              labels=["tier"])
     seconds = HistogramMetricFamily("deploykit_model_load_seconds", "Room made, model loaded and checked")
-    states = {e.name: e.state for e in host.entries()}
-    for name in sorted(set(names) | set(states)):
+    states = {**{e.name: e.state for e in host.entries()}, **loaded_of}  # a served one: as its snapshot says
+    for name in sorted(states):
         loaded.add_metric([name], 1 if states.get(name) == "loaded" else 0)
     for (name, reason), n in sorted(host.loads.items()):
         loads.add_metric([name, reason], n)

@@ -1,11 +1,12 @@
 """``Host``: the deployments of one ``deploykit serve`` under one memory budget.
 
 It keeps what the scheduler needs (bytes per tier, priority, keep-alive, busy counts), asks
-``scheduler.make_room`` before every load and does what it answers: unloads the chosen idle deployments
-through their pools (the drain/free path with the leak guard), then lets the load run with its bytes
-reserved. A load that finds no room waits (``wait_timeout``, default 120 s) for deployments to become
-idle or unload, then fails with a ``BudgetError`` naming the budget. A thread unloads deployments idle
-past their keep-alive (``scheduler.expired``). It never loads a model itself: the deployment does.
+``scheduler.make_room`` before every load and does what it answers: asks the chosen idle deployments to
+unload (each does, on its own change thread, through the drain/free path with the leak guard: the host
+never changes what a deployment has loaded), then lets the load run with its bytes reserved. A load that
+finds no room waits (``wait_timeout``, default 120 s) for deployments to become idle or unload, then fails
+with a ``BudgetError`` naming the budget. A thread finds deployments idle past their keep-alive
+(``scheduler.expired``) and asks them to unload. It never loads a model itself: the deployment does.
 """
 
 from __future__ import annotations
@@ -15,17 +16,20 @@ import threading
 import time
 from collections import Counter, deque
 from collections.abc import Callable, Iterator
+from concurrent.futures import Future, wait
 from contextlib import contextmanager
+from functools import partial
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import Protocol
 
-from .scheduler import Never, Resident, Room, Want, expired, make_room
+from .scheduler import Never, Resident, Room, Wait, Want, expired, make_room
 from .tiers import Budget, BudgetError
 
 
 class Held(Protocol):
     """What the host may ask of a deployment's generations (``live.pool.GenerationPool`` is one): whether
-    one is loaded and how many callers hold it, when it was last used, and to unload and free it."""
+    one is loaded and how many callers hold it, when it was last used, and to unload it (the owner does,
+    on its own change thread: the host never changes what a deployment has loaded itself)."""
 
     @property
     def loaded(self) -> bool: ...
@@ -36,14 +40,15 @@ class Held(Protocol):
     @property
     def last_used(self) -> float: ...
 
-    def unload_if_idle(self) -> Any: ...
-
-    def free(self, gen: Any) -> None: ...
+    def unload(self, then: Callable[[bool], None]) -> Future[bool]:
+        """Unload if idle, on the owner's change thread (the one writer of what is loaded), and call
+        ``then(unloaded)`` there; the future ends after it, with whether it did."""
 
 log = logging.getLogger(__name__)
 DEFAULT_WAIT_TIMEOUT = 120.0  # seconds a load waits for room before its request gets 503
 KEEP_ALIVE_POLL = 0.5  # seconds between keep-alive checks: an unload follows expiry within this
 LOAD_HISTORY = 256  # load durations kept for the histogram
+UNLOAD_WAIT = 30.0  # seconds to wait for the owners to unload what was chosen (idle ones: at once)
 UNLOADED, LOADING, LOADED = "unloaded", "loading", "loaded"
 
 
@@ -75,6 +80,7 @@ class Entry:
     rolling: bool = False  # a rollout holds it: never unloaded meanwhile
     extra: dict[str, int] = field(default_factory=dict)  # a blue-green rollout's next generation
     load_lock: threading.Lock = field(default_factory=threading.Lock)
+    unloading: bool = False  # its owner was asked to unload it and has not answered yet
 
     def busy(self) -> int:
         return self.pool.in_use + self.waiting + (self.state == LOADING) + self.rolling
@@ -186,26 +192,28 @@ class Host:
                 self._cond.notify_all()
 
     def load(self, name: str, do_load: Callable[[], None], *, reason: str, need: dict[str, int] | None = None,
-             timeout: float | None = None) -> bool:
+             timeout: float | None = None, stop: threading.Event | None = None) -> bool:
         """Load ``name`` with ``do_load`` once room is made (one load per name at a time; False when it was
-        loaded meanwhile). Raises BudgetError when no room can be made within ``timeout``."""
+        loaded meanwhile). Raises BudgetError when no room can be made within ``timeout``, or once
+        ``stop`` is set while it waits for room (the deployment is closing)."""
         entry = self._entry(name)
         with entry.load_lock:
             if entry.pool.loaded:
                 return False
-            with self.room(name, need or entry.bytes, reason=reason, timeout=timeout):
+            with self.room(name, need or entry.bytes, reason=reason, timeout=timeout, stop=stop):
                 do_load()
             return True
 
     @contextmanager
     def room(self, name: str, need: dict[str, int], *, reason: str, timeout: float | None = None,
-             beside: bool = False) -> Iterator[None]:
+             beside: bool = False, stop: threading.Event | None = None) -> Iterator[None]:
         """Reserve ``need`` for ``name`` while the block loads it, unloading idle deployments as the
         scheduler says (waiting up to ``timeout`` for room). ``beside``: a blue-green rollout's next
         generation, held beside the one that serves; else the block makes ``need`` what ``name`` holds."""
         entry = self._entry(name)
         started = self.clock()
-        self._reserve(entry, need, timeout=self.wait_timeout if timeout is None else timeout, beside=beside)
+        self._reserve(entry, need, timeout=self.wait_timeout if timeout is None else timeout, beside=beside,
+                      stop=stop)
         ok = False
         try:
             yield
@@ -232,7 +240,8 @@ class Host:
             raise BudgetError(f"{name!r} is not registered with the host budget")
         return entry
 
-    def _reserve(self, entry: Entry, need: dict[str, int], *, timeout: float, beside: bool) -> None:
+    def _reserve(self, entry: Entry, need: dict[str, int], *, timeout: float, beside: bool,
+                 stop: threading.Event | None = None) -> None:
         deadline = self.clock() + timeout
         while True:
             with self._cond:
@@ -247,13 +256,19 @@ class Host:
                     else:
                         entry.state, entry.bytes = LOADING, dict(need)
                     return
-                victims = self._detach(decision.unload, "pressure") if isinstance(decision, Room) else []
-                if not isinstance(decision, Room):
+                asked = self._detach(decision.unload) if isinstance(decision, Room) else []
+                if not asked:  # no room yet, or the unloads asked for are still under way
+                    if stop is not None and stop.is_set():
+                        raise BudgetError(f"stopped waiting for room for {entry.name!r}: it is closing")
                     remaining = deadline - self.clock()
                     if remaining <= 0:
-                        raise BudgetError(f"no room for {entry.name!r} after waiting {timeout:g}s: {decision.reason}")
+                        why = decision.reason if isinstance(decision, Wait) else "unloading others takes too long"
+                        raise BudgetError(f"no room for {entry.name!r} after waiting {timeout:g}s: {why}")
                     self._cond.wait(min(remaining, KEEP_ALIVE_POLL))
-            self._free(victims, "pressure")  # then decide again: it now fits, or someone got busy meanwhile
+                    continue
+            # an idle one unloads at once (whatever this wait's own timeout: auto's is 0); then decide
+            # again: it now fits, or someone got busy meanwhile
+            wait(self._unload(asked, "pressure"), UNLOAD_WAIT)
 
     def _residents(self, exclude: str | None) -> list[Resident]:
         out = []
@@ -264,40 +279,47 @@ class Host:
                 out.append(Resident(f"{e.name} (next)", e.extra, e.priority, e.pool.last_used, 1))
         return out
 
-    def _detach(self, names: tuple[str, ...] | list[str], reason: str) -> list[tuple[Entry, Any]]:
-        """Under the lock: unload each idle one from its pool (a pin that won the race keeps it); the
-        caller frees them (``_free``) outside the lock."""
+    def _detach(self, names: tuple[str, ...] | list[str]) -> list[Entry]:
+        """Under the lock: the idle ones among ``names`` that no unload is asked for yet, now marked
+        ``unloading``; the caller asks their owners (``_unload``) outside the lock."""
         out = []
         for name in names:
             entry = self._entries.get(name)
-            if entry is None or entry.busy():
+            if entry is None or entry.busy() or entry.unloading:
                 continue
-            gen = entry.pool.unload_if_idle()
-            if gen is not None:
-                entry.state = UNLOADED
-                self.unloads[(name, reason)] += 1
-                out.append((entry, gen))
+            entry.unloading = True
+            out.append(entry)
         return out
 
-    def _free(self, victims: list[tuple[Entry, Any]], reason: str) -> None:
-        for entry, gen in victims:
-            entry.pool.free(gen)
+    def _unload(self, entries: list[Entry], reason: str) -> list[Future[bool]]:
+        """Ask each owner to unload its model on its own change thread (``Held.unload``: a pin that wins
+        the race there keeps it); the host's record of it changes when that is done (``_unloaded``)."""
+        return [entry.pool.unload(partial(self._unloaded, entry, reason=reason)) for entry in entries]
+
+    def _unloaded(self, entry: Entry, unloaded: bool, *, reason: str) -> None:
+        """On the owner's change thread, once it unloaded ``entry`` (or kept it: a pin won)."""
+        with self._cond:
+            entry.unloading = False
+            if unloaded:
+                entry.state = UNLOADED
+                self.unloads[(entry.name, reason)] += 1
+            self._cond.notify_all()
+        if unloaded:
             log.info("unloaded %s (%s)", entry.name, "idle past its keep-alive" if reason == "idle" else
                      "making room under the budget")
-        if victims:
-            with self._cond:
-                self._cond.notify_all()
 
     # ---- keep-alive ------------------------------------------------------------------------------
 
-    def unload_expired(self) -> list[str]:
-        """Unload the deployments idle past their keep-alive; returns their names."""
+    def unload_expired(self, timeout: float = UNLOAD_WAIT) -> list[str]:
+        """Unload the deployments idle past their keep-alive (each on its own change thread, waited for up
+        to ``timeout``); returns the names unloaded."""
         with self._cond:
             residents = [Resident(e.name, e.bytes, e.priority, e.pool.last_used, e.busy(), e.keep_alive)
                          for e in self._entries.values() if e.state == LOADED]
-            victims = self._detach(expired(residents, self.clock()), "idle")
-        self._free(victims, "idle")
-        return [e.name for e, _ in victims]
+            victims = self._detach(expired(residents, self.clock()))
+        futures = self._unload(victims, "idle")
+        wait(futures, timeout)
+        return [e.name for e, f in zip(victims, futures) if f.done() and f.exception() is None and f.result()]
 
     def start(self) -> None:
         if self._thread is None:

@@ -22,6 +22,7 @@ from dataclasses import dataclass, replace
 from enum import Enum
 
 from ...names import Phase
+from ..revisions.report import phase_of
 
 
 class Trigger(str, Enum):
@@ -66,12 +67,11 @@ class State:
 
 
 def _settled(state: State) -> State:
-    """The phase a state at rest has: Failed while an error stands, Ready while something serves."""
+    """The phase a state at rest has: Failed while an error stands, Ready while something serves (the one
+    formula, ``report.phase_of``, that the store's records are read with too)."""
     if state.phase == Phase.CLOSED:
         return state
-    if state.message:
-        return replace(state, phase=Phase.FAILED)
-    return replace(state, phase=Phase.READY if state.serving else Phase.PENDING)
+    return replace(state, phase=phase_of(progressing=False, last_error=state.message, current=state.serving))
 
 
 def step(state: State, event: Event) -> State:

@@ -19,6 +19,8 @@ import logging
 import threading
 import time
 from collections import deque
+from collections.abc import Callable
+from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -60,6 +62,16 @@ class Generation:
     traffic: TrafficLog = field(default_factory=TrafficLog)  # its requests, for a canary's traffic gates
 
 
+def _run_here(fn: Callable[[], bool]) -> Future[bool]:
+    """A pool without an owner thread (tests of the pool alone) does the owner's work on the caller's."""
+    future: Future[bool] = Future()
+    try:
+        future.set_result(fn())
+    except Exception as exc:
+        future.set_exception(exc)
+    return future
+
+
 def kv_cache_budget(plan: Plan | None) -> int:
     """Bytes the KV cache may take: as much as fits, on every device that holds a share of it (each layer's
     on the device that runs it), beside the weights and the prefix cache (the plan knows them:
@@ -83,6 +95,30 @@ def new_generation(number: int, loaded: LoadedModel, plan: Plan | None, revision
                       task=serving.load.task)
 
 
+@dataclass(frozen=True)
+class PoolView:
+    """The pool at one moment, read under its lock (``GenerationPool.view``): what is current (and its
+    number and revision, read together), whether it is unloaded, and a canary's candidate."""
+
+    current: Generation | None
+    number: int  # the current generation's (the latest made when none is current)
+    unloaded: bool
+    candidate: int | None  # a canary's staged generation
+    share: int  # percent of new requests the candidate takes
+    in_flight: int  # callers holding the current generation
+    baseline_rss: int | None
+
+    @property
+    def revision(self) -> int | None:
+        return self.current.revision if self.current is not None else None
+
+    @property
+    def serving(self) -> bool:
+        """The one meaning of "serving": a generation is current, or it loads at its next request
+        (unloaded under a budget)."""
+        return self.current is not None or self.unloaded
+
+
 class GenerationPool:
     """Thread-safe holder of the current generation and the retiring ones of one deployment."""
 
@@ -99,10 +135,21 @@ class GenerationPool:
         self._frees = ThreadGroup()  # frees started by ``release``; ``close`` joins them
         self._candidate: Generation | None = None  # a canary's new generation, beside the current one
         self._split = Split()  # the share of new pins the candidate takes
+        self.owner: Callable[[Callable[[], bool]], Future[bool]] = _run_here  # runs on the change thread
+        self._watchers: list[Future[None]] = []  # ``changed()``'s futures, ended by the next change
 
     @property
     def current(self) -> Generation | None:
         return self._current
+
+    def view(self) -> PoolView:
+        """Everything a status shows of the pool, read at one moment."""
+        with self._cond:
+            gen, candidate = self._current, self._candidate
+            return PoolView(gen, gen.number if gen is not None else self._number, self.unloaded,
+                            candidate.number if candidate is not None else None,
+                            self._split.percent if candidate is not None else 0,
+                            gen.refs if gen is not None else 0, self.baseline_rss)
 
     @property
     def number(self) -> int:
@@ -167,6 +214,30 @@ class GenerationPool:
             gen.refs += 1
             return gen
 
+    def changed(self) -> Future[None]:
+        """A future that ends once a pin may find something new: at once when a generation is current,
+        else at the next install, unload or close. It ends with ``NotLoaded`` while the deployment is
+        unloaded (the caller loads it) and with ``ApplyError`` once closed. A request on the event loop
+        waits on it without holding a thread (``pin`` is the blocking wait)."""
+        future: Future[None] = Future()
+        with self._cond:
+            if self._closed:
+                future.set_exception(ApplyError(f"deployment {self.name!r} is closed"))
+            elif self._current is None and self.unloaded:
+                future.set_exception(NotLoaded(f"deployment {self.name!r} is not loaded"))
+            elif self._current is not None:
+                future.set_result(None)
+            else:
+                self._watchers.append(future)
+        return future
+
+    def _wake(self) -> None:
+        """Under the lock: what the current generation is, or whether one is loaded, changed."""
+        self._cond.notify_all()
+        watchers, self._watchers = self._watchers, []
+        for future in watchers:
+            future.set_result(None)  # its waiter looks again (``changed`` says what it finds)
+
     def unpin(self, gen: Generation) -> None:
         """Unpin; frees a retired generation on this thread when this was its last caller."""
         if self._unpinned(gen):
@@ -208,7 +279,7 @@ class GenerationPool:
             if old is not None:
                 old.retired = True
             free_old = old is not None and old.refs == 0
-            self._cond.notify_all()
+            self._wake()
         if self.baseline_rss is None:
             self.baseline_rss = process_rss()
         if free_old and old is not None:
@@ -239,7 +310,7 @@ class GenerationPool:
             if old is not None:
                 old.retired = True
             free_old = old is not None and old.refs == 0
-            self._cond.notify_all()
+            self._wake()
         if free_old and old is not None:
             self._free(old)
         return gen
@@ -272,35 +343,47 @@ class GenerationPool:
                 return
         self._free(old)
 
-    def unload_if_idle(self) -> Generation | None:
-        """Unload the current generation if no caller holds it (checked and done under the pool's lock, so
-        a request pinning it at the same moment either wins, or finds it unloaded and loads it again).
-        Returns the generation to ``free`` (the caller frees it outside its own locks), or None."""
+    def unload(self, then: Callable[[bool], None]) -> Future[bool]:
+        """Unload the current generation if no caller holds it, on the owner's change thread (``owner``:
+        the deployment's ``ChangeWorker.submit``; the host asks, the owner does), then call
+        ``then(unloaded)`` there. The future ends after that, with whether it unloaded."""
+        def job() -> bool:
+            unloaded = self.unload_now()
+            then(unloaded)
+            return unloaded
+
+        try:
+            return self.owner(job)
+        except ApplyError:  # its change thread has stopped: it is closing, and unloads itself
+            then(False)
+            return _run_here(lambda: False)
+
+    def unload_now(self) -> bool:
+        """On the owner's change thread: unload and free the current generation if no caller holds it
+        (checked and done under the pool's lock, so a request pinning it at the same moment either wins,
+        or finds it unloaded and asks for a load)."""
         with self._cond:
             gen = self._current
             if gen is None or gen.refs > 0 or self._closed:
-                return None
+                return False
             self._current, self.unloaded, gen.retired = None, True, True
-            self._cond.notify_all()
-        return gen
-
-    def free(self, gen: Generation) -> None:
-        """Free a generation ``unload_if_idle`` returned: the drain/free path, with the leak guard."""
-        self._free(gen)
+            self._wake()
+        self._free(gen)  # the drain/free path, with the leak guard
+        return True
 
     def mark_unloaded(self) -> None:
         """Nothing is loaded and nothing should wait for a load (an on-demand deployment not yet used)."""
         with self._cond:
             if self._current is None:
                 self.unloaded = True
-                self._cond.notify_all()
+                self._wake()
 
     def close(self, timeout: float) -> None:
         self.discard()
         self.drain(timeout)
         with self._cond:
             self._closed = True
-            self._cond.notify_all()
+            self._wake()
         left = self._frees.join(timeout)
         if left:
             log.warning("%s: still freeing after %gs: %s", self.name, timeout, ", ".join(left))

@@ -1,14 +1,15 @@
 """What a supervisor serves, in one place behind one lock: the deployments that serve, the names still
-loading for the first time, and why a declared one does not serve. A request for a listed name waits
-here (``wait_served``) until its load ends; a served deployment is added before its name stops loading, so
-a reader always finds a declared name in one of the two.
+loading for the first time, and why a declared one does not serve. A request for a listed name waits on
+``when_served`` (a future: the event loop waits on it without holding a thread) until its load ends; a
+served deployment is added before its name stops loading, so a reader always finds a declared name in one of
+the two.
 """
 
 from __future__ import annotations
 
 import threading
-import time
 from collections.abc import Iterable
+from concurrent.futures import Future
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
@@ -20,11 +21,11 @@ class ServedSet:
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
-        self._changed = threading.Condition(self._lock)  # a deployment began serving or stopped loading
         self._deployments: dict[str, Deployment] = {}
         self._loading: set[str] = set()
         self._errors: dict[str, str] = {}
         self._closing = False
+        self._watchers: dict[str, list[Future[None]]] = {}  # ``when_served``'s futures, by name
 
     @property
     def closing(self) -> bool:
@@ -35,18 +36,18 @@ class ServedSet:
             self._loading.update(names)
 
     def end_loading(self, name: str) -> None:
-        with self._changed:
+        with self._lock:
             self._loading.discard(name)
-            self._changed.notify_all()
+            self._changed_now(name)
 
     def hold(self, name: str, dep: Deployment) -> bool:
         """Serve ``dep`` as ``name``; False (nothing held) once closing, or when another deployment serves
         the name (never overwritten: the displaced one would leak its thread and its model)."""
-        with self._changed:
+        with self._lock:
             if self._closing or self._deployments.get(name, dep) is not dep:
                 return False
             self._deployments[name] = dep
-            self._changed.notify_all()
+            self._changed_now(name)
             return True
 
     def pop(self, name: str) -> Deployment | None:
@@ -66,17 +67,23 @@ class ServedSet:
         with self._lock:
             return sorted(self._loading - self._deployments.keys())
 
-    def wait_served(self, name: str, timeout: float) -> Deployment | None:
-        """The deployment ``name`` once it serves: at once if it does, after its first load (or restore)
-        if it is loading, None if that load failed, the set is closing, or ``timeout`` passed."""
-        deadline = time.monotonic() + timeout
-        with self._changed:
-            while name not in self._deployments and name in self._loading and not self._closing:
-                left = deadline - time.monotonic()
-                if left <= 0:
-                    break
-                self._changed.wait(left)
-            return self._deployments.get(name)
+    def when_served(self, name: str) -> Future[None]:
+        """A future that ends once ``name`` serves, stops loading (its first load or restore failed), or
+        the set closes: at once if one of these holds already. Then ``get`` says which."""
+        future: Future[None] = Future()
+        with self._lock:
+            if name in self._deployments or name not in self._loading or self._closing:
+                future.set_result(None)
+            else:
+                self._watchers.setdefault(name, []).append(future)
+        return future
+
+    def _changed_now(self, name: str | None) -> None:
+        """Under the lock: ``name`` began serving or stopped loading (None: the set closes)."""
+        names = list(self._watchers) if name is None else [name]
+        for key in names:
+            for future in self._watchers.pop(key, []):
+                future.set_result(None)
 
     def why_not_served(self, name: str) -> str | None:
         """Why a declared ``name`` does not serve (its load failed, or the server is stopping), if known."""
@@ -98,6 +105,6 @@ class ServedSet:
 
     def close(self) -> None:
         """Serve nothing more; requests waiting for a load are answered now."""
-        with self._changed:
+        with self._lock:
             self._closing = True
-            self._changed.notify_all()
+            self._changed_now(None)

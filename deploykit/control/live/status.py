@@ -1,6 +1,9 @@
-"""What a live deployment shows: ``LiveStatus``, built from its one state (``machine.State``) and its pool,
-and how a server shows a deployment it holds (``served_status``: the store's record with the live state
-over it)."""
+"""What a live deployment shows: ``LiveStatus``, the one snapshot of it, built once per answer from its one
+state (``machine.State``) and its pool read at one moment (``PoolView``), and how every view formats it:
+``status()`` and ``deploykit status`` of the library, ``/status`` and ``/control/v1/status``
+(``served_status``: the store's record with the snapshot over it), ``/readyz`` (``not_ready``),
+``/v1/models`` and the metrics. None of them looks at the pool or the machine on its own, so none can
+disagree with another about what serves, its phase or its generation and revision."""
 
 from __future__ import annotations
 
@@ -17,7 +20,7 @@ if TYPE_CHECKING:
     from ..budget.host import BudgetView, Host
     from .canary import CanaryProgress
     from .machine import State
-    from .pool import Generation, GenerationPool
+    from .pool import Generation, PoolView
     from .reloads import ReloadLog
 
 
@@ -81,13 +84,17 @@ class LiveStatus:
     name: str
     phase: Phase
     trigger: str
-    generation: int
-    revision: int | None
+    generation: int  # read with ``revision`` at one moment (``PoolView``)
+    revision: int | None  # the serving generation's
     serving: bool  # a generation serves, or it loads at its next request (unloaded under a budget)
     loaded: str  # "loaded" | "unloaded" | "loading" ... as the host says
     budget: BudgetView | None
     in_flight: int
     last_error: str | None
+    conflict: str | None  # a watched file declares this API-owned name (also in ``last_error``)
+    staged: int | None  # a canary's candidate generation, loaded beside the serving one
+    created: float | None  # when the serving generation was made
+    requests: dict[str, int] | None  # the serving engine's running and waiting requests
     manifest: str
     serialize_forward: bool
     reloads: dict[str, float]
@@ -104,20 +111,24 @@ class LiveStatus:
         return out
 
 
-def live_status(gen: Generation | None, state: State, *, name: str, pool: GenerationPool, host: Host | None,
-                manifest: Path, reloads: ReloadLog, rollout: CanaryProgress | None = None) -> LiveStatus:
-    """``gen`` (its pool's current generation, read first) and ``state`` (the deployment's one state) as
-    one status, with its budget under ``host`` (if any) and its reloads."""
+def live_status(view: PoolView, state: State, *, name: str, host: Host | None, manifest: Path,
+                reloads: ReloadLog, rollout: CanaryProgress | None = None) -> LiveStatus:
+    """The snapshot of one deployment: its pool ``view`` (read at one moment, first) and ``state`` (its one
+    state, read after: it can only be newer), with its budget under ``host`` (if any) and its reloads."""
+    gen = view.current
+    engine = getattr(gen.runtime, "engine", None) if gen is not None else None
     return LiveStatus(
-        name=name, phase=state.phase, trigger=str(state.trigger), generation=pool.number,
-        revision=gen.revision if gen else None,
-        serving=state.phase != Phase.CLOSED and (gen is not None or pool.unloaded),
+        name=name, phase=state.phase, trigger=str(state.trigger), generation=view.number,
+        revision=view.revision, serving=state.phase != Phase.CLOSED and view.serving,
         loaded=(host.state(name) if host is not None else None) or ("loaded" if gen else "unloaded"),
         budget=host.describe(name) if host is not None else None,
-        in_flight=gen.refs if gen else 0, last_error=state.message, manifest=str(manifest),
+        in_flight=view.in_flight, last_error=state.message, conflict=state.conflict, staged=view.candidate,
+        created=gen.created if gen is not None else None,
+        requests=engine.stats() if engine is not None else None,
+        manifest=str(manifest),
         serialize_forward=bool(gen and gen.forward_lock),
         reloads=reloads.summary(),
-        memory={"rss": process_rss(), "baseline_rss": pool.baseline_rss},
+        memory={"rss": process_rss(), "baseline_rss": view.baseline_rss},
         plan=[PlacedDevice(d.device, list(d.blocks), d.bytes) for d in gen.plan.devices if d.blocks]
         if gen and gen.plan else None,
         engine_process=engine_process(gen),
@@ -126,12 +137,18 @@ def live_status(gen: Generation | None, state: State, *, name: str, pool: Genera
     )
 
 
+def not_ready(snapshots: list[LiveStatus]) -> list[str]:
+    """The deployments that cannot serve (``/readyz``): the one rule, for a supervisor and an embedding."""
+    return [s.name for s in snapshots if not s.serving]
+
+
 def served_status(store: StateStore, name: str, live: LiveStatus | None) -> dict[str, Any]:
     """One deployment as a server shows it (``/status``, ``deploykit status`` through a server): the
     store's record (``status_report``) and, where this process holds it, its live state, which decides
     the phase and the error (a pending broken change, a conflict)."""
     held = None if live is None else Held(progressing=live.phase == Phase.PROGRESSING, error=live.last_error,
-                                          activity=_activity(live.rollout), serving=live.serving)
+                                          activity=_activity(live.rollout), serving=live.serving,
+                                          conflict=live.conflict is not None)
     report = status_report(store, name, held)  # one place decides phase, error and conditions
     report["serving"] = bool(live and live.serving)
     report["serving_revision"] = live.revision if live else None

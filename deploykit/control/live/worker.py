@@ -1,10 +1,10 @@
-"""The one thread that changes a deployment: every start, reload, apply, rollback and close runs on it,
-in the order asked, so no two changes of one deployment ever interleave and its state has one writer.
+"""The one thread that changes a deployment: every start, reload, apply, rollback and close runs on it, in
+the order asked, so no two changes of one deployment ever interleave and its state has one writer.
 
-``call(fn)`` runs ``fn`` on the worker and returns (or raises) what it did; a call from the worker itself
-runs at once (a change that asks for another part of itself). ``request(fn)`` asks for ``fn`` to run
-once soon without waiting (a file changed); requests made while one waits coalesce into one run.
-``stop`` runs nothing more and joins the thread.
+``call(fn)`` runs ``fn`` on the worker and returns (or raises) what it did (``submit(fn)``: a future of it,
+for a caller that must not block); a call from the worker itself runs at once (a change that asks for
+another part of itself). ``request(fn)`` asks for ``fn`` to run once soon without waiting (a file changed);
+requests made while one waits coalesce into one run. ``stop`` runs nothing more and joins the thread.
 """
 
 from __future__ import annotations
@@ -39,11 +39,20 @@ class ChangeWorker:
     def call(self, fn: Callable[[], T], timeout: float | None = None) -> T:
         """Run ``fn`` on the worker and return its result (its exception is raised here). ``timeout``: the
         most seconds to wait for it (``TimeoutError`` then; the job still runs when its turn comes)."""
-        if threading.current_thread() is self._thread:
-            return fn()
+        return self.submit(fn).result(timeout)
+
+    def submit(self, fn: Callable[[], T]) -> Future[T]:
+        """Run ``fn`` on the worker; the returned future ends with what it did (from the worker itself:
+        run at once, the future already done). For a caller that must not block a thread on it."""
         future: Future[T] = Future()
+        if threading.current_thread() is self._thread:
+            try:
+                future.set_result(fn())
+            except BaseException as exc:
+                future.set_exception(exc)
+            return future
         self._put((fn, future))
-        return future.result(timeout)
+        return future
 
     def request(self, fn: Callable[[], object]) -> None:
         """Run ``fn`` once soon, without waiting; a request already queued covers this one."""

@@ -38,6 +38,7 @@ class Held:
     error: str | None
     activity: str | None = None
     serving: bool = False  # it serves, or loads at its next request (an on-demand one with nothing recorded yet)
+    conflict: bool = False  # ``error`` is an ownership conflict (a watched file declares an API-owned name)
 
 
 def _open_failure(store: StateStore, name: str, latest: Revision | None, running: bool) -> str | None:
@@ -75,22 +76,22 @@ def status_report(store: StateStore, name: str, held: Held | None = None) -> dic
     else:
         running = held.progressing
         last_error = held.error if running else held.error or _open_failure(store, name, latest, running)
-    phase = phase_of(progressing=running, last_error=last_error,
-                     current=current is not None or (held is not None and held.serving))
-    failed = latest.revision if last_error and latest is not None and latest.phase != Phase.READY else None
+    serves = held.serving if held is not None else current is not None  # the process that holds it knows
+    phase = phase_of(progressing=running, last_error=last_error, current=serves)
+    conflict = held is not None and held.conflict and last_error is not None
+    failed = (latest.revision if last_error and not conflict and latest is not None and latest.phase != Phase.READY
+              else None)
     subject = f"revision {failed}" if failed else "the last change"
     conditions = [
-        {"type": "Ready", "status": current is not None,
-         "reason": f"Revision{current.revision}Ready" if current else "NoReadyRevision",
-         "message": (f"revision {current.revision} is deployed" if current else "nothing deployed yet")},
+        _ready_condition(current, serves),
         {"type": "Progressing", "status": running,
          "reason": "ApplyRunning" if running else "Idle",
          "message": _progressing_message(latest, running, held)},
         {"type": "Failed", "status": last_error is not None,
-         "reason": f"Revision{failed}Failed" if failed else ("ChangeRejected" if last_error else "None"),
-         "message": (f"{subject} failed: {last_error}"
-                     + (f"; revision {current.revision} stays current" if current else "")
-                     if last_error else "")},
+         "reason": ("OwnershipConflict" if conflict else f"Revision{failed}Failed" if failed
+                    else "ChangeRejected" if last_error else "None"),
+         "message": ("" if last_error is None else last_error if conflict else f"{subject} failed: {last_error}"
+                     + (f"; revision {current.revision} stays current" if current else ""))},
     ]
     row = store.deployment(name) or {}
     return {
@@ -104,6 +105,20 @@ def status_report(store: StateStore, name: str, held: Held | None = None) -> dic
         "last_error": last_error,
         "manifest": row.get("manifest_path"),
     }
+
+
+def _ready_condition(current: Revision | None, serves: bool) -> dict[str, Any]:
+    """Ready as the phase sees it: what the holding process serves, or (no process holds it) the store's
+    current revision; an on-demand deployment with nothing recorded yet is ready (it loads when asked)."""
+    if current is not None and serves:
+        return {"type": "Ready", "status": True, "reason": f"Revision{current.revision}Ready",
+                "message": f"revision {current.revision} is deployed"}
+    if serves:
+        return {"type": "Ready", "status": True, "reason": "LoadsOnDemand",
+                "message": "validated and planned; its first request applies and loads it"}
+    return {"type": "Ready", "status": False, "reason": "NotServing" if current else "NoReadyRevision",
+            "message": (f"revision {current.revision} is recorded but nothing serves it" if current
+                        else "nothing deployed yet")}
 
 
 def _progressing_message(latest: Revision | None, running: bool, held: Held | None) -> str:

@@ -1,11 +1,11 @@
-"""What the endpoints share: finding the model, pinning its generation without blocking the event
-loop, turning sampling fields into an engine request, and bridging the engine's thread to asyncio.
+"""What the endpoints share: finding the model, pinning its generation without blocking the event loop or
+holding a thread while it loads, turning sampling fields into an engine request, and bridging the engine's
+thread to asyncio.
 
 A request pins the newest Ready generation for its whole life (a stream included) with a ``Lease`` and
-releases it exactly once when it ends, however it ends: answered, refused, or the client gone before,
-during or after its response started (``stream.LeasedStream`` releases a stream's lease even when its
-body never runs). The generation it started on serves it to the end even if a reload swapped a newer
-one in meanwhile.
+releases it exactly once when it ends, however it ends: answered, refused, or the client gone before, during
+or after its response started (``stream.LeasedStream`` releases a stream's lease even when its body never
+runs). The generation it started on serves it to the end even if a reload swapped a newer one in meanwhile.
 """
 
 from __future__ import annotations
@@ -14,11 +14,13 @@ import asyncio
 import json
 import threading
 from collections.abc import AsyncIterator, Callable
+from concurrent.futures import Future
 from typing import TYPE_CHECKING, Any, Protocol, TypeVar
 
 from starlette.concurrency import run_in_threadpool
 
 from ...control.budget import BudgetError
+from ...control.live.pool import NotLoaded
 from ...engine.adapters import UnknownAdapter
 from ...engine.admission import QueueFull
 from ...engine.requests import GenerationRequest, GenerationResult
@@ -35,6 +37,7 @@ if TYPE_CHECKING:
 
 RETRY_AFTER_SECONDS = 1
 BUDGET_RETRY_AFTER_SECONDS = 10
+LOAD_RETRY_AFTER_SECONDS = 5
 T = TypeVar("T")
 
 
@@ -47,7 +50,7 @@ class Registry(Protocol):
 
     def items(self) -> list[tuple[str, Deployment]]: ...
 
-    def wait_served(self, name: str, timeout: float) -> Deployment | None: ...
+    def when_served(self, name: str) -> Future[None]: ...
 
     def why_not_served(self, name: str) -> str | None: ...
 
@@ -65,13 +68,18 @@ async def find(registry: Registry, name: str, *, wait: float = LOAD_WAIT_SECONDS
         known = ", ".join(sorted(n for n, _ in registry.items())) or "none"
         raise APIError(404, f"the model {name!r} does not exist (served: {known})", param="model",
                        code="model_not_found")
-    dep = await run_in_threadpool(registry.wait_served, name, wait)
+    try:  # on the loop, holding no thread; shielded: the future is the registry's
+        await asyncio.wait_for(asyncio.shield(asyncio.wrap_future(registry.when_served(name))), wait)
+    except TimeoutError:
+        pass
+    dep = registry.get(name)
     if dep is not None:
         return dep
     why = registry.why_not_served(name)
     message = (f"model {name!r} cannot be served: {why}" if why
                else f"model {name!r} is still loading after {wait:.0f}s; retry shortly")
-    raise APIError(503, message, param="model", code="model_not_ready", headers={"Retry-After": "5"})
+    raise APIError(503, message, param="model", code="model_not_ready",
+                   headers={"Retry-After": str(LOAD_RETRY_AFTER_SECONDS)})
 
 
 class Lease:
@@ -97,23 +105,28 @@ class Lease:
 
 
 async def _pin(dep: Deployment) -> Generation:
-    """Pin the current generation; while a recreate has none, wait for one in a thread. If this request
-    is cancelled meanwhile, the pin the thread still takes is released when it arrives."""
+    """Pin the current generation. While there is none (an on-demand load, a recreate), wait on the event
+    loop, holding no thread, for ``dep.servable()`` (the load runs on the deployment's change thread),
+    and pin again; up to ``acquire_timeout``, then a 503 with ``Retry-After``. Nothing is pinned until
+    ``try_pin`` succeeds on the loop, so a request cancelled meanwhile leaves nothing behind."""
     gen = dep.pool.try_pin()
     if gen is not None:
         return gen
-    # Deployment.pin also loads an unloaded model first (making room under the host's budget)
-    waiting = asyncio.ensure_future(run_in_threadpool(dep.pin, dep.acquire_timeout))
-    try:
-        return await asyncio.shield(waiting)
-    except asyncio.CancelledError:
-        waiting.add_done_callback(lambda done: _release_abandoned(dep, done))
-        raise
-
-
-def _release_abandoned(dep: Deployment, done: asyncio.Future[Generation]) -> None:
-    if not done.cancelled() and done.exception() is None:
-        dep.pool.release(done.result())
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + dep.acquire_timeout
+    with dep.wanted():  # busy from now: what loads for this request stays loaded
+        while (gen := dep.pool.try_pin()) is None:
+            try:  # shielded: a request giving up must not cancel the load the others wait for
+                await asyncio.wait_for(asyncio.shield(asyncio.wrap_future(dep.servable())),
+                                       max(0.0, deadline - loop.time()))
+            except NotLoaded:
+                if dep.host is None:
+                    raise
+            except TimeoutError:
+                raise APIError(503, f"model {dep.name!r} is still loading after {dep.acquire_timeout:g}s; "
+                               "retry shortly", param="model", code="model_not_ready",
+                               headers={"Retry-After": str(LOAD_RETRY_AFTER_SECONDS)}) from None
+    return gen
 
 
 async def lease(dep: Deployment, kind: str) -> Lease:
@@ -126,7 +139,7 @@ async def lease(dep: Deployment, kind: str) -> Lease:
                        code="budget_exhausted", headers={"Retry-After": str(BUDGET_RETRY_AFTER_SECONDS)}) from None
     except DeploykitError as exc:
         raise APIError(503, f"model {dep.name!r} is not ready: {exc}", param="model", code="model_not_ready",
-                       headers={"Retry-After": "5"}) from None
+                       headers={"Retry-After": str(LOAD_RETRY_AFTER_SECONDS)}) from None
     runtime = held.runtime
     if runtime is None or runtime.kind != kind:
         held.release()

@@ -16,19 +16,13 @@ from .protocol import ModelCard, ModelList
 router = APIRouter()
 
 
-def _card(name: str, dep: Any) -> ModelCard:
-    gen = dep.pool.current
-    state = dep.state().loaded
-    return ModelCard(id=name, created=int(gen.created) if gen else 0, loaded=state == "loaded", state=state)
-
-
-def _adapter_cards(name: str, dep: Any) -> list[ModelCard]:
-    """The LoRA adapters the current generation serves, each as ``<deployment>:<adapter>``."""
-    gen = dep.pool.current
-    adapters = getattr(gen.runtime, "adapters", None) if gen is not None else None
-    if adapters is None:
-        return []
-    return [ModelCard(id=f"{name}:{a}", created=int(gen.created), parent=name) for a in adapters.names()]
+def _cards(name: str, dep: Any) -> list[ModelCard]:
+    """The deployment and the LoRA adapters its serving generation serves (each as ``<deployment>:<adapter>``),
+    from one snapshot of it (``Deployment.state``)."""
+    snap = dep.state()
+    created = int(snap.created or 0)
+    card = ModelCard(id=name, created=created, loaded=snap.loaded == "loaded", state=snap.loaded)
+    return [card, *(ModelCard(id=f"{name}:{a.name}", created=created, parent=name) for a in snap.adapters or [])]
 
 
 def _loading(registry: Any) -> list[ModelCard]:
@@ -42,7 +36,7 @@ async def list_models(request: Request) -> ModelList:
     loading = _loading(registry)  # first: a deployment is served before it stops loading
     items = registry.items()
     served = {name for name, _ in items}
-    cards = [card for name, dep in items for card in (_card(name, dep), *_adapter_cards(name, dep))]
+    cards = [card for name, dep in items for card in _cards(name, dep)]
     return ModelList(data=cards + [c for c in loading if c.id not in served])
 
 
@@ -52,7 +46,7 @@ async def get_model(name: str, request: Request) -> ModelCard:
     loading = {c.id: c for c in _loading(registry)}  # read first (see list_models)
     base, adapter = model_parts(name)
     if adapter is not None:
-        card = next((c for c in _adapter_cards(base, dep) if c.id == name), None) if (dep := registry.get(base)) else None
+        card = next((c for c in _cards(base, dep)[1:] if c.id == name), None) if (dep := registry.get(base)) else None
         if card is None:
             raise APIError(404, f"the model {name!r} does not exist", param="model", code="model_not_found")
         return card
@@ -61,4 +55,4 @@ async def get_model(name: str, request: Request) -> ModelCard:
         return loading[name]
     if dep is None:
         raise APIError(404, f"the model {name!r} does not exist", param="model", code="model_not_found")
-    return _card(name, dep)
+    return _cards(name, dep)[0]

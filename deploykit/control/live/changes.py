@@ -1,0 +1,224 @@
+"""What runs on a deployment's change thread (``worker.ChangeWorker``), and the state only that thread
+moves: ``ChangeRunner`` owns the deployment's one state (``machine.StateCell``), its reload log, its loads
+(``on_demand.Loads``: the pool and what it loads), the abort signal of a gated rollout and its latest
+progress. Every method here runs on that thread, called through ``Deployment`` (``worker.call``,
+``submit`` or ``post``); the other threads only read what it publishes (``Deployment.state``).
+
+A change that fails at any step (bad manifest, missing file, plan infeasible, load error, failed health
+check) leaves the serving generation untouched; its error goes to the state, the store and the reload log.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections.abc import Callable
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from ...errors import ApplyError, DeploykitError
+from ...spec.manifest import LoadedManifest, manifest_named
+from ..budget import BudgetError
+from ..revisions.change import Change
+from .budgeting import roll_budgeted, start_budgeted
+from .canary import AbortSignal, CanaryProgress
+from .machine import Event, StateCell, Trigger
+from .on_demand import Loads
+from .reloads import ReloadClock, ReloadLog, describe, store_failure
+from .rollout import Rollout, RolloutResult
+
+if TYPE_CHECKING:
+    from ...artifacts.reshard import ProgressSink
+    from ..budget.host import Host
+    from ..revisions.state import StateStore
+    from .pool import GenerationPool
+
+log = logging.getLogger(__name__)
+StepSink = Callable[[str], None] | None
+
+
+class ChangeRunner:
+    """The change side of one deployment (``owner``: the ``Deployment`` its reload callbacks are given)."""
+
+    def __init__(self, owner: Any, loads: Loads, *, manifest_path: Path, wanted_name: str | None,
+                 named: Callable[[str], None]) -> None:
+        self._owner = owner
+        self.loads = loads
+        self.manifest_path = manifest_path
+        self.wanted_name = wanted_name
+        self._named = named  # tells the deployment its name once the manifest says it
+        self.cell = StateCell()  # moved only here
+        self.reload_log = ReloadLog()
+        self.abort = AbortSignal()  # a rollback ends a gated rollout in progress with it
+        self.rollout_progress: CanaryProgress | None = None  # the latest gated rollout (in progress or ended)
+        self.given: LoadedManifest | None = None  # a manifest handed over (control API), not a file
+        self.callbacks: list[Callable[[Any], None]] = []
+        self.closed = False
+        self.closing = threading.Event()  # close() began: a load waiting for room stops waiting
+
+    @property
+    def name(self) -> str:
+        return self.loads.name
+
+    @property
+    def pool(self) -> GenerationPool:
+        return self.loads.pool
+
+    @property
+    def store(self) -> StateStore:
+        return self.loads.store
+
+    @property
+    def host(self) -> Host | None:
+        return self.loads.host
+
+    @property
+    def devices(self) -> str | None:
+        return self.loads.devices
+
+    @property
+    def acquire_timeout(self) -> float:
+        return self.loads.acquire_timeout
+
+    def start(self, *, force: bool, progress: ProgressSink | None, on_step: StepSink,
+              change: Change | None) -> bool:
+        """Load what serves at start. True: the last promoted revision serves and the manifest, gated,
+        differs from it (the caller rolls it out next, through its gates)."""
+        loaded = change.loaded if change is not None else self.manifest()
+        change = change if change is not None else Change(loaded, self.devices)
+        self.loads.name = self.pool.name = loaded.name
+        self._named(loaded.name)
+        self.cell.move(Event(Trigger.CHANGE_STARTED))
+        self.store.interrupt_restarted(loaded.name)  # a rollout a dead process left Progressing: say so
+        try:
+            if self.host is None:
+                gated_next = self.loads.start(loaded, force=force, progress=progress, on_step=on_step, change=change)
+            else:
+                gated_next = start_budgeted(self.loads, self.host, change, force=force, progress=progress,
+                                            on_step=on_step)
+        except Exception as exc:
+            self.cell.move(Event(Trigger.CHANGE_FAILED, serving=False, error=describe(exc, loaded)))
+            raise
+        self.cell.move(Event(Trigger.CHANGE_SUCCEEDED, serving=self.serving()))
+        return gated_next
+
+    def serving(self) -> bool:
+        return self.pool.view().serving  # the one meaning (unloaded: loads at its next request)
+
+    def load_for_request(self) -> None:
+        """On the worker: a request found the deployment unloaded; load it once the host has made room
+        (waiting for room here, on this deployment's own thread; a close stops the wait)."""
+        assert self.host is not None
+        if self.closed:
+            raise ApplyError(f"deployment {self.name!r} is closed")
+        if self.pool.unloaded:
+            self.host.load(self.name, self.load_on_demand, reason="request", stop=self.closing)
+
+    def load_on_demand(self) -> None:
+        """On the worker: load what serves now (``Loads.load_current``); a failure that is not a lack of
+        room shows in ``status()`` like a failed reload, and a load that works clears it."""
+        if not self.pool.unloaded:
+            return  # loaded meanwhile (a rollout, another request)
+        try:
+            self.loads.load_current()
+        except BudgetError:
+            raise
+        except DeploykitError as exc:
+            error = describe(exc, self.loads.pending)
+            log.warning("loading %s on demand failed: %s", self.name, error)
+            self.cell.move(Event(Trigger.LOAD_FAILED, serving=self.serving(), error=error))
+            raise
+        self.cell.move(Event(Trigger.LOAD_SUCCEEDED, serving=True))
+
+    def reload_now(self) -> bool:
+        if self.closed:
+            return False
+        swapped = self._reload_once() is True
+        if swapped:
+            self._notify()
+        return swapped
+
+    def roll(self, given: LoadedManifest | None, *, force: bool, progress: ProgressSink | None,
+              on_step: StepSink, change: Change | None) -> RolloutResult:
+        """``roll_to`` (``given``) or ``reconcile`` (None: the file as it is now), raising on failure."""
+        if self.closed:
+            raise ApplyError(f"{self.name!r} is being deleted")
+        result = self._reload_once(given, force=force, progress=progress, on_step=on_step, raise_errors=True,
+                                   change=change)
+        assert isinstance(result, RolloutResult)
+        if result.swapped:
+            self._notify()
+        return result
+
+    def _notify(self) -> None:
+        for callback in list(self.callbacks):
+            try:
+                callback(self._owner)
+            except Exception:  # a callback's bug must not break serving
+                log.exception("on_reload callback failed")
+
+    def _reload_once(self, given: LoadedManifest | None = None, *, force: bool = False,
+                     progress: ProgressSink | None = None, on_step: StepSink = None,
+                     raise_errors: bool = False, change: Change | None = None) -> bool | RolloutResult:
+        clock = ReloadClock()
+        loaded: LoadedManifest | None = given
+        strategy = "none"
+        self.cell.move(Event(Trigger.CHANGE_STARTED))
+        try:
+            loaded = given or self.manifest()
+            if loaded.name != self.name:
+                raise ApplyError(f"the manifest now names {loaded.name!r}, this deployment is "
+                                 f"{self.name!r}; a rename is a new deployment")
+            if change is None or change.loaded is not loaded:
+                change = Change(loaded, self.devices)  # parsed once, checked and planned once from here
+            result = self._rollout(change, force=force, progress=progress, on_step=on_step)
+            strategy = result.strategy
+        except Exception as exc:  # any failure, expected or not: recorded, the last good generation serves
+            if not isinstance(exc, DeploykitError):
+                log.error("reload of %s failed unexpectedly", self.name, exc_info=exc)
+            self._record_failure(exc, loaded, strategy, clock)
+            if raise_errors:
+                raise
+            return False
+        if given is not None:
+            self.given = given
+        swapped = self._finish_reload(result, clock)
+        return result if raise_errors else swapped
+
+    def _rollout(self, change: Change, *, force: bool, progress: ProgressSink | None,
+                 on_step: StepSink) -> RolloutResult:
+        if self.host is None:
+            rollout = Rollout(self.pool, self.store, devices=self.devices, acquire_timeout=self.acquire_timeout,
+                              abort=self.abort, publish=self._owner._publish)
+            return rollout.run(change.loaded, force=force, progress=progress, on_step=on_step, change=change)
+        return roll_budgeted(self.loads, self.host, change, force=force, progress=progress, on_step=on_step,
+                             abort=self.abort, publish=self._owner._publish)
+
+    def _finish_reload(self, result: RolloutResult, clock: ReloadClock) -> bool:
+        if result.outcome is not None:
+            self.loads.last_outcome = result.outcome
+        serving = self.serving()
+        self.cell.move(Event(Trigger.CHANGE_SUCCEEDED if serving else Trigger.CHANGE_FAILED, serving=serving,
+                              error=None if serving else "nothing serves after the change"))
+        if not result.swapped:  # nothing changed that needs a new generation
+            return False
+        current = self.pool.current
+        clock.record(self.reload_log, self.pool.number, current.revision if current else None, True, result.strategy)
+        return True
+
+    def _record_failure(self, exc: Exception, loaded: LoadedManifest | None, strategy: str,
+                        clock: ReloadClock) -> None:
+        error = describe(exc, loaded)
+        log.warning("reload of %s failed; generation %d keeps serving: %s", self.name, self.pool.number, error)
+        store_failure(self.store, self.name, exc, loaded, error)  # first: who sees it here sees it in the store
+        self.cell.move(Event(Trigger.CHANGE_FAILED, serving=self.serving(), error=error))
+        clock.record(self.reload_log, self.pool.number, None, False, strategy, error)
+
+    def close(self, timeout: float) -> None:
+        self.closed = True
+        self.pool.close(timeout)
+        self.cell.move(Event(Trigger.CLOSED))
+
+    def manifest(self) -> LoadedManifest:
+        return self.given if self.given is not None else manifest_named(self.manifest_path, self.wanted_name)
+

@@ -1,0 +1,147 @@
+"""The manifest files a supervisor follows, and the names they own. Runs on the threads of a supervisor's
+start (its first loads, in parallel), on the watcher's thread (a file saved, added or removed) and on the
+add threads it starts (a new file's deployments, a deleted name's heir), which ``Roster.adds`` joins.
+
+A file's deployment is created only once the file owns its name (``Owners.claim_for_file``): a name the
+control API deployed first makes the file *in conflict* on it, shown as that deployment's error. A saved
+file reloads its deployments on their own change threads; a removed one is pruned with ``--prune``, else
+its deployments keep serving.
+"""
+
+from __future__ import annotations
+
+import logging
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+from ...errors import DeploykitError
+from ...spec.manifest import load_manifests, manifest_files
+from .deployment import Deployment
+from .roster import Roster
+from .watcher import ManifestWatcher
+
+log = logging.getLogger(__name__)
+
+
+class FollowedFiles:
+    """The files of ``path`` (a manifest file or directory) and the deployments they own."""
+
+    def __init__(self, roster: Roster, path: Path, *, prune: bool, debounce: float) -> None:
+        self.roster = roster
+        self.path = path
+        self.prune = prune
+        self.debounce = debounce
+        self._watcher: ManifestWatcher | None = None
+
+    def manifest_files(self) -> list[Path]:
+        return [f for f in manifest_files(self.path) if f.exists()]
+
+    def start(self) -> None:
+        """Load every file's deployments (in parallel, one worker each), then follow the files."""
+        files = self.manifest_files()
+        declared = [(file, self.names(file)) for file in files]
+        self.roster.served.begin_loading(name for _, names in declared for name in names)
+        if len(files) > 1:
+            from ...model.hf import preload
+
+            preload()  # before the loads run in parallel
+        with ThreadPoolExecutor(max_workers=max(1, min(4, len(files))), thread_name_prefix="deploykit-load") as pool:
+            for file, names in declared:
+                pool.submit(self.add, file, names)
+        self._watcher = ManifestWatcher([self.path], self._on_change, debounce=self.debounce)
+        self._watcher.start()
+
+    def stop(self) -> None:
+        """Follow the files no more (joins the watcher)."""
+        if self._watcher is not None:
+            self._watcher.stop()
+
+    def set_error(self, file: Path, error: str | None) -> None:
+        self.roster.served.set_error(str(file), error)
+
+    def names(self, file: Path) -> list[str]:
+        """The names ``file`` declares now (none when it cannot be read: its error is recorded); a conflict
+        on a name it no longer declares is over."""
+        try:
+            names = [m.name for m in load_manifests(file)]
+        except DeploykitError as exc:
+            self.set_error(file, str(exc))
+            log.error("%s", exc)
+            return []
+        self.set_error(file, None)
+        for name in self.roster.owners.drop_conflicts(file, keep=set(names)):
+            self.roster.show_conflict(name)
+        return names
+
+    def add(self, file: Path, names: list[str]) -> None:
+        for name in names:
+            try:
+                self.add_one(file, name)
+            except DeploykitError as exc:
+                self.set_error(file, f"{name}: {exc}")
+                log.error("%s: %s could not be deployed: %s", file, name, exc)
+            except Exception as exc:  # a bug, or a library failing oddly: report it, keep the others
+                self.set_error(file, f"{name}: internal error: {type(exc).__name__}: {exc}")
+                log.exception("%s: %s could not be deployed", file, name)
+
+    def add_later(self, file: Path, names: list[str]) -> None:
+        """``add`` on a thread of its own (listed as loading from now), joined when the supervisor closes."""
+        self.roster.served.begin_loading([n for n in names if self.roster.get(n) is None])
+        self.roster.adds.start(self.add, file, names, name="deploykit-add")
+
+    def add_one(self, file: Path, name: str) -> Deployment | None:
+        """Deploy ``name`` from ``file`` if the file owns it (None when it does not, or it serves already)."""
+        with self.roster.turns.exclusive(name, "load"):
+            return self.add_owned(file, name)
+
+    def add_owned(self, file: Path, name: str) -> Deployment | None:
+        """``add_one`` with the name's turn held."""
+        roster = self.roster
+
+        def claim() -> bool:
+            found = roster.owners.claim_for_file(name, file)
+            if found.conflict is not None:
+                log.error("%s", found.conflict)
+                roster.show_conflict(name)
+            return found.ok
+
+        dep = roster.create(name, claim, lambda: Deployment.from_manifest(
+            file, name=name, devices=roster.devices, store=roster.store, host=roster.host))
+        if dep is not None:
+            log.info("%s: serving %s (generation %d)", file, name, dep.generation)
+        return dep
+
+    def _on_change(self, changed: list[Path]) -> None:
+        for file in changed:
+            owned = self.roster.owners.names_of(file)
+            if not file.exists():
+                self.file_removed(file, owned)
+                continue
+            for name in owned:
+                dep = self.roster.get(name)
+                if dep is not None:
+                    dep.request_reload()
+            new = [n for n in self.names(file) if self.roster.get(n) is None or self.roster.owners.owned_by_api(n)]
+            if new:
+                self.add_later(file, new)
+
+    def file_removed(self, file: Path, owned: list[str]) -> None:
+        self.set_error(file, None)
+        for name in self.roster.owners.drop_conflicts(file, keep=set()):
+            self.roster.show_conflict(name)
+        for name in owned:
+            if self.prune:
+                self._remove(name)
+            else:
+                log.warning("%s was removed; %s keeps serving (use --prune to remove it)", file, name)
+
+    def _remove(self, name: str) -> None:
+        from ..revisions.lifecycle import delete
+
+        dep = self.roster.served.pop(name)
+        self.roster.owners.release(name)
+        if dep is not None:
+            dep.close()
+        self.roster.forget(name)
+        delete(self.roster.store, name, reason="manifest removed; deployment pruned")
+        log.info("pruned %s", name)
