@@ -300,9 +300,9 @@ class GatedRollout:
         self._show(self._now(gates=kept + tuple(results), requests=self._requests(serving, new),
                              step_requests=step_requests))
 
-    @staticmethod
-    def _requests(serving: Generation, new: Generation) -> dict[str, int]:
-        return {str(serving.number): serving.traffic.total, str(new.number): new.traffic.total}
+    def _requests(self, serving: Generation, new: Generation) -> dict[str, int]:
+        """Each generation's finished requests since the first step began."""
+        return {str(g.number): g.traffic.window(self._traffic_started).requests for g in (serving, new)}
 
     def _check(self, results: list[GateResult], where: str = "") -> None:
         failed = first_failure(results)
