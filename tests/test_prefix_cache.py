@@ -261,3 +261,18 @@ def test_continuous_batching_refuses_a_prefix_cache_it_would_not_keep(model: Any
     with pytest.raises(ManifestError, match="needs batching: padded") as err:
         load_manifests(tmp_path / "m.yaml")
     assert err.value.issues[0].field.startswith("spec.serving.prefix_cache")
+
+
+@pytest.mark.parametrize(("budget", "held"), [(None, 1 << 30), (200 << 20, 49 << 20), (3 << 20, 0)])
+def test_under_a_host_budget_the_default_prefix_cache_is_sized_within_its_cpu_tier(
+        model: Any, tmp_path: Any, budget: int | None, held: int) -> None:
+    """`deploykit serve --budget cpu=...`: the default cache takes a quarter of what the budget's CPU tier
+    leaves beside the weights (whole MiB), so a default manifest fits the budget it runs in."""
+    from deploykit.control.revisions.change import Change
+    from deploykit.spec.manifest import load_manifests
+    from manifests import manifest_text
+
+    (tmp_path / "m.yaml").write_text(manifest_text(model, cpu="64GiB"))
+    [loaded] = load_manifests(tmp_path / "m.yaml")
+    plan = Change(loaded, "cpu=64GiB", budget_cpu=budget).plan()
+    assert plan.prefix_cache_bytes == held

@@ -64,6 +64,9 @@ class Inventory:
     simulated: bool = True
     notes: tuple[str, ...] = field(default=(), compare=False)
     nodes: tuple[Node, ...] = ()  # empty: a single host
+    # the CPU tier of the host budget this deployment runs under (deploykit serve --budget), if any: the
+    # default prefix cache is sized within it (the weights' placement does not read it)
+    budget_cpu: int | None = None
 
     @classmethod
     def of_nodes(cls, nodes: tuple[Node, ...], *, simulated: bool = True,

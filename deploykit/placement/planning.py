@@ -73,14 +73,17 @@ def keeps_prefixes(spec: Spec) -> bool:
 
 
 def _kv_room(planned: Plan, inventory: Inventory | None) -> int | None:
-    """``kv_budget`` of ``planned``; where the CPU holds KV with no tier budget, what the machine's memory
-    (``inventory.cpu``: this host's, or ``--devices cpu=...``) leaves beside the weights there."""
+    """``kv_budget`` of ``planned``; where the CPU holds KV, at most what the machine's memory
+    (``inventory.cpu``: this host's, or ``--devices cpu=...``) and the host budget's CPU tier
+    (``inventory.budget_cpu``) leave beside the weights there."""
     room = kv_budget(planned)
     share = kv_shares(planned).get("cpu")
-    if room is not None or inventory is None or inventory.cpu is None or not share:
+    limits = [v for v in (inventory.cpu, inventory.budget_cpu) if v is not None] if inventory is not None else []
+    if not share or not limits or (room is not None and inventory is not None and inventory.budget_cpu is None):
         return room
     held = sum(d.bytes for d in planned.devices if d.tier == "cpu")
-    return int(max(0, inventory.cpu - held) / share)
+    cpu_room = int(max(0, min(limits) - held) / share)
+    return cpu_room if room is None else min(room, cpu_room)
 
 
 def with_prefix_cache(planned: Plan, spec: Spec, inventory: Inventory | None = None) -> Plan:

@@ -102,6 +102,11 @@ class Host:
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
 
+    @property
+    def cpu_bytes(self) -> int | None:
+        """The budget's CPU tier (None: not limited): what a deployment's default prefix cache is sized in."""
+        return self.budget.tiers.get("cpu")
+
     # ---- membership ----------------------------------------------------------------------------
 
     def register(self, name: str, pool: Held, need: dict[str, int], *, priority: int,

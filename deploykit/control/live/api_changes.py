@@ -97,7 +97,8 @@ class ApiChanges:
         if devices and not dry_run and devices != roster.devices:
             raise DeploykitError("--devices applies only to --dry-run when a server holds the deployments; "
                                  "the server plans with its own inventory (deploykit serve --devices)")
-        change = Change(loaded, devices or roster.devices)  # checked once, planned once, whatever runs it
+        change = Change(loaded, devices or roster.devices,  # checked once, planned once, whatever runs it
+                        budget_cpu=roster.host.cpu_bytes if roster.host is not None and not devices else None)
         if roster.owners.check_api_change(name, what, Path(loaded.source) if what == "apply" else None):
             if dry_run:
                 return self.dry_run(change, force=force)

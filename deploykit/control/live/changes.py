@@ -77,6 +77,10 @@ class ChangeRunner:
         return self.loads.devices
 
     @property
+    def budget_cpu(self) -> int | None:
+        return self.host.cpu_bytes if self.host is not None else None
+
+    @property
     def acquire_timeout(self) -> float:
         return self.loads.acquire_timeout
 
@@ -85,7 +89,7 @@ class ChangeRunner:
         """Load what serves at start. True: the last promoted revision serves and the manifest, gated,
         differs from it (the caller rolls it out next, through its gates)."""
         loaded = change.loaded if change is not None else self.manifest()
-        change = change if change is not None else Change(loaded, self.devices)
+        change = change if change is not None else Change(loaded, self.devices, budget_cpu=self.budget_cpu)
         self.loads.name = self.pool.name = loaded.name
         self._named(loaded.name)
         self.cell.move(Event(Trigger.CHANGE_STARTED))
@@ -170,7 +174,7 @@ class ChangeRunner:
                 raise ApplyError(f"the manifest now names {loaded.name!r}, this deployment is "
                                  f"{self.name!r}; a rename is a new deployment")
             if change is None or change.loaded is not loaded:
-                change = Change(loaded, self.devices)  # parsed once, checked and planned once from here
+                change = Change(loaded, self.devices, budget_cpu=self.budget_cpu)  # parsed once, checked and planned once from here
             result = self._rollout(change, force=force, progress=progress, on_step=on_step)
             strategy = result.strategy
         except Exception as exc:  # any failure, expected or not: recorded, the last good generation serves

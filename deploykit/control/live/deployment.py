@@ -67,7 +67,6 @@ class Deployment(EmbeddedApi):
     def __init__(self, manifest_path: Path, *, name: str | None = None, devices: str | None = None,
                  store: StateStore | None = None, acquire_timeout: float = DEFAULT_ACQUIRE_TIMEOUT,
                  host: Host | None = None) -> None:
-        self.manifest_path = Path(manifest_path)
         self._wanted_name = name
         self.devices = devices
         self.store = store or open_store()
@@ -76,7 +75,7 @@ class Deployment(EmbeddedApi):
         self.name: str = name or ""
         self.pool = GenerationPool(self.name)
         self.loads = Loads(self.name, self.pool, self.store, devices, host, acquire_timeout)
-        self._changes = ChangeRunner(self, self.loads, manifest_path=self.manifest_path, wanted_name=name,
+        self._changes = ChangeRunner(self, self.loads, manifest_path=Path(manifest_path), wanted_name=name,
                                      named=self._named)  # what only the change thread runs and moves
         self._worker = ChangeWorker(name or self.manifest_path.stem)
         self.pool.owner = self._worker.submit  # what is loaded changes on this deployment's change thread
@@ -132,6 +131,15 @@ class Deployment(EmbeddedApi):
         if self._changes.start(force=force, progress=progress, on_step=on_step, change=change):
             self._worker.request(self.reload)  # the last promoted revision serves: the manifest rolls out
                                                # from it, through its gates
+
+    @property
+    def manifest_path(self) -> Path:
+        """The file this deployment follows (the change thread reads it at each reload)."""
+        return self._changes.manifest_path
+
+    @manifest_path.setter
+    def manifest_path(self, path: Path) -> None:
+        self._changes.manifest_path = Path(path)
 
     # ---- serving --------------------------------------------------------------------------------
 

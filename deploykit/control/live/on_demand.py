@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from ...names import Strategy
+from ..revisions.change import Change
 from ..revisions.loading import checked_current, load_laid_out, serving_of
 from ..revisions.reconciler import ApplyOptions, ApplyOutcome, apply
 
@@ -24,7 +25,6 @@ if TYPE_CHECKING:
     from ...artifacts.reshard import ProgressSink
     from ...spec.manifest import LoadedManifest
     from ..budget.host import Host
-    from ..revisions.change import Change
     from ..revisions.state import Revision, StateStore
     from .pool import GenerationPool
 
@@ -85,7 +85,8 @@ class Loads:
         (by hash the first time this process loads that revision, by presence and size after), then
         loaded and health-checked. A pending new revision of an on-demand deployment: the whole apply."""
         if self.pending is not None:
-            self.load_initial(self.pending)
+            self.load_initial(self.pending, change=Change(self.pending, self.devices, budget_cpu=(
+                self.host.cpu_bytes if self.host is not None else None)))
             self.pending = None
             return
         current = checked_current(self.store, self.name, verified=self.verified)

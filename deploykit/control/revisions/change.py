@@ -10,7 +10,7 @@ serving generation is another inventory, so it is planned again; a probed host i
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING
 
 from ...placement.inventory import Inventory
@@ -27,6 +27,7 @@ class Change:
 
     loaded: LoadedManifest
     devices: str | None = None
+    budget_cpu: int | None = None  # the host budget's CPU tier (``Inventory.budget_cpu``), if any
     plans_made: int = 0  # how many times this change was planned (tests and status read it)
     _issues: list[Issue] | None = field(default=None, repr=False)
     _inventory: Inventory | None = field(default=None, repr=False)
@@ -41,7 +42,8 @@ class Change:
     def inventory(self) -> Inventory:
         """What the change is planned against, probed once (``deployment_inventory``)."""
         if self._inventory is None:
-            self._inventory = deployment_inventory(self.loaded, self.devices)
+            probed = deployment_inventory(self.loaded, self.devices)
+            self._inventory = replace(probed, budget_cpu=self.budget_cpu) if self.budget_cpu else probed
         return self._inventory
 
     def plan(self, inventory: Inventory | None = None) -> Plan:
