@@ -37,7 +37,7 @@ demo: $(STAMP)
 test: $(STAMP) $(LLAMA)
 	$(VENV)/bin/lint-imports --no-cache
 	$(PY) -m mypy deploykit
-	$(PY) -m pytest -q
+	$(PY) -m pytest -q --durations=15
 
 # The lowest versions deploykit supports (the lower bounds in pyproject.toml: transformers 5.17 is the first
 # with GgufConfig, which the GGUF import needs), in a venv of their own, and the engine's tests against them.
