@@ -31,12 +31,14 @@ from deploykit.control.revisions.state import StateStore
 CLI = [sys.executable, "-m", "deploykit.cli"]
 
 
-def manifest(model: Path, shard: str, *, step_seconds: str = "300s") -> str:
+def manifest(model: Path, shard: str, *, step_seconds: str = "300s", limit: str = "") -> str:
+    """A canary of two steps; ``limit``: its max_step_seconds."""
     return (f"apiVersion: deploykit/v1\nkind: ModelDeployment\nmetadata: {{name: chat}}\nspec:\n"
             f"  model: {{path: {model}, dtype: float32}}\n  placement: {{gpus: []}}\n"
             f"  sharding: {{max_shard_size: {shard}}}\n"
             f"  rollout:\n    strategy: canary\n"
-            f"    canary: {{steps: [50, 100], step_seconds: {step_seconds}, min_requests: 1}}\n")
+            f"    canary: {{steps: [50, 100], step_seconds: {step_seconds}, "
+            + (f"max_step_seconds: {limit}, " if limit else "") + "min_requests: 1}\n")
 
 
 def chat_status(server: Server) -> dict[str, Any]:

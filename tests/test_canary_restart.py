@@ -20,17 +20,13 @@ from servers import Server, get
 from traffic import Load
 
 from deploykit.control.revisions.state import StateStore
+from test_canary_interrupt import manifest as canary_manifest
 
 CLI = [sys.executable, "-m", "deploykit.cli"]
 
 
 def manifest(model: Path, shard: str, *, step_seconds: str = "300s") -> str:
-    return (f"apiVersion: deploykit/v1\nkind: ModelDeployment\nmetadata: {{name: chat}}\nspec:\n"
-            f"  model: {{path: {model}, dtype: float32}}\n  placement: {{gpus: []}}\n"
-            f"  sharding: {{max_shard_size: {shard}}}\n"
-            f"  rollout:\n    strategy: canary\n"
-            f"    canary: {{steps: [50, 100], step_seconds: {step_seconds}, "
-            f"max_step_seconds: 600s, min_requests: 1}}\n")
+    return canary_manifest(model, shard, step_seconds=step_seconds, limit="600s")
 
 
 def cli(*args: str, state: Path) -> subprocess.CompletedProcess[str]:

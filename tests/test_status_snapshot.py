@@ -18,11 +18,11 @@ from deploykit.control.budget import Budget
 from deploykit.control.budget.host import Host
 from deploykit.control.live.deployment import Deployment
 from deploykit.control.live.status import served_status
-from deploykit.control.live.supervisor import Supervisor
 from deploykit.control.revisions.state import StateStore
 from deploykit.serve.app import Deployments, create_app
 from deploykit.spec.manifest import load_manifests
 from manifests import manifest_text, write_manifest
+from test_supervisor_faults import watched  # noqa: F401  (a fixture)
 
 
 def on_demand(model: Path, name: str) -> str:
@@ -62,15 +62,6 @@ def test_an_on_demand_deployment_is_ready_in_every_view(tmp_path, chat_model):
         assert report["revision"] == 1 and ready["reason"] == "Revision1Ready"
     finally:
         dep.close()
-
-
-@pytest.fixture
-def watched(model, tmp_path):
-    directory = tmp_path / "manifests"
-    directory.mkdir()
-    supervisor = Supervisor(directory, store=StateStore(tmp_path / "state"), debounce=0.1)
-    yield directory, supervisor
-    supervisor.close()
 
 
 def test_a_conflict_shows_in_the_phase_and_the_conditions_alike(model, tmp_path, watched):

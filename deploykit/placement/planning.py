@@ -100,6 +100,8 @@ def with_prefix_cache(planned: Plan, spec: Spec, inventory: Inventory | None = N
                 f"{format_size(DEFAULT_PREFIX_CACHE_CAP)} (spec.serving.prefix_cache.max_bytes sets it)"
                 if room is not None else f"prefix cache {format_size(held)}: the default where nothing limits the KV")
         return replace(planned, prefix_cache_bytes=held, notes=planned.notes + (note,))
+    if inventory is not None and inventory.budget_cpu is not None:  # the budget bounds the default only: it
+        room = _kv_room(planned, replace(inventory, budget_cpu=None))  # counts no KV of the running batch
     if room is not None and cache.max_bytes > room - MIN_KV_BYTES:
         raise PlanInfeasible(
             f"spec.serving.prefix_cache.max_bytes {format_size(cache.max_bytes)} does not fit: beside the weights "
