@@ -318,10 +318,9 @@ def test_a_failing_batch_fails_its_requests_not_the_engine(llama: Any, reference
         assert eng.submit(GenerationRequest(p, max_new_tokens=6)).result(timeout=60).token_ids == expected
 
 
-def test_a_row_that_fails_a_decode_step_fails_alone(tiny_model: Callable[[str], Path]) -> None:
-    """A model whose output vocabulary is larger than its embedding (as padded heads are): a request that
-    makes it choose an id beyond the embedding fails at its next decode step, a step it shares with
-    another request, which goes on and still equals ``generate``."""
+def padded_head_model(tiny_model: Callable[[str], Path]) -> tuple[Any, int]:
+    """The tiny Llama with 44 output ids beyond its embedding (as padded heads have), never chosen unless a
+    logit_bias of +100 lifts one; and its embedding's vocabulary size."""
     from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(tiny_model("llama"), dtype=torch.float32).eval()
@@ -331,8 +330,16 @@ def test_a_row_that_fails_a_decode_step_fails_alone(tiny_model: Callable[[str], 
         head.weight[:rows] = model.get_output_embeddings().weight
         head.weight[rows:] = 0.0
         head.bias.zero_()
-        head.bias[rows:] = -50.0  # never chosen unless a logit_bias of +100 lifts one
+        head.bias[rows:] = -50.0
     model.lm_head = head
+    return model, rows
+
+
+def test_a_row_that_fails_a_decode_step_fails_alone(tiny_model: Callable[[str], Path]) -> None:
+    """A model whose output vocabulary is larger than its embedding (as padded heads are): a request that
+    makes it choose an id beyond the embedding fails at its next decode step, a step it shares with
+    another request, which goes on and still equals ``generate``."""
+    model, rows = padded_head_model(tiny_model)
     p = prompts(1, seed=11)[0]
     expected = generate(model, p, 40)
     assert max(expected) < rows
@@ -351,17 +358,7 @@ def test_a_row_that_fails_a_mixed_step_fails_alone(tiny_model: Callable[[str], P
     """The same bad request joins rows that share their forwards with a long prompt being read (mixed
     steps): the forward fails, the rows' and the prompt's caches drop what it appended, the bad row fails
     alone, and the other row and the prompt still equal ``generate``."""
-    from transformers import AutoModelForCausalLM
-
-    model = AutoModelForCausalLM.from_pretrained(tiny_model("llama"), dtype=torch.float32).eval()
-    rows = model.config.vocab_size
-    head = torch.nn.Linear(model.config.hidden_size, rows + 44, bias=True)
-    with torch.no_grad():
-        head.weight[:rows] = model.get_output_embeddings().weight
-        head.weight[rows:] = 0.0
-        head.bias.zero_()
-        head.bias[rows:] = -50.0
-    model.lm_head = head
+    model, rows = padded_head_model(tiny_model)
     p = prompts(1, seed=11)[0]
     long = tuple((7 * i) % 250 + 4 for i in range(200))
     expected, read_expected = generate(model, p, 40), generate(model, long, 6)
