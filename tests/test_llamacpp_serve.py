@@ -219,9 +219,11 @@ def test_the_engine_runs_in_a_session_of_its_own_as_llama_server_alone_does(serv
     assert os.getsid(pid) == pid and os.getpgid(pid) == pid  # a session and a group of its own
     assert os.getsid(pid) != os.getsid(server.process.pid)
     groups = [Path(f"/proc/{p}/autogroup") for p in (pid, server.process.pid)]
-    if all(g.exists() for g in groups):  # kernels with CONFIG_SCHED_AUTOGROUP
-        engine, deploykit = (g.read_text().split()[0] for g in groups)
-        assert engine != deploykit
+    # Kernels with CONFIG_SCHED_AUTOGROUP name the group; with autogroup off (or in some containers) the file
+    # exists and reads empty, and the session checks above are all there is to compare.
+    names = [g.read_text().split()[:1] if g.exists() else [] for g in groups]
+    if all(names):
+        assert names[0] != names[1]
 
 
 def test_a_killed_engine_fails_its_request_at_once_and_the_next_one_gets_a_fresh_process(server):
