@@ -118,6 +118,8 @@ async def measure(url: str, model: str, clients: int, per_client: int, server: S
     results, wall = await load(url, model, clients, per_client, MAX_TOKENS, 600.0, True)
     after = (cpu_seconds(front) if front else 0.0, cpu_seconds(engine))
     errors = sum(1 for r in results if r.error)
+    if errors:
+        print(f"  {errors} failed; the first: {next(r.error for r in results if r.error)}", flush=True)
     tokens = sum(r.tokens or r.chunks for r in results if not r.error)
     ttfts = [r.ttft for r in results if not r.error]
     per_token = [1e6 * (a - b) / max(tokens, 1) for a, b in zip(after, before)]

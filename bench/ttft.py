@@ -114,6 +114,7 @@ async def chat(client: Any, messages: list[dict[str, str]], max_tokens: int, *, 
                 if started is not None and len(res.times) == 8:
                     started.set()
             if stop is not None and stop.is_set():
+                await stream.close()  # the connection closed here, not by the garbage collector later
                 break
     except Exception as e:  # noqa: BLE001 - a failed request is reported, not fatal
         res.error = f"{type(e).__name__}: {e}"[:200]
