@@ -308,3 +308,34 @@ def test_a_blue_green_rollout_reserves_the_plan_it_loads_beside_the_serving_one(
         assert dep.generate("hi", max_tokens=4).text == before
     finally:
         dep.close()
+
+
+def test_an_engine_that_fails_to_close_still_releases_its_model(fleet, caplog):
+    """Freeing a generation whose engine raises on close logs it and drops the model all the same: the
+    deployment unloads, its memory goes back, and the next request loads it again (it was left "freeing",
+    model held, for good)."""
+    f = fleet(ONE)
+    dep = f.add("a", keep_alive="0.3s")
+    assert dep.generate("hi", max_tokens=2).text is not None
+    gen = dep.pool.current
+    assert gen is not None and gen.runtime is not None
+
+    import weakref
+
+    runtime = weakref.ref(gen.runtime)  # the test must not keep the model alive itself
+
+    def close() -> None:  # the engine stops, then something of its close fails
+        held = runtime()
+        type(held).close(held)
+        del held
+        raise RuntimeError("the engine would not stop cleanly")
+
+    gen.runtime.close = close  # deploykit's own object: what any engine's close may raise
+    with Collections(dep) as collections:
+        wait_until(lambda: f.host.unload_expired() == ["a"])
+        collections.dead_at_the_free()
+    assert gen.loaded is None and gen.runtime is None and not gen.freeing
+    assert any("closing generation" in r.getMessage() and "would not stop cleanly" in str(r.exc_info[1])
+               for r in caplog.records if r.exc_info)
+    assert f.states() == {"a": "unloaded"}
+    assert dep.generate("hi", max_tokens=2).text is not None  # loaded again on demand

@@ -394,11 +394,18 @@ class GenerationPool:
                 return
             gen.freeing = True
             runtime, gen.runtime = gen.runtime, None
-        if runtime is not None:
-            runtime.close()  # its in-flight requests held pins: none are left
+        try:
+            if runtime is not None:
+                runtime.close()  # its in-flight requests held pins: none are left
+        except Exception:
+            # Freeing is the last step of an unload, a swap or a close: whatever close could not stop (it
+            # says what), the generation's references still go, or it would stay "freeing" with its model
+            # held and no way to free it again.
+            log.exception("%s: closing generation %d's engine failed; its model is released anyway",
+                          self.name, gen.number)
         del runtime  # this frame's reference would keep the model alive past empty_cache below
         with self._cond:
-            gen.loaded = None
+            gen.loaded, gen.freeing = None, False
         _return_memory()
         self._check_memory(gen)
 
