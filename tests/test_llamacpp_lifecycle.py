@@ -77,11 +77,12 @@ def test_hot_reload_under_streaming_load_fails_nothing(tmp_path: Path):
 def test_keep_alive_and_the_budget_end_the_process_and_a_request_loads_again(tmp_path: Path):
     llama_server()
     gguf = smollm2_file()
-    # each plan: the GGUF's tensors (~94 MiB) + a KV cache of 2 slots x 512 tokens (~22 MiB): one fits in 200 MiB
+    # each plan: the GGUF's tensors (~92 MiB) + a KV cache of 2 slots x 512 tokens (~22 MiB) + the logits of a
+    # 512-token micro-batch (96 MiB): one fits in 300 MiB, not two
     text = (manifest(gguf, name="brief", extra="  lifecycle: {load: eager, keep_alive: 1s}\n") + "---\n"
             + manifest(gguf, name="later", extra="  lifecycle: {load: on-demand}\n"))
     (tmp_path / "m.yaml").write_text(text)
-    with Server(tmp_path / "m.yaml", tmp_path / "state", "--budget", "cpu=200MiB") as server:
+    with Server(tmp_path / "m.yaml", tmp_path / "state", "--budget", "cpu=300MiB") as server:
         assert server.process is not None
         pid = server.process.pid
         [first] = wait_until(lambda: engine_pids(pid), 60, "brief loaded")

@@ -7,7 +7,8 @@ offloads the *last*; ``--tensor-split`` as cumulative fractions over the offload
 first device whose fraction exceeds ``i / offloaded`` (``std::upper_bound``); ``--override-tensor`` patterns
 searched in the tensor's name, the first match wins; a tied-embedding GGUF's head is ``token_embd.weight``
 again, loaded as an output tensor, and a second copy only where that buffer does not hold it already
-(``TENSOR_DUPLICATED``); each layer's KV cache on its layer's slot device. Applied to the flags of plans of
+(``TENSOR_DUPLICATED``); each layer's KV cache on its layer's slot device; the logits of a micro-batch in the compute buffer of the
+device that runs the head (``llama_context``'s worst-case reserve). Applied to the flags of plans of
 several GGUFs (SmolLM2's, tied and uniform; small ones written here, tied or not, whose layers differ in size
 as a mixed quantization's do) on several simulated machines, it must give every device the plan's bytes.
 No GPU is needed: both sides are arithmetic on the same GGUF tensor table.
@@ -22,6 +23,7 @@ from pathlib import Path
 import pytest
 
 from deploykit.engine.llamacpp.flags import placement_flags
+from deploykit.model.gguf_blocks import gguf_blocks
 from deploykit.placement.planning import plan_manifest
 from deploykit.spec.manifest import load_manifests
 from helpers import smollm2_file
@@ -31,6 +33,7 @@ np = pytest.importorskip("numpy")
 gguf = pytest.importorskip("gguf", reason="the gguf package writes and reads the test's GGUF files")
 
 SLOTS, CONTEXT = 2, 512  # tests/llamacpp.py's manifest
+MICRO_BATCH = min(512, SLOTS * CONTEXT)  # engine.batch_size's default, at most the context
 RESERVE = 2048 * 2**20  # placement.reserve's default: a simulated GPU's budget is its memory less this
 
 
@@ -108,11 +111,14 @@ def llama_cpp_bytes(gguf_file: Path, args: list[str]) -> dict[int | str, int]:
         default = "cpu" if t.name.startswith("token_embd.") else slot(int(layer.group(1)) if layer else n_layer)
         where[t.name] = device = placed(t.name, default)
         held[device] = held.get(device, 0) + int(t.n_bytes)
-    if "output.weight" not in where:  # tied: token_embd.weight again, as the output layer's tensor
-        device = placed("token_embd.weight", slot(n_layer))
-        if device != where["token_embd.weight"]:
-            embd = next(t for t in reader.tensors if t.name == "token_embd.weight")
-            held[device] = held.get(device, 0) + int(embd.n_bytes)
+    embd = next(t for t in reader.tensors if t.name == "token_embd.weight")
+    head = where.get("output.weight")
+    if head is None:  # tied: token_embd.weight again, as the output layer's tensor
+        head = placed("token_embd.weight", slot(n_layer))
+        if head != where["token_embd.weight"]:
+            held[head] = held.get(head, 0) + int(embd.n_bytes)
+    # the compute buffer of the device that runs the head holds the logits of a whole micro-batch
+    held[head] = held.get(head, 0) + MICRO_BATCH * int(embd.shape[1]) * 4
     for il in range(n_layer):
         held[slot(il)] = held.get(slot(il), 0) + kv_per_layer
     return {d: b for d, b in held.items() if b}
@@ -125,20 +131,24 @@ def _plan(tmp_path: Path, gguf_file: Path, devices: str):  # type: ignore[no-unt
     return plan_manifest(loaded, devices=devices)
 
 
-def _machines(total: int) -> list[str]:
-    """Simulated machines for a model of ``total`` bytes: all on 4 GPUs; 2 GPUs with a CPU tail; one GPU
-    of a third with the rest on the CPU; unequal GPUs with a CPU tail."""
-    half, third, fifth = (RESERVE + total // n for n in (2, 3, 5))
-    return ["4x24GiB", f"2x{third}B,cpu=8GiB", f"1x{third}B,cpu=8GiB", f"1x{half}B,1x{fifth}B,cpu=8GiB"]
+def _machines(total: int, first: int) -> list[str]:
+    """Simulated machines for a model of ``total`` bytes whose first block (the embeddings, with the logits
+    where the head is tied) takes ``first``: all on 4 GPUs; 2 GPUs with a CPU tail; one GPU of a third with
+    the rest on the CPU; unequal GPUs with a CPU tail. GPU 0 holds the first block beside its share."""
+    rest = total - first
+    half, third, fifth = (RESERVE + rest // n for n in (2, 3, 5))
+    return ["4x24GiB", f"1x{third + first}B,1x{third}B,cpu=8GiB", f"1x{third + first}B,cpu=8GiB",
+            f"1x{half + first}B,1x{fifth}B,cpu=8GiB"]
 
 
 @pytest.mark.parametrize("kind", ["smollm2", "untied-mixed", "tied-mixed"])
 def test_the_plans_bytes_per_device_are_llama_cpps(tmp_path, kind):
     gguf_file = smollm2_file() if kind == "smollm2" else \
         write_gguf(tmp_path / f"{kind}.gguf", tied=kind.startswith("tied"), big_layers=(0, 1, 2))
-    total = _plan(tmp_path, gguf_file, "cpu=8GiB").total_bytes
+    on_cpu = _plan(tmp_path, gguf_file, "cpu=8GiB")
+    first = gguf_blocks(gguf_file, kv_tokens=SLOTS * CONTEXT, batch_tokens=MICRO_BATCH).blocks[0].weight_bytes
     cpu_layers_seen = 0
-    for machine in _machines(total):
+    for machine in _machines(on_cpu.total_bytes, first):
         plan = _plan(tmp_path, gguf_file, machine)
         flags = placement_flags(plan.device_map)
         planned = {d.device: d.bytes for d in plan.devices if d.bytes}

@@ -17,8 +17,9 @@ from llamacpp import manifest
 SLOTS, CONTEXT = 2, 512
 
 
-def _reference_bytes(gguf_file: Path) -> tuple[int, int]:
-    """(bytes of all tensors, KV bytes per token and layer), read with the gguf package."""
+def _reference_bytes(gguf_file: Path) -> tuple[int, int, int]:
+    """(bytes of all tensors, KV bytes per token and layer, the logits' bytes per token), read with the gguf
+    package."""
     from gguf import GGUFReader
 
     reader = GGUFReader(gguf_file)
@@ -27,7 +28,8 @@ def _reference_bytes(gguf_file: Path) -> tuple[int, int]:
     heads = int(field["llama.attention.head_count"].parts[-1][0])
     kv_heads = int(field["llama.attention.head_count_kv"].parts[-1][0])
     width = int(field["llama.embedding_length"].parts[-1][0])
-    return tensors, 2 * (width // heads) * kv_heads * 2
+    vocab = next(int(t.shape[1]) for t in reader.tensors if t.name == "token_embd.weight")
+    return tensors, 2 * (width // heads) * kv_heads * 2, vocab * 4
 
 
 def _plan(path: Path, *args: str) -> subprocess.CompletedProcess[str]:
@@ -42,10 +44,11 @@ def test_plan_bytes_and_flags_from_the_gguf(tmp_path):
     result = _plan(tmp_path / "smol.yaml", "--devices", "4x24GiB", "-o", "json")
     assert result.returncode == 0, result.stderr
     plan = json.loads(result.stdout)
-    tensors, kv_per_token = _reference_bytes(gguf_file)
+    tensors, kv_per_token, logits_per_token = _reference_bytes(gguf_file)
     layers = 30  # SmolLM2-135M
-    # exact: this file's tensors need no alignment padding (sizes come from the table's offsets)
-    assert plan["total_bytes"] == tensors + layers * kv_per_token * SLOTS * CONTEXT
+    # exact: this file's tensors need no alignment padding (sizes come from the table's offsets); the logits
+    # of one micro-batch (engine.batch_size 512) with the head
+    assert plan["total_bytes"] == tensors + layers * kv_per_token * SLOTS * CONTEXT + 512 * logits_per_token
     assert "prefix_cache_bytes" not in plan  # the default prefix cache is the transformers engine's: none here
     flags = plan["llama_server"]
     assert flags["gpu_layers"] == layers + 1 and sum(flags["tensor_split"]) == layers + 1 and flags["cpu_layers"] == 0
@@ -66,7 +69,7 @@ def test_layers_the_plan_leaves_on_the_cpu_stay_there():
     assert placement_flags({"token_embd": "cpu", "blk.0": "cpu", "output": "cpu"}).as_args() == ["--n-gpu-layers", "0"]
 
 
-DEVICES = ["4x24GiB", "2x24GiB,1x48GiB", "2x2088MiB,cpu=8GiB", "1x2100MiB,cpu=8GiB"]
+DEVICES = ["4x24GiB", "2x24GiB,1x48GiB", "1x2184MiB,1x2088MiB,cpu=8GiB", "1x2196MiB,cpu=8GiB"]  # GPU 0: + the logits
 
 
 def test_llama_cpps_own_placement_rule_gives_each_gpu_the_plans_layers(tmp_path):

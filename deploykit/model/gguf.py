@@ -36,6 +36,7 @@ _SCALAR_SIZES = {0: 1, 1: 1, 2: 2, 3: 2, 4: 4, 5: 4, 6: 4, 7: 1, 10: 8, 11: 8, 1
 _SCALAR_FORMATS = {0: "<B", 1: "<b", 2: "<H", 3: "<h", 4: "<I", 5: "<i", 6: "<f", 7: "<?", 10: "<Q",
                    11: "<q", 12: "<d"}
 _STRING, _ARRAY = 8, 9
+_MAX_DIMS = 4  # GGML_MAX_DIMS
 
 
 @dataclass(frozen=True)
@@ -47,6 +48,14 @@ class GgufMetadata:
     keys: tuple[str, ...]
     tensor_names: tuple[str, ...]
     tensor_offsets: tuple[int, ...] = ()  # of each tensor's data, from the start of the data section
+    tensor_shapes: tuple[tuple[int, ...], ...] = ()  # ggml's order: ne0 (the row length) first
+
+    def shape(self, name: str) -> tuple[int, ...] | None:
+        """The dims of tensor ``name`` (ggml's order), None if the file has no such tensor."""
+        try:
+            return self.tensor_shapes[self.tensor_names.index(name)]
+        except (ValueError, IndexError):
+            return None
 
     @property
     def architecture(self) -> str:
@@ -129,12 +138,18 @@ def _parse(cur: _Cursor) -> GgufMetadata:
         keys.append(key)
         if value is not None:
             scalars[key] = value
-    names, offsets = [], []
+    names, offsets, shapes = [], [], []
     for _ in range(tensor_count):
         names.append(cur.string())
-        cur.take(8 * cur.unpack("<I") + 4)  # dims, ggml type
+        dims = cur.unpack("<I")
+        if dims > _MAX_DIMS:
+            raise CheckpointError(f"{cur.path}: tensor {names[-1]!r} has {dims} dimensions; ggml has at most "
+                                  f"{_MAX_DIMS} (a damaged file?)")
+        shapes.append(struct.unpack(f"<{dims}Q", cur.take(8 * dims)))
+        cur.take(4)  # ggml type
         offsets.append(cur.unpack("<Q"))
-    return GgufMetadata(version, tensor_count, cur.pos, scalars, tuple(keys), tuple(names), tuple(offsets))
+    return GgufMetadata(version, tensor_count, cur.pos, scalars, tuple(keys), tuple(names), tuple(offsets),
+                        tuple(shapes))
 
 
 def gguf_fingerprint(path: Path) -> str:

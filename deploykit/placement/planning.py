@@ -32,7 +32,8 @@ def structure_for(loaded: LoadedManifest) -> Structure:
     seen before."""
     model, engine = loaded.manifest.spec.model, loaded.manifest.spec.engine
     if engine.name == LLAMA_CPP and is_gguf(loaded.model_path):  # what llama-server maps and allocates
-        return gguf_blocks(loaded.model_path, kv_tokens=engine.slots * engine.context)
+        context = engine.slots * engine.context  # llama.cpp's micro-batch is at most its context
+        return gguf_blocks(loaded.model_path, kv_tokens=context, batch_tokens=min(engine.batch_size, context))
     if not loaded.model_path.is_dir() and not is_gguf(loaded.model_path):
         raise CheckpointError(f"{loaded.source}: spec.model.path: {str(loaded.model_path)!r} is neither a "
                               "model directory nor a GGUF file")

@@ -17,7 +17,8 @@ slot first), and the input embeddings to the plan's GPU (the rule keeps them on 
 GGUF has no ``output.weight``: llama.cpp loads ``token_embd.weight`` a second time as the output tensor,
 under that same name, so the embeddings' pin places it too, and llama.cpp, finding it already in that
 buffer, makes no copy (unpinned, the copy would land on the last GPU). The head then runs on the
-embeddings' GPU. Still not planned: llama.cpp's compute buffers (docs/engines.md). Pure: no process, no
+embeddings' GPU, which also holds the logits of a micro-batch (``model.gguf_blocks``: the largest part of
+llama.cpp's compute buffers; the layers' scratch is left to ``placement.reserve``). Pure: no process, no
 I/O. GPU execution of these flags is unverified on deploykit's CPU-only test machine.
 """
 
