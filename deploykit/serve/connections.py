@@ -9,7 +9,9 @@ take, so a client dripping one byte at a time kept its connection forever. Here:
 - they must arrive within ``header_timeout`` seconds of the connection opening or of their first byte
   (408, then close); a connection idle between requests is uvicorn's keep-alive timeout's;
 - h11 frames every answer as the client's HTTP version allows: an HTTP/1.0 client gets a stream without
-  chunked transfer-encoding (ended by closing the connection), which it can read.
+  chunked transfer-encoding (ended by closing the connection), which it can read;
+- past uvicorn's ``limit_concurrency`` (open connections or requests in progress) a request is answered 503
+  with ``Retry-After`` and an OpenAI-shaped body, as every other refusal (uvicorn's own is plain text).
 
 Answers written here are OpenAI-shaped errors, written before any route runs.
 """
@@ -18,15 +20,18 @@ from __future__ import annotations
 
 import asyncio
 import json
+from functools import partial
 from typing import Any
 
 import h11
+from uvicorn._types import ASGI3Application
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
 from .errors import error_body
 
 MAX_HEADER_BYTES = 32 * 1024
 HEADER_TIMEOUT = 10.0
+BUSY_RETRY_AFTER = 1  # seconds: connections come and go fast
 _REASONS = {400: b"Bad Request", 408: b"Request Timeout", 431: b"Request Header Fields Too Large"}
 
 
@@ -38,6 +43,24 @@ class BoundedH11(H11Protocol):
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self._head_deadline: asyncio.TimerHandle | None = None
+        # uvicorn checks its limit where it picks the app and answers in plain text past it: the check is
+        # made here instead, in the app it picks (the same counts; this request's task is counted already)
+        self._limit, self.limit_concurrency = self.limit_concurrency, None
+        if self._limit is not None:
+            self.app = partial(self._within_limit, self.app)
+
+    async def _within_limit(self, app: ASGI3Application, scope: Any, receive: Any, send: Any) -> None:
+        assert self._limit is not None
+        if len(self.connections) >= self._limit or len(self.tasks) > self._limit:
+            self.logger.warning("Exceeded concurrency limit.")
+            body = json.dumps(error_body(503, f"the server is at its limit of {self._limit} connections and "
+                                              "requests; retry shortly", code="server_busy")).encode()
+            await send({"type": "http.response.start", "status": 503,
+                        "headers": [(b"content-type", b"application/json"), (b"content-length", b"%d" % len(body)),
+                                    (b"retry-after", b"%d" % BUSY_RETRY_AFTER), (b"connection", b"close")]})
+            await send({"type": "http.response.body", "body": body})
+            return
+        await app(scope, receive, send)
 
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
         super().connection_made(transport)
