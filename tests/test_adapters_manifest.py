@@ -119,3 +119,21 @@ def test_deploykit_validate_says_file_line_and_field(lora: Any, tmp_path: Path) 
     result = CliRunner().invoke(main, ["validate", str(file)])
     assert result.exit_code == 2, result.output
     assert f"{file}:13:13: spec.adapters.1.path: adapter 'gpt'" in result.output.replace("\n", "")
+
+
+def test_the_kv_room_is_what_the_adapters_leave(lora: Any, tmp_path: Path) -> None:
+    """The adapters' bytes are on the devices of the layers they adapt, beside the weights: the KV cache
+    the running batch may take there (``kv_budget``, what the engine's cache is sized to) is that much less."""
+    from dataclasses import replace
+
+    from deploykit.placement.kv import kv_budget, kv_shares
+    from deploykit.placement.planning import plan_manifest
+
+    [loaded] = load_manifests(_write(tmp_path, lora.base, [("pirate", lora.pirate), ("polite", lora.polite)]))
+    plan = plan_manifest(loaded, devices="cpu=64MiB")
+    assert plan.adapters and all(device == "cpu" for a in plan.adapters for device, _ in a.devices)
+    without = kv_budget(replace(plan, adapters=()))
+    assert without is not None
+    adapters, share = sum(a.bytes for a in plan.adapters), kv_shares(plan)["cpu"]
+    room = kv_budget(plan)
+    assert room is not None and abs(room - (without - adapters / share)) <= 1  # rounding to whole bytes

@@ -30,14 +30,18 @@ def kv_shares(plan: Plan) -> dict[Device, float]:
 
 
 def kv_budget(plan: Plan) -> int | None:
-    """The most KV bytes (all layers together) that fit beside the weights and the prefix cache on every
-    device that holds a share of it; None when no such device has a budget."""
+    """The most KV bytes (all layers together) that fit beside the weights, the LoRA adapters and the prefix
+    cache on every device that holds a share of it; None when no such device has a budget."""
     budgets = {("cpu" if d.tier != "gpu" else d.device): d for d in plan.devices if d.tier != "disk"}
+    adapters: dict[object, int] = {}
+    for adapter in plan.adapters:  # on the devices of the layers they adapt; not in the devices' bytes
+        for device, size in adapter.devices:
+            adapters[device] = adapters.get(device, 0) + size
     room = []
     for device, share in kv_shares(plan).items():
         held = budgets.get(device)
         if held is not None and held.budget is not None:
-            free = held.budget - held.bytes - plan.prefix_cache_bytes * share
+            free = held.budget - held.bytes - adapters.get(device, 0) - plan.prefix_cache_bytes * share
             room.append(int(max(0.0, free) / share))
     return min(room) if room else None
 
