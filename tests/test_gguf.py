@@ -28,9 +28,10 @@ gguf = pytest.importorskip("gguf", reason="the gguf package writes the test's GG
 
 
 def write_tiny_gguf(path: Path, *, hidden: int = 64, layers: int = 2, heads: int = 4, kv_heads: int = 2,
-                    ff: int = 128, vocab: int = 256, seed: int = 0) -> Path:
+                    ff: int = 128, vocab: int = 256, seed: int = 0, tokens: bool = False) -> Path:
     """A tokenizer-less llama GGUF with random F16 matrices and F32 norms: the metadata keys
-    transformers' GGUF loader reads for llama (integrations/ggml.py), nothing more."""
+    transformers' GGUF loader reads for llama (integrations/ggml.py), nothing more; with ``tokens``, a
+    llama-style token list too (llama.cpp loads no model without a vocabulary)."""
     rng = np.random.default_rng(seed)
     w = gguf.GGUFWriter(str(path), "llama")
     w.add_name("tiny llama")
@@ -44,6 +45,11 @@ def write_tiny_gguf(path: Path, *, hidden: int = 64, layers: int = 2, heads: int
     w.add_rope_freq_base(10000.0)
     w.add_layer_norm_rms_eps(1e-5)
     w.add_vocab_size(vocab)
+    if tokens:
+        w.add_tokenizer_model("llama")
+        w.add_token_list([f"<t{i}>".encode() for i in range(vocab)])
+        w.add_token_scores([0.0] * vocab)
+        w.add_token_types([1] * vocab)
     head_dim = hidden // heads
 
     def tensor(name: str, *shape: int) -> None:

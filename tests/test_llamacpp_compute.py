@@ -21,9 +21,7 @@ from deploykit.placement.planning import plan_manifest
 from deploykit.spec.manifest import load_manifests
 from helpers import smollm2_file
 from llamacpp import llama_server, manifest
-
-gguf = pytest.importorskip("gguf", reason="the gguf package writes the test's GGUF file")
-np = pytest.importorskip("numpy")
+from test_gguf import write_tiny_gguf
 
 MIB = 1 << 20
 SLOTS, CONTEXT = 2, 512  # tests/llamacpp.py's manifest
@@ -43,42 +41,10 @@ def llama_cpp_estimate(gguf_file: Path, batch: int) -> dict[str, int]:
     return dict(zip(("model", "context", "compute"), (int(m) * MIB for m in mib)))
 
 
-def write_untied_gguf(path: Path, *, vocab: int = 32000, hidden: int = 512, ff: int = 2048, layers: int = 2) -> Path:
-    """A llama GGUF with its own output matrix and a tokenizer llama.cpp loads (llama-style tokens)."""
-    rng = np.random.default_rng(0)
-    w = gguf.GGUFWriter(str(path), "llama")
-    heads = 8
-    for add, value in ((w.add_context_length, 2048), (w.add_embedding_length, hidden), (w.add_block_count, layers),
-                       (w.add_feed_forward_length, ff), (w.add_head_count, heads), (w.add_head_count_kv, heads),
-                       (w.add_rope_dimension_count, hidden // heads), (w.add_vocab_size, vocab)):
-        add(value)  # type: ignore[operator]
-    w.add_layer_norm_rms_eps(1e-5)
-    w.add_tokenizer_model("llama")
-    w.add_token_list([f"<t{i}>".encode() for i in range(vocab)])
-    w.add_token_scores([0.0] * vocab)
-    w.add_token_types([1] * vocab)
-
-    def tensor(name: str, *shape: int) -> None:
-        w.add_tensor(name, (rng.standard_normal(shape) * 0.05).astype(np.float16 if len(shape) > 1 else np.float32))
-
-    tensor("token_embd.weight", vocab, hidden)
-    for i in range(layers):
-        for name, shape in (("attn_norm", (hidden,)), ("attn_q", (hidden, hidden)), ("attn_k", (hidden, hidden)),
-                            ("attn_v", (hidden, hidden)), ("attn_output", (hidden, hidden)), ("ffn_norm", (hidden,)),
-                            ("ffn_gate", (ff, hidden)), ("ffn_up", (ff, hidden)), ("ffn_down", (hidden, ff))):
-            tensor(f"blk.{i}.{name}.weight", *shape)
-    tensor("output_norm.weight", hidden)
-    tensor("output.weight", vocab, hidden)
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_tensors_to_file()
-    w.close()
-    return path
-
-
 @pytest.mark.parametrize("kind,batch", [("smollm2", 512), ("smollm2", 128), ("untied", 512)])
 def test_the_plan_holds_what_llama_cpp_allocates_but_the_layers_scratch(tmp_path, kind, batch):
-    gguf_file = smollm2_file() if kind == "smollm2" else write_untied_gguf(tmp_path / "untied.gguf")
+    gguf_file = smollm2_file() if kind == "smollm2" else write_tiny_gguf(tmp_path / "untied.gguf", hidden=512, heads=8, kv_heads=8, ff=2048, vocab=32000,
+                                              tokens=True)
     path = tmp_path / "m.yaml"
     path.write_text(manifest(gguf_file, engine=f", batch_size: {batch}"))
     [loaded] = load_manifests(path)
