@@ -393,12 +393,12 @@ def test_a_prompt_that_fails_a_mixed_step_fails_alone(llama: Any, reference: Ref
 def test_when_the_retry_alone_fails_too_the_rows_fail_and_the_engine_goes_on(llama: Any, reference: Reference,
                                                                             monkeypatch: pytest.MonkeyPatch) -> None:
     """A batch-wide failure (out of memory) can fail the rows' retry as well: they fail, the engine lives."""
-    from deploykit.engine.padded import PaddedBackend
+    from deploykit.engine.forwards import Forwards
 
     ps = prompts(3, seed=12)
     expected = reference(ps[2], 8)
     calls = {"decode": 0}
-    decode = PaddedBackend._decode
+    decode = Forwards.decode
 
     def failing(self: Any, rows: Any, cache: Any, mask: Any) -> Any:
         calls["decode"] += 1
@@ -409,8 +409,8 @@ def test_when_the_retry_alone_fails_too_the_rows_fail_and_the_engine_goes_on(lla
     def no_room(self: Any, *args: Any) -> Any:
         raise MemoryError("the retry")
 
-    monkeypatch.setattr(PaddedBackend, "_decode", failing)
-    monkeypatch.setattr(PaddedBackend, "_decode_apart", no_room)
+    monkeypatch.setattr(Forwards, "decode", failing)
+    monkeypatch.setattr(Forwards, "decode_apart", no_room)
     with engine(llama, max_batch_size=4) as eng:
         first = [eng.submit(GenerationRequest(p, max_new_tokens=30)) for p in ps[:2]]
         results = [h.result(timeout=60) for h in first]

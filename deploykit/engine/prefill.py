@@ -1,11 +1,12 @@
 """One prompt prefilled alone, in chunks, into a KV cache of its own, before it joins the padded loop's batch.
 
-The padded loop (``padded.py``) gives a prompt this path when the prefix cache holds its beginning (only
-the rest is computed, after the cached keys and values) or when it is longer than one chunk: the loop then
-reads one chunk of it in the same forward as each decode step of the running rows (``mixed.py``; or
-between two of them where the forward cannot be mixed), so that they keep producing tokens while it is
-read (``ChunkSizer``: a chunk adds about 1.5 of their decode steps), and the prompt pads nobody while it
-is read (its cache joins the batch's only once it is whole). The cache is transformers' ``DynamicCache`` with ``kvcache.GrowingLayer``s, as the batch's.
+The padded loop (``padded.py``; ``intake.py`` routes new prompts) gives a prompt this path when the prefix
+cache holds its beginning (only the rest is computed, after the cached keys and values) or when it is longer
+than one chunk: the loop then reads one chunk of it in the same forward as each decode step of the running
+rows (``mixed.py``; or between two of them where the forward cannot be mixed), so that they keep producing
+tokens while it is read (``ChunkSizer``: a chunk adds about 1.5 of their decode steps), and the prompt pads
+nobody while it is read (its cache joins the batch's only once it is whole). The cache is transformers'
+``DynamicCache`` with ``kvcache.GrowingLayer``s, as the batch's.
 """
 
 from __future__ import annotations

@@ -1,0 +1,124 @@
+"""The padded loop's forwards of the model (``padded.py`` chooses which runs at each step): a decode step of
+the running rows, a mixed step (their next tokens and a chunk of a prompt, ``mixed.py``) and a prompt's
+logprobs; each under the forward lock and with each row's own LoRA adapter (``adapters.py``).
+
+A decode step that fails is run again for each row alone, from the cache as it was before it, so that a row
+the model cannot run fails alone and the others go on (only a failure pays for that); never the engine.
+"""
+
+from __future__ import annotations
+
+import copy
+import threading
+from collections.abc import Iterator
+from contextlib import AbstractContextManager, contextmanager, nullcontext
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from .adapters import Adapters
+from .devices import input_device
+from .kvcache import all_pad_columns, returned_cache, with_cache
+from .mixed import Layout, mixed_attention
+from .prefill import Prefill
+from .requests import GenerationRequest, RequestHandle
+from .sampling import TokenLogprobs, prompt_logprobs
+
+
+class Forwards:
+    """The forwards of one model for the padded loop's batch: row i of ``mask`` ([rows, cached tokens],
+    0 for left padding) and of the cache is ``rows[i]``."""
+
+    def __init__(self, model: Any, forward_lock: threading.Lock | None, adapters: Adapters | None) -> None:
+        self.model = model
+        self.device = input_device(model)  # where ids, positions and masks are made
+        self.adapters = adapters  # LoRA adapters of the model: each row computes with its own (adapters.py)
+        self._forward_lock: AbstractContextManager[Any] = forward_lock or nullcontext()
+
+    def of(self, rows: list[RequestHandle]) -> AbstractContextManager[Any]:
+        """The context of one forward of ``rows``: the forward lock, and each row's own LoRA adapter."""
+        return self.of_requests([h.request for h in rows])
+
+    @contextmanager
+    def of_requests(self, requests: list[GenerationRequest]) -> Iterator[None]:
+        with self._forward_lock, self.adapters.rows([r.adapter for r in requests]) if self.adapters else nullcontext():
+            yield
+
+    def decode_rows(self, rows: list[RequestHandle], cache: Any, mask: torch.Tensor
+                    ) -> tuple[list[RequestHandle], torch.Tensor | None, Any, torch.Tensor]:
+        """A decode step of the running rows; when it fails, each row alone; the rows decoded together
+        fail only when that fails too, never the engine."""
+        try:
+            return (rows, *self.decode(rows, cache, mask))
+        except Exception:
+            try:
+                if len(rows) < 2:  # a lone row's failure is its own
+                    raise
+                return self.decode_apart(rows, cache, mask)
+            except Exception as again:
+                for h in rows:
+                    h.finish("error", repr(again))
+                return [], None, None, mask[:0, :0]
+
+    def decode(self, rows: list[RequestHandle], cache: Any, mask: torch.Tensor
+               ) -> tuple[torch.Tensor, Any, torch.Tensor]:
+        """One decode step of the running rows: each one's last token in, next-token logits out."""
+        mask = F.pad(mask, (0, 1), value=1)
+        with self.of(rows):
+            out = self.model(input_ids=torch.tensor([[h.tokens[-1]] for h in rows], device=mask.device),
+                             attention_mask=mask, position_ids=mask.sum(1, keepdim=True) - 1,
+                             use_cache=True, logits_to_keep=1, **with_cache(self.model, cache))
+        return out.logits[:, -1].float(), returned_cache(out), mask
+
+    def decode_apart(self, rows: list[RequestHandle], cache: Any, mask: torch.Tensor
+                     ) -> tuple[list[RequestHandle], torch.Tensor | None, Any, torch.Tensor]:
+        """After a failed decode step: the step again for each row alone, from the cache as it was before
+        it, so that a row the model cannot run fails alone and the others go on (their caches are joined
+        again). Only a failure pays for this."""
+        width = mask.shape[1]
+        for layer in cache.layers:  # the failed step may have appended to some layers: cut that off
+            layer.keys, layer.values = layer.keys[:, :, :width], layer.values[:, :, :width]
+        ran: list[tuple[RequestHandle, torch.Tensor, Any, torch.Tensor]] = []
+        for i, h in enumerate(rows):
+            alone = copy.copy(cache)
+            alone.layers = [copy.copy(layer) for layer in cache.layers]
+            for layer in alone.layers:
+                layer.keys, layer.values = layer.keys[i:i + 1].clone(), layer.values[i:i + 1].clone()
+            try:
+                ran.append((h, *self.decode([h], alone, mask[i:i + 1])))
+            except Exception as exc:
+                h.finish("error", repr(exc))
+        if not ran:
+            return [], None, None, mask[:0, :0]
+        mask = torch.cat([m for _, _, _, m in ran])
+        lead = all_pad_columns(mask)  # the failed rows may have been the only ones that long
+        for j, layer in enumerate(cache.layers):
+            layer.keys = torch.cat([c.layers[j].keys for _, _, c, _ in ran])[:, :, lead:]
+            layer.values = torch.cat([c.layers[j].values for _, _, c, _ in ran])[:, :, lead:]
+        return [h for h, _, _, _ in ran], torch.cat([lg for _, lg, _, _ in ran]), cache, mask[:, lead:]
+
+    def mixed(self, rows: list[RequestHandle], p: Prefill, chunk: int, cache: Any, mask: torch.Tensor
+              ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
+        """The mixed forward of the rows' next tokens and up to ``chunk`` tokens of ``p``: the rows' logits,
+        ``p``'s once its last token is read, and the rows' new mask."""
+        mask = F.pad(mask, (0, 1), value=1)
+        ids, positions, end = p.next_chunk(chunk, self.device)
+        tokens = torch.tensor([[h.tokens[-1] for h in rows]], device=self.device)
+        keep = torch.arange(len(rows) + (1 if end == len(p.prompt) else 0), device=self.device)
+        if len(keep) > len(rows):  # the chunk's last token gives the prompt's first new one
+            keep[-1] = len(rows) + ids.shape[1] - 1
+        with self.of(rows + [p.handle]), mixed_attention(self.model, Layout(len(rows), cache, mask, p.cache)):
+            out = self.model(input_ids=torch.cat([tokens, ids], 1),
+                             position_ids=torch.cat([mask.sum(1) - 1, positions])[None], use_cache=False,
+                             logits_to_keep=keep)
+        p.done = end
+        logits = out.logits[0].float()
+        return logits[:len(rows)], (logits[len(rows):] if len(keep) > len(rows) else None), mask
+
+    def prompt_logprobs(self, r: GenerationRequest) -> list[TokenLogprobs]:
+        """A forward of the whole prompt alone, keeping every position's logits (the batch keeps one)."""
+        ids = torch.tensor([list(r.prompt_ids)], device=self.device)
+        with self.of_requests([r]):
+            logits = self.model(input_ids=ids, attention_mask=torch.ones_like(ids), use_cache=False).logits[0]
+        return prompt_logprobs(logits, r.prompt_ids, r.prompt_logprobs or 0)
