@@ -1,8 +1,9 @@
 """One prompt prefilled alone, in chunks, into a KV cache of its own, before it joins the padded loop's batch.
 
-The padded loop (``padded.py``; ``intake.py`` routes new prompts) gives a prompt this path when the prefix
-cache holds its beginning (only the rest is computed, after the cached keys and values) or when it is longer
-than one chunk: the loop then reads one chunk of it in the same forward as each decode step of the running
+The padded loop (``padded.py``; ``intake.py`` routes new prompts) gives a prompt this path when what is left
+to compute of it is longer than one chunk (after the beginning the prefix cache holds, if any: only the rest
+is computed, after the cached keys and values; a shorter rest joins the batch in one padded prefill, with
+its cached beginning): the loop then reads one chunk of it in the same forward as each decode step of the running
 rows (``mixed.py``; or between two of them where the forward cannot be mixed), so that they keep producing
 tokens while it is read (``ChunkSizer``: a chunk adds about 1.5 of their decode steps), and the prompt pads
 nobody while it is read (its cache joins the batch's only once it is whole). The cache is transformers'
