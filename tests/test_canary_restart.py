@@ -132,3 +132,40 @@ def test_a_watched_file_restarted_mid_canary_serves_the_promoted_revision_and_ru
         history = [(r.revision, r.phase, r.reason) for r in StateStore(state).history("chat")]
         assert history[0][:2] == (1, "Ready") and history[2][:2] == (3, "Progressing"), history
         assert history[1][:2] == (2, "Failed") and history[1][2].startswith("interrupted by a restart at step 1")
+
+
+def test_an_on_demand_deployment_restarted_mid_canary_loads_the_promoted_revision_then_runs_the_canary(
+        tmp_path: Path) -> None:
+    """`load: on-demand`: after the restart nothing is loaded and the file names the candidate. The first
+    request loads the last promoted revision and is answered by it; the file then rolls out from it through
+    its canary (a new revision). It was loaded unjudged at that first request."""
+    model = build_chat_model(tmp_path / "model")
+    state, path = tmp_path / "state", tmp_path / "chat.yaml"
+    on_demand = "  lifecycle: {load: on-demand}\n"
+    path.write_text(manifest(model, "2GiB") + on_demand)
+    client = lambda server: openai.OpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0)  # noqa: E731
+    with Server(path, state) as server:
+        first = client(server).completions.with_raw_response.create(model="chat", prompt="hello", max_tokens=2)
+        assert first.headers["x-deploykit-revision"] == "1"  # loaded on demand
+        load = Load(server.url, model="chat").run()
+        try:
+            path.write_text(manifest(model, "1MiB") + on_demand)
+            wait_until(lambda: ((r := StateStore(state).get("chat", 2)) is not None
+                                and (r.progress or {}).get("step") == 1), timeout=180,
+                       what="the canary's first step recorded in the state store")
+            assert server.process is not None
+            server.process.kill()
+            server.process.wait(timeout=30)
+        finally:
+            load.stop.set()
+        load.join()
+
+    with Server(path, state) as server:
+        answered = client(server).completions.with_raw_response.create(model="chat", prompt="hello", max_tokens=2)
+        assert answered.headers["x-deploykit-revision"] == "1"  # the promoted revision, not the candidate
+        wait_until(lambda: (chat_status(server)["rollout"] or {}).get("revision") == 3, timeout=120,
+                   what="the file's manifest rolled out as a canary from the promoted revision")
+        now = chat_status(server)
+        assert now["serving_revision"] == 1 and now["phase"] == "Progressing", now
+        history = [(r.revision, r.phase) for r in StateStore(state).history("chat")]
+        assert history == [(1, "Ready"), (2, "Failed"), (3, "Progressing")], history

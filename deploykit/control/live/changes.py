@@ -109,14 +109,23 @@ class ChangeRunner:
     def serving(self) -> bool:
         return self.pool.view().serving  # the one meaning (unloaded: loads at its next request)
 
-    def load_for_request(self) -> None:
+    def load_for_request(self) -> bool:
         """On the worker: a request found the deployment unloaded; load it once the host has made room
-        (waiting for room here, on this deployment's own thread; a close stops the wait)."""
+        (waiting for room here, on this deployment's own thread; a close stops the wait). True when the
+        last promoted revision loaded and a gated change waits to roll out from it (``roll_pending``)."""
         assert self.host is not None
         if self.closed:
             raise ApplyError(f"deployment {self.name!r} is closed")
         if self.pool.unloaded:
             self.host.load(self.name, self.load_on_demand, reason="request", stop=self.closing)
+        return self.loads.pending is not None and not self.pool.unloaded
+
+    def roll_pending(self) -> None:
+        """On the worker, after ``load_for_request`` said so: the pending gated change rolls out from what
+        serves, through its gates (a failure goes to status, as a reload's)."""
+        pending = None if self.closed else self.loads.take_pending()
+        if pending is not None and self._reload_once(pending) is True:
+            self._notify()
 
     def load_on_demand(self) -> None:
         """On the worker: load what serves now (``Loads.load_current``); a failure that is not a lack of
@@ -124,7 +133,7 @@ class ChangeRunner:
         if not self.pool.unloaded:
             return  # loaded meanwhile (a rollout, another request)
         try:
-            self.loads.load_current()
+            gated_next = self.loads.load_current()
         except BudgetError:
             raise
         except DeploykitError as exc:
@@ -133,6 +142,9 @@ class ChangeRunner:
             self.cell.move(Event(Trigger.LOAD_FAILED, serving=self.serving(), error=error))
             raise
         self.cell.move(Event(Trigger.LOAD_SUCCEEDED, serving=True))
+        if gated_next:
+            log.info("%s: the last promoted revision loaded; its pending change rolls out from it, through its "
+                     "gates", self.name)
 
     def reload_now(self) -> bool:
         if self.closed:

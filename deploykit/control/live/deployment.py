@@ -222,8 +222,12 @@ class Deployment(EmbeddedApi):
             return self.pool.changed()
         with self._loading_lock:  # a burst of requests asks for one load
             if self._loading is None or self._loading.done():
-                self._loading = self._worker.submit(self._changes.load_for_request)
+                self._loading = self._worker.submit(self._load_for_request)
             return self._loading
+
+    def _load_for_request(self) -> None:
+        if self._changes.load_for_request():
+            self._worker.post(self._changes.roll_pending)  # on the change thread, after this load
 
     def unpin(self, gen: Generation) -> None:
         self.pool.unpin(gen)

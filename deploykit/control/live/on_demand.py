@@ -80,16 +80,25 @@ class Loads:
             return None
         return current
 
-    def load_current(self) -> None:
+    def load_current(self) -> bool:
         """Load the current revision from its laid-out shards (no reshard) and serve it: shards checked
         (by hash the first time this process loads that revision, by presence and size after), then
-        loaded and health-checked. A pending new revision of an on-demand deployment: the whole apply."""
-        if self.pending is not None:
+        loaded and health-checked. A pending new revision of an on-demand deployment: the whole apply,
+        unless it rolls out through gates and a promoted revision exists (a canary written while nothing
+        was loaded, or interrupted by a restart): that one loads, and True says the pending change waits to
+        be rolled out from it (``take_pending``), gates and all, never loaded unjudged."""
+        if self.pending is not None and self.promoted_before_gates(self.pending) is None:
             self.load_initial(self.pending, change=Change(self.pending, self.devices, budget_cpu=(
                 self.host.cpu_bytes if self.host is not None else None)))
             self.pending = None
-            return
+            return False
         current = checked_current(self.store, self.name, verified=self.verified)
         self.verified = current.revision
         model, plan, serving = load_laid_out(current)
         self.pool.install(model, plan, current.revision, "on-demand", serving)
+        return self.pending is not None
+
+    def take_pending(self) -> LoadedManifest | None:
+        """The pending change, once: the caller rolls it out."""
+        pending, self.pending = self.pending, None
+        return pending
