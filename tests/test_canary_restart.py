@@ -10,6 +10,7 @@ import json
 import os
 import subprocess
 import sys
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -40,6 +41,24 @@ def chat_status(server: Server) -> dict[str, Any]:
     return next(s for s in body if s.get("name") == "chat")
 
 
+def kill_at_the_first_step(server: Server, state: Path, start_change: Callable[[], object]) -> None:
+    """Under traffic, ``start_change`` (a canary's change), then kill -9 the server once the state store
+    records the canary's first step (50%)."""
+    load = Load(server.url, model="chat").run()
+    try:
+        start_change()
+        wait_until(lambda: ((r := StateStore(state).get("chat", 2)) is not None
+                            and (r.progress or {}).get("step") == 1 and (r.progress or {}).get("share") == 50),
+                   timeout=180,
+                   what="the canary's first step recorded in the state store")
+        assert server.process is not None
+        server.process.kill()  # no handler runs: only what the store holds survives
+        server.process.wait(timeout=30)
+    finally:
+        load.stop.set()
+    load.join()
+
+
 def test_a_restart_in_the_middle_of_a_canary_serves_the_promoted_revision_and_fails_the_candidate(
         tmp_path: Path) -> None:
     model = build_chat_model(tmp_path / "model")
@@ -50,22 +69,15 @@ def test_a_restart_in_the_middle_of_a_canary_serves_the_promoted_revision_and_fa
 
     assert cli("apply", str(old), state=state).returncode == 0  # no server yet: recorded, served when it starts
     with Server(None, state) as server:
-        load = Load(server.url, model="chat").run()
-        applying = subprocess.Popen([*CLI, "apply", str(new)], env={**os.environ, "DEPLOYKIT_STATE": str(state)},
-                                    stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        applying: list[subprocess.Popen[str]] = []
         try:
-            recorded = lambda: (StateStore(state).get("chat", 2) or None)  # noqa: E731
-            wait_until(lambda: ((r := recorded()) is not None and (r.progress or {}).get("step") == 1
-                                and (r.progress or {}).get("share") == 50), timeout=180,
-                       what="the canary's first step recorded in the state store")
-            assert server.process is not None
-            server.process.kill()  # no handler runs: only what the store holds survives
-            server.process.wait(timeout=30)
+            kill_at_the_first_step(server, state, lambda: applying.append(subprocess.Popen(
+                [*CLI, "apply", str(new)], env={**os.environ, "DEPLOYKIT_STATE": str(state)},
+                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)))
         finally:
-            load.stop.set()
-            applying.kill()
-            applying.communicate()
-        load.join()
+            for process in applying:
+                process.kill()
+                process.communicate()
 
     history = StateStore(state).history("chat")
     assert [(r.revision, r.phase) for r in history] == [(1, "Ready"), (2, "Progressing")]  # as the kill left it
@@ -107,18 +119,7 @@ def test_a_watched_file_restarted_mid_canary_serves_the_promoted_revision_and_ru
     state, path = tmp_path / "state", tmp_path / "chat.yaml"
     path.write_text(manifest(model, "2GiB"))
     with Server(path, state) as server:
-        load = Load(server.url, model="chat").run()
-        try:
-            path.write_text(manifest(model, "1MiB"))
-            wait_until(lambda: ((r := StateStore(state).get("chat", 2)) is not None
-                                and (r.progress or {}).get("step") == 1), timeout=180,
-                       what="the canary's first step recorded in the state store")
-            assert server.process is not None
-            server.process.kill()
-            server.process.wait(timeout=30)
-        finally:
-            load.stop.set()
-        load.join()
+        kill_at_the_first_step(server, state, lambda: path.write_text(manifest(model, "1MiB")))
 
     with Server(path, state) as server:
         assert chat_status(server)["serving_revision"] == 1  # ready: the last promoted revision serves
@@ -147,18 +148,7 @@ def test_an_on_demand_deployment_restarted_mid_canary_loads_the_promoted_revisio
     with Server(path, state) as server:
         first = client(server).completions.with_raw_response.create(model="chat", prompt="hello", max_tokens=2)
         assert first.headers["x-deploykit-revision"] == "1"  # loaded on demand
-        load = Load(server.url, model="chat").run()
-        try:
-            path.write_text(manifest(model, "1MiB") + on_demand)
-            wait_until(lambda: ((r := StateStore(state).get("chat", 2)) is not None
-                                and (r.progress or {}).get("step") == 1), timeout=180,
-                       what="the canary's first step recorded in the state store")
-            assert server.process is not None
-            server.process.kill()
-            server.process.wait(timeout=30)
-        finally:
-            load.stop.set()
-        load.join()
+        kill_at_the_first_step(server, state, lambda: path.write_text(manifest(model, "1MiB") + on_demand))
 
     with Server(path, state) as server:
         answered = client(server).completions.with_raw_response.create(model="chat", prompt="hello", max_tokens=2)
