@@ -88,7 +88,7 @@ def strict(root):
     cert, key = self_signed(root)
     with Server(root / "manifests", root / "state-strict", "--control-token", TOKEN, "--tls-cert", str(cert),
                 "--tls-key", str(key), "--allow-path", str(root / "allowed"), "--allow-path",
-                str(root / "manifests"), cafile=str(cert)) as s:
+                str(root / "manifests"), "--drain-timeout", "2", cafile=str(cert)) as s:
         yield s
     assert "Traceback" not in s.stderr, s.stderr
 
@@ -96,12 +96,13 @@ def strict(root):
 @pytest.fixture(scope="module")
 def permissive(root):
     """Everything allowed, an API key, /openapi.json, 2 s deadlines for a body and for a stream's send; the
-    secrets read from files."""
+    secrets read from files. Both servers drain for 2 s at most when the module ends (a test's connection
+    left open kept one draining for ~20 s)."""
     (root / "token").write_text(TOKEN + "\n")
     (root / "key").write_text(KEY + "\n")
     with Server(root / "manifests", root / "state-permissive", "--control-token-file", str(root / "token"),
                 "--allow-engine-binary", "--allow-remote-code", "--allow-cluster", "--api-key-file", str(root / "key"),
-                "--openapi", "--body-timeout", "2", "--stream-send-timeout", "2") as s:
+                "--openapi", "--body-timeout", "2", "--stream-send-timeout", "2", "--drain-timeout", "2") as s:
         yield s
 
 
