@@ -26,7 +26,9 @@ from typing import Any
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from ..errors import DeploykitError
-from .errors import error_body
+from .errors import client_gone, error_body
+
+UNKNOWN_MODEL = ""  # deploykit_client_disconnects_total{model_name}: a client gone before its body said
 
 log = logging.getLogger(__name__)
 
@@ -153,7 +155,8 @@ class Guard:
                 await _reply(send, 408, f"the request body did not arrive within {self.body_timeout:g} s",
                              "request_timeout", [(b"connection", b"close")])
                 return
-            if message["type"] != "http.request":  # the client went away
+            if message["type"] != "http.request":  # the client went away before its body was read
+                client_gone(scope, UNKNOWN_MODEL, streamed=False)  # counted, its model not known yet
                 return
             chunk = message.get("body", b"")
             seen += len(chunk)
