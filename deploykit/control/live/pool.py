@@ -14,7 +14,6 @@ thread-safe. CPU-only plans (disk blocks memory-mapped, no hooks) run concurrent
 
 from __future__ import annotations
 
-import gc
 import logging
 import threading
 import time
@@ -29,6 +28,7 @@ from ...placement.inventory import process_rss
 from ...placement.kv import kv_budget
 from ...placement.plan import Plan
 from ...threads import ThreadGroup
+from .memory import report_reclaimed, return_memory
 from .traffic import Split, TrafficLog
 
 if TYPE_CHECKING:
@@ -38,7 +38,6 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 MEMORY_HISTORY = 64  # leak-guard samples kept
-LEAK_FLOOR = 16 << 20  # RSS growth below this is allocator noise, not a kept model (tiny models)
 
 
 class NotLoaded(ApplyError):
@@ -406,7 +405,7 @@ class GenerationPool:
         del runtime  # this frame's reference would keep the model alive past empty_cache below
         with self._cond:
             gen.loaded, gen.freeing = None, False
-        _return_memory()
+        return_memory()
         self._check_memory(gen)
 
     def _check_memory(self, freed: Generation) -> None:
@@ -417,41 +416,4 @@ class GenerationPool:
         self.memory.append((freed.number, rss))
         if self.baseline_rss is None or not model_bytes:
             return
-        excess = rss - self.baseline_rss
-        if excess > max(1.5 * model_bytes, LEAK_FLOOR):
-            log.warning("%s: memory not reclaimed after freeing generation %d: RSS %d MiB is %d MiB above "
-                        "the first generation's (the model is %d MiB); is a model kept outside acquire()?",
-                        self.name, freed.number, rss >> 20, excess >> 20, model_bytes >> 20)
-        else:
-            log.info("generation %d of %s freed; RSS %d MiB", freed.number, self.name, rss >> 20)
-
-
-def _return_memory() -> None:
-    """Collect what the freed generation left (reference cycles), hand the heap back to the OS, and empty
-    CUDA's caching allocator. Called once nothing references the model any more: tensors that die later
-    go into the allocator's cache and stay there, out of reach of the next ``empty_cache``'s caller."""
-    gc.collect()
-    _trim_heap()
-    try:
-        import torch
-
-        if torch.cuda.is_available():
-            torch.cuda.empty_cache()
-    except ImportError:  # pragma: no cover
-        pass
-
-
-def _trim_heap() -> None:
-    """Hand freed heap pages back to the OS (glibc keeps them otherwise: its mmap threshold grows as large
-    tensors are freed, and later ones come from the heap), so an unload lowers RSS, not only the
-    allocator's free lists. A no-op where glibc is absent."""
-    import ctypes
-    import ctypes.util
-
-    name = ctypes.util.find_library("c")
-    try:
-        libc = ctypes.CDLL(name) if name else None
-        if libc is not None and hasattr(libc, "malloc_trim"):
-            libc.malloc_trim(0)
-    except OSError:  # pragma: no cover
-        pass
+        report_reclaimed(self.name, freed.number, rss=rss, baseline=self.baseline_rss, model_bytes=model_bytes)
