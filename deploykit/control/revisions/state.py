@@ -10,13 +10,13 @@ then act), so a crash never leaves a half-recorded revision: at worst a Progress
 apply marks Failed ("interrupted") and then supersedes.
 
 Applies of one deployment are serialised across processes by ``deployment_lock`` (an ``flock`` on a
-per-name file); the lock dies with its process, so ``kill -9`` never leaves it held.
+per-name file, ``locks``); the lock dies with its process, so ``kill -9`` never leaves it held. The tables
+and their migrations are ``schema``'s.
 """
 
 from __future__ import annotations
 
 import contextlib
-import fcntl
 import json
 import os
 import sqlite3
@@ -29,51 +29,8 @@ from typing import Any
 
 from ...errors import ApplyError
 from ...placement.plan import Plan
-
-SCHEMA_VERSION = 2
-# Columns added after schema 1, for databases created before them.
-_MIGRATIONS = (("revisions", "checksums_json", "TEXT"), ("deployments", "settled_revision", "INTEGER"),
-               ("deployments", "pending_error", "TEXT"), ("revisions", "progress_json", "TEXT"))
-_SCHEMA = """
-CREATE TABLE IF NOT EXISTS meta (key TEXT PRIMARY KEY, value TEXT NOT NULL);
-CREATE TABLE IF NOT EXISTS revisions (
-    name TEXT NOT NULL,
-    revision INTEGER NOT NULL,
-    phase TEXT NOT NULL,               -- Progressing | Ready | Failed
-    reason TEXT,
-    manifest_path TEXT NOT NULL,
-    manifest_text TEXT NOT NULL,
-    manifest_digest TEXT NOT NULL,
-    plan_json TEXT,
-    plan_digest TEXT,
-    checkpoint_fingerprint TEXT,
-    shards_path TEXT,
-    git_commit TEXT,
-    created_at REAL NOT NULL,
-    finished_at REAL,
-    timings_json TEXT,
-    checksums_json TEXT,               -- size and hash of each weight file when used in place
-    progress_json TEXT,                -- a gated rollout's progress (stage, step, share, gates so far)
-    PRIMARY KEY (name, revision)
-);
-CREATE TABLE IF NOT EXISTS deployments (
-    name TEXT PRIMARY KEY,
-    current_revision INTEGER,          -- the last Ready revision: what serves
-    manifest_path TEXT NOT NULL,
-    settled_revision INTEGER,          -- latest revision when a no-op apply confirmed the current one
-    pending_error TEXT                 -- a change that could not even be recorded (broken manifest)
-);
-CREATE TABLE IF NOT EXISTS events (
-    id INTEGER PRIMARY KEY AUTOINCREMENT,
-    name TEXT NOT NULL,
-    revision INTEGER,
-    at REAL NOT NULL,
-    kind TEXT NOT NULL,
-    message TEXT NOT NULL
-);
-CREATE INDEX IF NOT EXISTS events_by_name ON events (name, id);
-"""
-
+from .locks import NameLocks, file_lock
+from .schema import check_version, setup_database
 
 def default_state_dir() -> Path:
     if os.environ.get("DEPLOYKIT_STATE"):
@@ -130,7 +87,7 @@ class Event:
     message: str
 
 
-class StateStore:
+class StateStore(NameLocks):
     """One SQLite database; safe to use from several threads (one connection per call)."""
 
     def __init__(self, directory: Path | None = None) -> None:
@@ -143,28 +100,10 @@ class StateStore:
         self.path = self.directory / "state.db"
         # Two processes that open a new store at once would race on the switch to WAL, which SQLite
         # answers with "database is locked" at once (its busy handler does not cover it): one at a time.
-        with _file_lock(self.directory / "state.db.setup-lock"):
-            self._setup()
-
-    def _setup(self) -> None:
-        if not self.path.exists():  # created 0600, not with the umask's mode (SQLite's WAL files follow it)
-            os.close(os.open(self.path, os.O_WRONLY | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600))
-        setup = sqlite3.connect(self.path, timeout=30, isolation_level=None)
-        try:
-            setup.execute("PRAGMA journal_mode=WAL")
-            setup.executescript(_SCHEMA)  # idempotent (IF NOT EXISTS); executescript commits itself
-            for table, column, kind in _MIGRATIONS:
-                have = {row[1] for row in setup.execute(f"PRAGMA table_info({table})")}
-                if column not in have:
-                    setup.execute(f"ALTER TABLE {table} ADD COLUMN {column} {kind}")
-        finally:
-            setup.close()
+        with file_lock(self.directory / "state.db.setup-lock"):
+            setup_database(self.path)
         with self._write() as db:
-            row = db.execute("SELECT value FROM meta WHERE key='schema_version'").fetchone()
-            if row is None:
-                db.execute("INSERT INTO meta VALUES ('schema_version', ?)", (str(SCHEMA_VERSION),))
-            elif int(row[0]) > SCHEMA_VERSION:
-                raise ApplyError(f"{self.path} was written by a newer deploykit (schema {row[0]})")
+            check_version(db, self.path)
 
     @contextlib.contextmanager
     def _read(self) -> Iterator[sqlite3.Connection]:
@@ -345,25 +284,6 @@ class StateStore:
                               "ORDER BY id DESC LIMIT ?", (name, limit)).fetchall()
         return [Event(*r) for r in reversed(rows)]
 
-    def apply_running(self, name: str) -> bool:
-        """Whether some process holds the deployment's apply lock right now."""
-        try:
-            with self.deployment_lock(name, wait=False):
-                return False
-        except ApplyError:
-            return True
-
-    def change_running(self, name: str) -> bool:
-        """Whether some process applies ``name`` or runs a gated rollout of it (whose steps hold no apply
-        lock) right now: a Progressing revision is then still on its way, not interrupted."""
-        if self.apply_running(name):
-            return True
-        try:
-            with self.rollout_lock(name, wait=False):
-                return False
-        except ApplyError:
-            return True
-
     def deployment(self, name: str) -> dict[str, Any] | None:
         """The deployment's row: manifest path, settled revision, pending error."""
         with self._read() as db:
@@ -372,24 +292,6 @@ class StateStore:
         return None if row is None else {"manifest_path": row[0], "settled_revision": row[1],
                                          "pending_error": row[2]}
 
-    @contextlib.contextmanager
-    def deployment_lock(self, name: str, *, wait: bool = True) -> Iterator[None]:
-        """Serialise applies of ``name`` across threads and processes."""
-        locks = self.directory / "locks"
-        locks.mkdir(exist_ok=True)
-        with _file_lock(locks / f"{name}.lock", busy=None if wait else f"another apply of {name!r} is running"):
-            yield
-
-    @contextlib.contextmanager
-    def rollout_lock(self, name: str, *, wait: bool = True) -> Iterator[None]:
-        """Held by the process that runs a gated rollout of ``name``, from its apply to its outcome: while
-        it is held, the rollout's Progressing revision is alive (``change_running``); it dies with its
-        process, so a ``kill -9`` in a canary's step leaves it free for ``interrupt_restarted``."""
-        locks = self.directory / "locks"
-        locks.mkdir(exist_ok=True)
-        with _file_lock(locks / f"{name}.rollout.lock",
-                        busy=None if wait else f"a rollout of {name!r} is running"):
-            yield
 
 
 def _where(progress_json: str | None) -> str:
@@ -401,21 +303,6 @@ def _where(progress_json: str | None) -> str:
     if step:
         return f"at step {step} of {len(steps)} ({progress.get('share', 0)}% of new requests)"
     return "before its first step (while its golden gates ran)" if steps else "while its golden gates ran"
-
-
-@contextlib.contextmanager
-def _file_lock(path: Path, *, busy: str | None = None) -> Iterator[None]:
-    """An ``flock`` on ``path``, waited for; with ``busy``, not waited for: ApplyError(busy) when it is
-    held. It dies with its process, so ``kill -9`` never leaves it held."""
-    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
-    try:
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | (0 if busy is None else fcntl.LOCK_NB))
-        except BlockingIOError:
-            raise ApplyError(busy or "locked") from None
-        yield
-    finally:
-        os.close(fd)  # closing releases the flock
 
 
 _STORES: dict[Path, StateStore] = {}
