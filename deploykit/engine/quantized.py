@@ -9,9 +9,11 @@ and handles device maps, tied weights and buffers as for any model.
 Kernels, chosen by measurement on this CPU (docs/quantization.md has the figures):
 
 - CPU, int8: ``torch._weight_int8pack_mm`` (weight-only int8 matmul) with bfloat16 activations for up to
-  ``_SMALL`` rows (decoding: as fast as float32 or faster); for more rows (prefill) the weights are
-  dequantized to bfloat16 for that call and multiplied by oneDNN's bfloat16 GEMM, faster than float32
-  there. The same kernels with float32 activations run 10-20x slower than float32, hence bfloat16.
+  ``_SMALL`` rows (decoding, mixed steps: as fast as float32 or faster); for more rows (prefill) the
+  weights are dequantized to bfloat16 for that call and multiplied by oneDNN's bfloat16 GEMM, faster than
+  float32 there. The crossover is measured in a whole forward (``bench/int8_rows.py``: 72-80 rows on
+  SmolLM2, 2 cores), where the weights come from memory; one layer whose weight stays in the CPU's caches
+  (``bench/quantize_kernels.py``) crosses over sooner, at ~32 rows. The same kernels with float32 activations run 10-20x slower than float32, hence bfloat16.
 - CPU, int4: ``torch._weight_int4pack_mm_for_cpu`` (groups of 32, scales and zeros) with bfloat16
   activations; its weights are repacked once at load into the kernel's layout (same size).
 - CUDA, int4: torch's tinygemm kernel ``torch._weight_int4pack_mm`` (the kernel torchao's
@@ -44,7 +46,7 @@ from transformers.utils.quantization_config import QuantizationConfigMixin
 from ..model.quantization import GROUP_SIZE
 
 METHOD = "deploykit"
-_SMALL = 32  # rows up to which the weight-only kernels beat dequantize + bfloat16 GEMM (measured)
+_SMALL = 64  # rows up to which int8's weight-only kernel beats dequantize + GEMM in a forward (bench/int8_rows.py)
 _COMPUTE = torch.bfloat16
 _ALIGN = 64  # bytes: what torch's CPU allocator gives and the int8 kernel's vector loads need
 _MADV_DONTNEED = 4
