@@ -32,6 +32,7 @@ from ...placement.plan import Plan
 from .locks import NameLocks, file_lock
 from .schema import check_version, setup_database
 
+
 def default_state_dir() -> Path:
     if os.environ.get("DEPLOYKIT_STATE"):
         return Path(os.environ["DEPLOYKIT_STATE"])
@@ -102,8 +103,8 @@ class StateStore(NameLocks):
         # answers with "database is locked" at once (its busy handler does not cover it): one at a time.
         with file_lock(self.directory / "state.db.setup-lock"):
             setup_database(self.path)
-        with self._write() as db:
-            check_version(db, self.path)
+            with self._write() as db:
+                check_version(db, self.path)
 
     @contextlib.contextmanager
     def _read(self) -> Iterator[sqlite3.Connection]:
