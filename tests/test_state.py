@@ -104,3 +104,30 @@ def test_unwritable_state_dir_is_a_clear_error(tmp_path):
     blocker.write_text("")
     with pytest.raises(ApplyError, match="DEPLOYKIT_STATE"):
         StateStore(blocker / "state")
+
+
+def test_processes_opening_a_new_store_at_once_all_open_it(tmp_path):
+    """The switch of a new database to WAL is taken one process at a time (SQLite would answer the second
+    with "database is locked" at once), and every one of them records or reads the same schema version."""
+    import subprocess
+    import sys
+
+    code = ("import sys; from deploykit.control.revisions.state import StateStore; "
+            "StateStore(sys.argv[1]).record_event('m', 'opened', 'hello')")
+    procs = [subprocess.Popen([sys.executable, "-c", code, str(tmp_path / "state")], stderr=subprocess.PIPE,
+                              text=True) for _ in range(6)]
+    errors = [p.communicate(timeout=120)[1] for p in procs]
+    assert [p.returncode for p in procs] == [0] * 6, errors
+    store = StateStore(tmp_path / "state")
+    assert [e.kind for e in store.events("m")] == ["opened"] * 6
+    with store._read() as db:
+        assert db.execute("SELECT value FROM meta WHERE key='schema_version'").fetchall() == [("2",)]
+        assert db.execute("PRAGMA journal_mode").fetchone() == ("wal",)
+
+
+def test_a_database_of_a_newer_deploykit_is_refused_naming_it(tmp_path):
+    store = StateStore(tmp_path)
+    with store._write() as db:
+        db.execute("UPDATE meta SET value='99' WHERE key='schema_version'")
+    with pytest.raises(ApplyError, match=r"state\.db was written by a newer deploykit \(schema 99\)"):
+        StateStore(tmp_path)
