@@ -26,12 +26,17 @@ import torch  # noqa: E402
 REPO = Path(__file__).resolve().parent.parent
 
 
-def per_token_int8(layer: Any, x: torch.Tensor) -> torch.Tensor:
-    """``layer``'s output from activations quantized to int8 per row (symmetric) and its int8 weights."""
-    rows = x.reshape(-1, layer.in_features).float()
-    scale = rows.abs().amax(1, keepdim=True).clamp_min(1e-12) / 127
-    q = torch.round(rows / scale).to(torch.int8)
-    y = torch._int_mm(q, layer.weight.t()).float() * scale * layer._scales.float()  # its scales as the kernels read them
+def per_token_int8(rows: torch.Tensor, q8: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """``rows @ W.T`` (float32) for int8 weights ``q8`` [out, in] with per-output ``scale``, the activations
+    quantized to int8 per row (symmetric): one ``torch._int_mm``."""
+    rows = rows.float()
+    s = rows.abs().amax(1, keepdim=True).clamp_min(1e-12) / 127
+    return torch._int_mm(torch.round(rows / s).to(torch.int8), q8.t()).float() * s * scale.float()
+
+
+def layer_int8(layer: Any, x: torch.Tensor) -> torch.Tensor:
+    """A QuantizedLinear's output through ``per_token_int8`` (its scales as its kernels read them)."""
+    y = per_token_int8(x.reshape(-1, layer.in_features), layer.weight, layer._scales)
     return y.to(x.dtype).reshape(*x.shape[:-1], layer.out_features)
 
 
@@ -82,7 +87,7 @@ def main() -> None:
         for name, layer in layers.items():
             plain = QuantizedLinear.forward.__get__(layer)
             layer.forward = (plain if name in skip else  # type: ignore[method-assign]
-                             (lambda x, layer=layer, plain=plain: per_token_int8(layer, x) if x.numel() > layer.in_features
+                             (lambda x, layer=layer, plain=plain: layer_int8(layer, x) if x.numel() > layer.in_features
                               else plain(x)))
         report(label)
 

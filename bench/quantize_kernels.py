@@ -15,11 +15,15 @@ from __future__ import annotations
 
 import argparse
 import statistics
+import sys
 import time
 from pathlib import Path
 
 import torch
 from torch.nn import functional as F
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from activation_int8 import per_token_int8  # noqa: E402
 
 
 def per_call(fn, calls: int) -> float:
@@ -29,11 +33,6 @@ def per_call(fn, calls: int) -> float:
     for _ in range(calls):
         fn()
     return (time.perf_counter() - start) / calls * 1e6
-
-
-def per_token_int8(x: torch.Tensor, q8: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
-    s = x.abs().amax(1, keepdim=True).clamp_min(1e-12) / 127
-    return torch._int_mm(torch.round(x / s).to(torch.int8), q8.t()).float() * s * scale
 
 
 def main() -> None:
