@@ -56,7 +56,7 @@ def test_cached_answers_equal_uncached(llama: Any) -> None:
         for i, ask in enumerate(asks):
             prompt = SYSTEM + [60 + i, 61, 62, 63]
             a, b = run(cached, prompt, **ask), run(plain, prompt, **ask)
-            assert a.cached_tokens == 3 * BLOCK and b.cached_tokens == 0
+            assert a.cached_tokens == len(SYSTEM) and b.cached_tokens == 0  # to the token, past its whole blocks
             assert a.token_ids == b.token_ids
             assert a.logprobs is not None and b.logprobs is not None
             for x, y in zip(a.logprobs, b.logprobs):
@@ -66,15 +66,14 @@ def test_cached_answers_equal_uncached(llama: Any) -> None:
 
 
 def test_a_conversation_reads_its_earlier_turns(llama: Any) -> None:
-    """Turn 2 re-sends turn 1's prompt and answer: everything but the last partial block is cached."""
+    """Turn 2 re-sends turn 1's prompt and answer: all of it is cached but the last answer token."""
     turn1 = SYSTEM + [90, 91, 92]
     with engine(llama, prefix_cache_bytes=8 << 20) as cached, engine(llama) as plain:
         answer = run(cached, turn1, max_new_tokens=20).token_ids
         turn2 = turn1 + answer + [93, 94, 95]
         a, b = run(cached, turn2, max_new_tokens=8), run(plain, turn2, max_new_tokens=8)
         assert a.token_ids == b.token_ids
-        assert a.cached_tokens == (len(turn1) + len(answer) - 1) // BLOCK * BLOCK  # the last token had no KV yet
-        assert a.cached_tokens >= len(turn1) - BLOCK
+        assert a.cached_tokens == len(turn1) + len(answer) - 1  # the last token had no KV yet
 
 
 def test_concurrent_requests_sharing_a_prefix(llama: Any) -> None:
@@ -89,8 +88,35 @@ def test_concurrent_requests_sharing_a_prefix(llama: Any) -> None:
         assert [g.token_ids for g in got] == [w.token_ids for w in want]
         # a hit prefilled with others reads as much of its cached beginning as the batch's longest
         # uncached tail leaves it (the batch stays left-padded)
-        assert all(0 < g.cached_tokens <= 3 * BLOCK for g in got[:4]), [g.cached_tokens for g in got]
+        assert all(0 < g.cached_tokens <= len(SYSTEM) for g in got[:4]), [g.cached_tokens for g in got]
         assert [g.cached_tokens for g in got[4:]] == [0, 0]
+
+
+def test_cached_prompts_joining_running_rows_answer_as_alone_and_a_failing_one_fails_alone(llama: Any) -> None:
+    """Prompts whose beginning is cached join rows that are decoding (their cached keys read into the batch's
+    buffers, below the running rows): every answer is the uncached engine's, and one whose join fails (an id
+    beyond the vocabulary) fails alone, the running row and the others going on unchanged."""
+    started = threading.Event()
+
+    def listen(event: int | GenerationResult) -> None:
+        if isinstance(event, int) and not started.is_set():
+            started.set()
+
+    stream = dict(max_new_tokens=60, logit_bias=[(2, -100.0)])  # EOS (id 2) never comes: it runs throughout
+    prompts = [SYSTEM + [80 + i] * (i + 1) for i in range(3)]
+    with engine(llama, prefix_cache_bytes=8 << 20) as cached, engine(llama) as plain:
+        run(cached, SYSTEM + [1], max_new_tokens=3)
+        running = cached.submit(GenerationRequest(prompt_ids=[3, 4, 5], **stream), listener=listen)
+        assert started.wait(30)
+        handles = [cached.submit(GenerationRequest(prompt_ids=p, max_new_tokens=8)) for p in prompts[:2]]
+        bad = cached.submit(GenerationRequest(prompt_ids=SYSTEM + [10_000], max_new_tokens=8))
+        handles.append(cached.submit(GenerationRequest(prompt_ids=prompts[2], max_new_tokens=8)))
+        got = [h.result(timeout=60) for h in handles]
+        failed, streamed = bad.result(timeout=60), running.result(timeout=60)
+        assert failed.finish_reason == "error" and "index out of range" in (failed.error or "")
+        assert [g.cached_tokens for g in got] == [len(SYSTEM)] * 3
+        assert [g.token_ids for g in got] == [run(plain, p, max_new_tokens=8).token_ids for p in prompts]
+        assert streamed.token_ids == run(plain, [3, 4, 5], **stream).token_ids
 
 
 def test_the_cache_stays_within_its_bytes_and_is_freed_on_close(llama: Any) -> None:
@@ -129,6 +155,35 @@ def test_prefix_cache_unit_lru_and_extension() -> None:
     cache.insert(b, kv(len(b)), kv(len(b)))  # over max_bytes: the older entry goes
     assert cache.evictions == 1 and cache.bytes == 2 * BLOCK * per_token
     assert cache.lookup(a + [9]) is None and cache.lookup(b + [1]) is not None
+
+
+def test_prefix_cache_unit_matches_to_the_token() -> None:
+    """Found by whole blocks, matched to the token: a kept sequence serves every token a prompt shares with
+    it (its part block included), up to the prompt's last token; the best of the sequences sharing the
+    blocks serves; keys are the kept ones, position for position."""
+    def kv(n: int, seed: int) -> list[torch.Tensor]:
+        return [torch.arange(n, dtype=torch.float32).reshape(1, 1, n, 1).expand(1, 2, n, 4) + 1000 * seed]
+
+    cache = PrefixCache(max_bytes=1 << 20)
+    a = list(range(2 * BLOCK + 5))  # two whole blocks and a part
+    cache.insert(a, kv(len(a), 1), kv(len(a), 1))
+    assert cache.bytes == len(a) * 2 * 2 * 4 * 4  # kept whole, its part block too
+    hit = cache.lookup(a + [900, 901])
+    assert hit is not None and hit.tokens == len(a)
+    assert torch.equal(hit.keys[0][0, 0, :, 0], torch.arange(len(a), dtype=torch.float32) + 1000)
+    hit = cache.lookup(a)  # the whole kept sequence as a prompt: all but its last token
+    assert hit is not None and hit.tokens == len(a) - 1
+    hit = cache.lookup(a[:2 * BLOCK + 2] + [77] * 9)  # shares 2 blocks and 2 tokens
+    assert hit is not None and hit.tokens == 2 * BLOCK + 2
+    longer = a[:2 * BLOCK] + [55] * 12  # same blocks, a longer part that the next prompt shares
+    cache.insert(longer, kv(len(longer), 2), kv(len(longer), 2))
+    hit = cache.lookup(longer[:-2] + [1])
+    assert hit is not None and hit.tokens == 2 * BLOCK + 10 and hit.keys[0][0, 0, -1, 0] == 2000 + 2 * BLOCK + 9
+    assert cache.lookup(list(range(BLOCK - 1)) + [5, 5]) is None  # no whole block shared: not found
+    cache.insert(a + [3] * 4, kv(len(a) + 4, 3), kv(len(a) + 4, 3))  # extends a (same blocks, longer part): a goes
+    assert len(cache._entries) == 2 and cache.lookup(a + [3, 3, 9]).tokens == len(a) + 2
+    cache.insert([8] * (BLOCK - 1), kv(BLOCK - 1, 4), kv(BLOCK - 1, 4))  # under one block: not kept
+    assert len(cache._entries) == 2
 
 
 @pytest.fixture(scope="module")

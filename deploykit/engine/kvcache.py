@@ -130,6 +130,44 @@ def read_hits(past: Any, hits: list[Hit | None], kept: list[int], width: int, *,
         layer.preset(buffers[0], buffers[1], width)
 
 
+def read_hits_below(batch: Any, width: int, past: Any, hits: list[Hit | None], kept: list[int], cached: int, *,
+                    room: int) -> tuple[int, list[tuple[torch.Tensor, torch.Tensor]]]:
+    """``read_hits`` for new rows joining a running ``batch`` (``width`` positions): one buffer per layer holds
+    the batch's rows and, below them, the new ones, left-padded to ``W = max(width, cached + room)``. The
+    batch's rows are copied in (each layer's old buffers freed before the next layer's are made) and its
+    layers hold them there, as before (a prefill that fails leaves the batch as it was); the new rows' cached
+    tokens are copied in and ``past``'s layers hold the new rows' part, which their prefill appends to. Returns
+    ``W`` and the buffers, which ``hold_all`` gives the batch once the prefill succeeded. The new rows' cached
+    keys and values are copied once: reading them into a cache of their own, then stacking it below the
+    batch's, copied them twice (8 same documents again on SmolLM2: ``bench/prefix_again.py``)."""
+    rows, new, wide = batch.layers[0].keys.shape[0], len(hits), max(width, cached + room)
+    start = wide - cached - room  # the new rows' first column
+    buffers = []
+    for j, (layer, target) in enumerate(zip(batch.layers, past.layers)):
+        pair = []
+        for old, attr in ((layer.keys, "keys"), (layer.values, "values")):
+            buffer = old.new_empty(rows + new, old.shape[1], wide + HEADROOM, old.shape[3])
+            buffer[:rows, :, :wide - width].zero_()  # padding is read (masked): never left uninitialised
+            buffer[:rows, :, wide - width:wide] = old
+            for row, (hit, k) in enumerate(zip(hits, kept)):
+                buffer[rows + row, :, :wide - room - k].zero_()
+                if hit is not None and k:
+                    buffer[rows + row, :, wide - room - k:wide - room] = getattr(hit, attr)[j][0, :, :k]
+            pair.append(buffer)
+        _release(layer)
+        layer.preset(pair[0][:, :, wide - width:][:rows], pair[1][:, :, wide - width:][:rows], width)
+        target.preset(pair[0][rows:, :, start:], pair[1][rows:, :, start:], cached)
+        buffers.append((pair[0], pair[1]))
+    return wide, buffers
+
+
+def hold_all(batch: Any, past: Any, buffers: list[tuple[torch.Tensor, torch.Tensor]], width: int) -> None:
+    """The batch's layers hold every row of ``buffers`` (``read_hits_below``), ``width`` positions each."""
+    for layer, new, (keys, values) in zip(batch.layers, past.layers, buffers):
+        _release(new)
+        layer.preset(keys, values, width)
+
+
 def peak_positions(rows: int, width: int, layers: int) -> int:
     """The most cached positions (one token of one row, in every layer: ``kv_bytes_per_token`` each) that
     the batch's cache holds with ``rows`` rows of at most ``width`` positions: buffers ``HEADROOM`` longer,

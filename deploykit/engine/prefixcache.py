@@ -2,13 +2,17 @@
 request sharing a prefix with one of them (a shared system prompt, a conversation's earlier turns, the same
 document again) prefills only what follows it.
 
-Keyed by token ids in blocks of ``BLOCK`` tokens (vLLM's automatic prefix caching keys blocks the same way:
-the hash of a block chains the hash of every block before it), so a lookup finds the longest block-aligned
-prefix any kept sequence shares with a prompt. An entry holds one sequence's keys and values for every
-layer (``[1, kv heads, tokens, head dim]``, its own contiguous copy); it serves any block prefix of itself
-as a view. Entries are bounded by ``max_bytes`` and evicted least recently used; a sequence that extends a
-kept one replaces it. Written by hand rather than taken from a library: transformers has no prefix cache
-outside its continuous-batching manager's paged cache, which deploykit's padded loop does not use.
+Found by token ids in blocks of ``BLOCK`` tokens (vLLM's automatic prefix caching keys blocks the same way:
+the hash of a block chains the hash of every block before it), then token by token: a lookup finds the kept
+sequences sharing the longest block-aligned beginning with a prompt, and reuses as much more of the best of
+them as still matches, up to the prompt's last token (SGLang's radix cache and llama.cpp's slots match to the
+token too). Block-aligned only, the same document sent again recomputed up to 16 tokens per request, and 8
+of them joining together a forward of 8 x 16 rows instead of 8 (SmolLM2 int8: 0.24-0.35 s against 0.1 s,
+``bench/prefix_again.py``). An entry holds one whole sequence's keys and values for every layer (``[1, kv
+heads, tokens, head dim]``, its own contiguous copy); it serves any prefix of itself as a view. Entries are
+bounded by ``max_bytes`` and evicted least recently used; a sequence that extends a kept one replaces it.
+Written by hand rather than taken from a library: transformers has no prefix cache outside its
+continuous-batching manager's paged cache, which deploykit's padded loop does not use.
 
 Owned by the engine's one worker thread; ``stats`` may be read from any thread (plain ints).
 """
@@ -22,7 +26,7 @@ from itertools import count
 
 import torch
 
-BLOCK = 16  # tokens per key block: a hit reuses a multiple of this
+BLOCK = 16  # tokens per indexed block: a sequence is found by its whole blocks, then matched to the token
 
 
 @dataclass(frozen=True)
@@ -44,7 +48,7 @@ class _Entry:
 
 
 class PrefixCache:
-    """KV of finished sequences, looked up by the longest shared block prefix (see the module docstring)."""
+    """KV of finished sequences, looked up by the longest shared prefix (see the module docstring)."""
 
     def __init__(self, max_bytes: int) -> None:
         self.max_bytes = max_bytes
@@ -55,28 +59,35 @@ class PrefixCache:
         self._ids = count()
 
     def lookup(self, prompt: Sequence[int]) -> Hit | None:
-        """The longest cached block prefix of ``prompt`` that leaves at least one token to prefill (the
-        model must see the last prompt token to give the first new one)."""
+        """The longest cached prefix of ``prompt`` that leaves at least one token to prefill (the model must
+        see the last prompt token to give the first new one)."""
         self.lookups += 1
         hashes = _block_hashes(prompt, (len(prompt) - 1) // BLOCK)
         for k in range(len(hashes), 0, -1):
+            best, n = None, 0
             for eid in reversed(self._index.get(hashes[k - 1], {})):
-                entry, n = self._entries[eid], k * BLOCK
-                if entry.ids[:n] == tuple(prompt[:n]):  # a hash collision never serves wrong keys
-                    self._entries.move_to_end(eid)
-                    self.hits += 1
-                    self.tokens_reused += n
-                    return Hit(n, [t[:, :, :n] for t in entry.keys], [t[:, :, :n] for t in entry.values])
+                entry = self._entries[eid]
+                if entry.ids[:k * BLOCK] == tuple(prompt[:k * BLOCK]):  # a hash collision never serves wrong keys
+                    shared = _shared(entry.ids, prompt, k * BLOCK, len(prompt) - 1)
+                    if shared > n:
+                        best, n = eid, shared
+            if best is not None:
+                entry = self._entries[best]
+                self._entries.move_to_end(best)
+                self.hits += 1
+                self.tokens_reused += n
+                return Hit(n, [t[:, :, :n] for t in entry.keys], [t[:, :, :n] for t in entry.values])
         return None
 
     def insert(self, ids: Sequence[int], keys: list[torch.Tensor], values: list[torch.Tensor]) -> None:
-        """Keep the KV of ``ids`` (per layer ``[1, heads, len(ids), dim]``; cut to whole blocks and copied)."""
-        n = len(ids) // BLOCK * BLOCK
+        """Keep the KV of ``ids`` (per layer ``[1, heads, len(ids), dim]``; copied). A sequence shorter than
+        one block is not kept (it could not be found)."""
+        n = len(ids)
         nbytes = n * sum(k.shape[1] * k.shape[3] * k.element_size() * 2 for k in keys)
-        if n == 0 or nbytes > self.max_bytes:
+        if n < BLOCK or nbytes > self.max_bytes:
             return
         hashes = _block_hashes(ids, n // BLOCK)
-        head = tuple(ids[:n])
+        head = tuple(ids)
         for eid in list(self._index.get(hashes[-1], {})):  # already kept (or a longer one holds it)
             if self._entries[eid].ids[:n] == head:
                 self._entries.move_to_end(eid)
@@ -84,7 +95,7 @@ class PrefixCache:
         for k, h in enumerate(hashes):  # kept sequences that this one extends are no longer needed
             for eid in list(self._index.get(h, {})):
                 entry = self._entries[eid]
-                if len(entry.ids) == (k + 1) * BLOCK and entry.ids == head[:len(entry.ids)]:
+                if len(entry.ids) // BLOCK == k + 1 and entry.ids == head[:len(entry.ids)]:
                     self._remove(eid)
         while self._entries and self.bytes + nbytes > self.max_bytes:
             self._remove(next(iter(self._entries)))
@@ -125,3 +136,11 @@ def _block_hashes(ids: Sequence[int], blocks: int) -> list[int]:
         h = hash((h, tuple(ids[b * BLOCK:(b + 1) * BLOCK])))
         out.append(h)
     return out
+
+
+def _shared(kept: Sequence[int], prompt: Sequence[int], start: int, most: int) -> int:
+    """How many first tokens ``kept`` and ``prompt`` share, at most ``most``, knowing the first ``start`` are."""
+    n, end = start, min(len(kept), most)
+    while n < end and kept[n] == prompt[n]:
+        n += 1
+    return n
