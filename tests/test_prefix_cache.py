@@ -286,7 +286,7 @@ def test_a_prefix_cache_that_leaves_the_batch_no_room_is_a_plan_error(model: Any
     assert planned("1GiB").prefix_cache_bytes == 200 << 20
 
 
-def test_chunks_are_sized_to_take_about_one_and_a_half_decode_steps() -> None:
+def test_chunks_are_sized_to_take_about_one_and_a_half_decode_steps_in_whole_row_blocks() -> None:
     from deploykit.engine.prefill import ChunkSizer
 
     sizer = ChunkSizer(256)
@@ -295,12 +295,15 @@ def test_chunks_are_sized_to_take_about_one_and_a_half_decode_steps() -> None:
     sizer.decoded(0.010)  # a decode step of the running rows: 10 ms
     sizer.read(32, 0.032)  # 1 ms per prompt token
     assert sizer.next(decoding=True) == 16  # 15 tokens take 1.5 steps; 16 at least
+    assert sizer.next(True, rows=2) == 18  # 2 running rows beside it: rounded up to whole blocks of 4 rows
+    assert sizer.next(True, rows=4) == 16 and sizer.next(True, rows=5) == 19
     for _ in range(30):  # prompt tokens get cheaper (a faster machine, a bigger chunk): chunks grow
         sizer.read(64, 0.016)
     assert 55 <= sizer.next(decoding=True) <= 61  # 1.5 * 10 ms / 0.25 ms
     for _ in range(30):
         sizer.decoded(1.0)  # slow steps: the chunk is bounded by prefill_chunk
     assert sizer.next(decoding=True) == 256
+    assert sizer.next(True, rows=3) == 256  # never past the largest chunk
     assert sizer.next(decoding=False) == 256
 
 

@@ -145,7 +145,7 @@ class PaddedBackend:
         width, read = mask.shape[1], p.done
         started = time.perf_counter()
         try:
-            logits, chunk_logits, mask = self._fw.mixed(rows, p, self._chunks.next(decoding=True), cache, mask)
+            logits, chunk_logits, mask = self._fw.mixed(rows, p, self._chunks.next(True, len(rows)), cache, mask)
         except Exception:
             truncate(cache, width)
             truncate(p.cache, read)

@@ -30,7 +30,12 @@ class ChunkSizer:
     (moving averages): a running stream then waits about ``1 + ratio`` steps between two tokens while a
     long prompt is read, whatever the model, the machine and the batch (a fixed chunk of 256 tokens made
     SmolLM2's streams wait 5-7 steps on 2 cores). Never fewer than ``smallest`` tokens, so that a prompt
-    is read at a useful pace even when decoding is very fast."""
+    is read at a useful pace even when decoding is very fast. Then rounded up so that the forward's rows
+    (the chunk and the ``rows`` beside it) fill whole blocks of ``ROW_BLOCK``: torch's int8 and int4 CPU
+    kernels read and convert every weight once per 4 rows, so 2 running rows and 18 prompt tokens cost
+    what 2 and 16 do (SmolLM2's 30 MLPs: 9.2 ms for 16 rows, 10.9 ms for 18 and 20)."""
+
+    ROW_BLOCK = 4
 
     def __init__(self, largest: int, *, ratio: float = 1.5, smallest: int = 16, weight: float = 0.3) -> None:
         self.largest, self.ratio, self.smallest, self.weight = largest, ratio, min(smallest, largest), weight
@@ -44,13 +49,16 @@ class ChunkSizer:
         if tokens > 0:
             self.token_seconds = self._mean(self.token_seconds, seconds / tokens)
 
-    def next(self, decoding: bool) -> int:
+    def next(self, decoding: bool, rows: int = 0) -> int:
+        """The next chunk's size; ``rows``: the running rows computed in the same forward."""
         if not decoding:
             return self.largest
         if self.step_seconds is None or self.token_seconds is None:
-            return max(self.smallest, min(self.largest, 32))  # a first measurement
-        tokens = int(self.ratio * self.step_seconds / self.token_seconds)
-        return max(self.smallest, min(self.largest, tokens))
+            tokens = max(self.smallest, min(self.largest, 32))  # a first measurement
+        else:
+            tokens = max(self.smallest, min(self.largest, int(self.ratio * self.step_seconds / self.token_seconds)))
+        aligned = tokens + (-(rows + tokens)) % self.ROW_BLOCK
+        return aligned if aligned <= self.largest else tokens
 
     def _mean(self, old: float | None, new: float) -> float:
         return new if old is None else (1 - self.weight) * old + self.weight * new
