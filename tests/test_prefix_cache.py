@@ -102,7 +102,7 @@ def test_cached_prompts_joining_running_rows_answer_as_alone_and_a_failing_one_f
         if isinstance(event, int) and not started.is_set():
             started.set()
 
-    stream = dict(max_new_tokens=60, logit_bias=[(2, -100.0)])  # EOS (id 2) never comes: it runs throughout
+    stream = dict(max_new_tokens=300, logit_bias=[(2, -100.0)])  # EOS (id 2) never comes: it runs throughout
     prompts = [SYSTEM + [80 + i] * (i + 1) for i in range(3)]
     with engine(llama, prefix_cache_bytes=8 << 20) as cached, engine(llama) as plain:
         run(cached, SYSTEM + [1], max_new_tokens=3)
@@ -112,7 +112,9 @@ def test_cached_prompts_joining_running_rows_answer_as_alone_and_a_failing_one_f
         bad = cached.submit(GenerationRequest(prompt_ids=SYSTEM + [10_000], max_new_tokens=8))
         handles.append(cached.submit(GenerationRequest(prompt_ids=prompts[2], max_new_tokens=8)))
         got = [h.result(timeout=60) for h in handles]
-        failed, streamed = bad.result(timeout=60), running.result(timeout=60)
+        failed = bad.result(timeout=60)
+        assert not running.done  # they joined (and failed) beside the running row
+        streamed = running.result(timeout=60)
         assert failed.finish_reason == "error" and "index out of range" in (failed.error or "")
         assert [g.cached_tokens for g in got] == [len(SYSTEM)] * 3
         assert [g.token_ids for g in got] == [run(plain, p, max_new_tokens=8).token_ids for p in prompts]
