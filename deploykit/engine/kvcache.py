@@ -120,14 +120,21 @@ def read_hits(past: Any, hits: list[Hit | None], kept: list[int], width: int, *,
     some = next(hit for hit in hits if hit is not None)
     for j, layer in enumerate(past.layers):
         buffers = []
-        for cached in (some.keys[j], some.values[j]):
+        for cached, attr in ((some.keys[j], "keys"), (some.values[j], "values")):
             _, heads, _, dim = cached.shape
-            buffers.append(cached.new_zeros(len(hits), heads, width + room + HEADROOM, dim))
-        for row, (hit, k) in enumerate(zip(hits, kept)):
-            if hit is not None and k:
-                buffers[0][row, :, width - k:width] = hit.keys[j][0, :, :k]
-                buffers[1][row, :, width - k:width] = hit.values[j][0, :, :k]
+            buffers.append(cached.new_empty(len(hits), heads, width + room + HEADROOM, dim))
+            _write_hits(buffers[-1], hits, kept, j, attr, width)
         layer.preset(buffers[0], buffers[1], width)
+
+
+def _write_hits(rows: torch.Tensor, hits: list[Hit | None], kept: list[int], layer: int, attr: str, end: int) -> None:
+    """Row i of ``rows`` (``[len(hits), heads, >= end, dim]``): ``hits[i]``'s first ``kept[i]`` cached keys or
+    values (``attr``) of ``layer`` ending at column ``end``, zeros before them (padding is read, masked: never
+    left uninitialised); what follows ``end`` is the prefill's to write."""
+    for row, (hit, k) in enumerate(zip(hits, kept)):
+        rows[row, :, :end - k].zero_()
+        if hit is not None and k:
+            rows[row, :, end - k:end] = getattr(hit, attr)[layer][0, :, :k]
 
 
 def read_hits_below(batch: Any, width: int, past: Any, hits: list[Hit | None], kept: list[int], cached: int, *,
@@ -149,10 +156,7 @@ def read_hits_below(batch: Any, width: int, past: Any, hits: list[Hit | None], k
             buffer = old.new_empty(rows + new, old.shape[1], wide + HEADROOM, old.shape[3])
             buffer[:rows, :, :wide - width].zero_()  # padding is read (masked): never left uninitialised
             buffer[:rows, :, wide - width:wide] = old
-            for row, (hit, k) in enumerate(zip(hits, kept)):
-                buffer[rows + row, :, :wide - room - k].zero_()
-                if hit is not None and k:
-                    buffer[rows + row, :, wide - room - k:wide - room] = getattr(hit, attr)[j][0, :, :k]
+            _write_hits(buffer[rows:], hits, kept, j, attr, wide - room)
             pair.append(buffer)
         _release(layer)
         layer.preset(pair[0][:, :, wide - width:][:rows], pair[1][:, :, wide - width:][:rows], width)
