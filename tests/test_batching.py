@@ -68,6 +68,26 @@ def prompts(n: int, seed: int = 0) -> list[tuple[int, ...]]:
     return [tuple(rng.randrange(4, 256) for _ in range(rng.randrange(3, 40))) for _ in range(n)]
 
 
+class Hold:
+    """A listener that holds the engine's thread at its request's first token until ``release()``: what is
+    submitted meanwhile joins the step after it, however slow the machine (a token read off a handle by
+    the test's thread would leave the rows decoding on, and could let them end first)."""
+
+    def __init__(self) -> None:
+        self.entered, self.gate = threading.Event(), threading.Event()
+
+    def __call__(self, event: int | GenerationResult) -> None:
+        if not self.entered.is_set():
+            self.entered.set()
+            self.gate.wait(30)
+
+    def wait(self) -> None:
+        assert self.entered.wait(60)
+
+    def release(self) -> None:
+        self.gate.set()
+
+
 @contextmanager
 def engine(model: Any, **kwargs: Any) -> Iterator[Engine]:
     """An engine with the tests' tokenizer, closed however the test ends."""
@@ -123,10 +143,13 @@ def test_running_rows_and_a_long_prompt_share_forwards_and_equal_generate(llama:
     long = tuple((7 * i) % 250 + 4 for i in range(150))
     expected = [reference(p, 40) for p in rows] + [reference(long, 8)]
     with engine(llama, max_batch_size=8, prefill_chunk=16) as eng:
-        running = [eng.submit(GenerationRequest(p, max_new_tokens=40)) for p in rows]
-        streamed = [next(iter(running[0]))]  # a token came out: the rows decode
+        hold = Hold()
+        running = [eng.submit(GenerationRequest(p, max_new_tokens=40), listener=hold if i == 2 else None)
+                   for i, p in enumerate(rows)]
+        hold.wait()  # a token came out: the rows decode
         read = eng.submit(GenerationRequest(long, max_new_tokens=8))
-        streamed += list(running[0])
+        hold.release()
+        streamed = list(running[0])
         assert [h.result(timeout=120).token_ids for h in running + [read]] == expected
         assert streamed == expected[0]
         assert read.result().cached_tokens == 0
@@ -363,10 +386,12 @@ def test_a_row_that_fails_a_mixed_step_fails_alone(tiny_model: Callable[[str], P
     long = tuple((7 * i) % 250 + 4 for i in range(200))
     expected, read_expected = generate(model, p, 40), generate(model, long, 6)
     with engine(model, max_batch_size=4, prefill_chunk=16) as eng:
-        good = eng.submit(GenerationRequest(p, max_new_tokens=40))
-        next(iter(good))
+        hold = Hold()
+        good = eng.submit(GenerationRequest(p, max_new_tokens=40), listener=hold)
+        hold.wait()
         read = eng.submit(GenerationRequest(long, max_new_tokens=6))  # read a chunk per forward of the rows
         bad = eng.submit(GenerationRequest(p, max_new_tokens=12, logit_bias=((rows + 7, 100.0),)))
+        hold.release()
         failed = bad.result(timeout=60)
         assert failed.finish_reason == "error" and "index out of range" in (failed.error or "")
         assert good.result(timeout=60).token_ids == expected
@@ -382,10 +407,14 @@ def test_a_prompt_that_fails_a_mixed_step_fails_alone(llama: Any, reference: Ref
     expected = reference(p, 200)
     bad = tuple(300 if i == 20 else (7 * i) % 250 + 4 for i in range(100))
     with engine(llama, max_batch_size=4, prefill_chunk=16) as eng:
-        good = eng.submit(GenerationRequest(p, max_new_tokens=200))
-        next(iter(good))
-        failed = eng.submit(GenerationRequest(bad, max_new_tokens=4)).result(timeout=60)
-        assert not good.done  # failed while the row decodes, not once the row had left the batch
+        hold, seen = Hold(), []
+        good = eng.submit(GenerationRequest(p, max_new_tokens=200), listener=hold)
+        hold.wait()
+        failing = eng.submit(GenerationRequest(bad, max_new_tokens=4),  # its end, seen on the engine's thread
+                             listener=lambda e: isinstance(e, GenerationResult) and seen.append(good.done))
+        hold.release()
+        failed = failing.result(timeout=60)
+        assert seen == [False]  # failed while the row decodes, not once the row had left the batch
         assert failed.finish_reason == "error" and "index out of range" in (failed.error or "")
         assert good.result(timeout=60).token_ids == expected
 
@@ -414,7 +443,11 @@ def test_when_the_retry_alone_fails_too_the_rows_fail_and_the_engine_goes_on(lla
     monkeypatch.setattr(Forwards, "decode", failing)
     monkeypatch.setattr(Forwards, "decode_apart", no_room)
     with engine(llama, max_batch_size=4) as eng:
-        first = [eng.submit(GenerationRequest(p, max_new_tokens=30)) for p in ps[:2]]
+        hold = Hold()
+        first = [eng.submit(GenerationRequest(ps[0], max_new_tokens=30), listener=hold)]
+        hold.wait()
+        first.append(eng.submit(GenerationRequest(ps[1], max_new_tokens=30)))  # joins while the first decodes
+        hold.release()
         results = [h.result(timeout=60) for h in first]
         assert [r.finish_reason for r in results] == ["error", "error"]
         assert all("the retry" in (r.error or "") for r in results)
