@@ -103,7 +103,7 @@ def one_round(model: Any, tokenizer: Any, mixed: bool, seed: int, n: int, chunk:
         engine._batcher._chunks.ROW_BLOCK = row_block
     if chunk is not None:
         sizer = engine._batcher._chunks
-        sizer.next = lambda decoding: chunk if decoding else sizer.largest  # type: ignore[method-assign]
+        sizer.next = lambda decoding, rows=0: chunk if decoding else sizer.largest  # type: ignore[method-assign]
     try:
         ends = tuple((e, -100.0) for e in engine.eos_ids)  # the streams never end by themselves
         streams = [engine.submit(GenerationRequest(prompt_ids=[1, 2, 3 + i], max_new_tokens=1000, logit_bias=ends),
