@@ -96,21 +96,23 @@ def test_cached_prompts_joining_running_rows_answer_as_alone_and_a_failing_one_f
     """Prompts whose beginning is cached join rows that are decoding (their cached keys read into the batch's
     buffers, below the running rows): every answer is the uncached engine's, and one whose join fails (an id
     beyond the vocabulary) fails alone, the running row and the others going on unchanged."""
-    started = threading.Event()
+    started, gate = threading.Event(), threading.Event()
 
-    def listen(event: int | GenerationResult) -> None:
+    def hold(event: int | GenerationResult) -> None:  # the engine's thread waits at the row's first token
         if isinstance(event, int) and not started.is_set():
             started.set()
+            gate.wait(30)
 
     stream = dict(max_new_tokens=300, logit_bias=[(2, -100.0)])  # EOS (id 2) never comes: it runs throughout
     prompts = [SYSTEM + [80 + i] * (i + 1) for i in range(3)]
     with engine(llama, prefix_cache_bytes=8 << 20) as cached, engine(llama) as plain:
         run(cached, SYSTEM + [1], max_new_tokens=3)
-        running = cached.submit(GenerationRequest(prompt_ids=[3, 4, 5], **stream), listener=listen)
+        running = cached.submit(GenerationRequest(prompt_ids=[3, 4, 5], **stream), listener=hold)
         assert started.wait(30)
         handles = [cached.submit(GenerationRequest(prompt_ids=p, max_new_tokens=8)) for p in prompts[:2]]
         bad = cached.submit(GenerationRequest(prompt_ids=SYSTEM + [10_000], max_new_tokens=8))
         handles.append(cached.submit(GenerationRequest(prompt_ids=prompts[2], max_new_tokens=8)))
+        gate.set()  # they join the row's next step, however slow the machine
         got = [h.result(timeout=60) for h in handles]
         failed = bad.result(timeout=60)
         assert not running.done  # they joined (and failed) beside the running row
