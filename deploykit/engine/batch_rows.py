@@ -30,25 +30,30 @@ def join(fw: Forwards, new: list[RequestHandle], hits: dict[str, Hit], cache: An
     fails, each one alone (its cached beginning still read), so that a request the model cannot run fails
     alone (the running rows' keys and values stay as they were)."""
     try:
-        try:
-            return (*prefill_and_merge(fw, new, hits, cache, mask), new)
-        except Exception as exc:
-            if len(new) == 1:
-                new[0].finish("error", repr(exc))
-                return None, cache, mask, []
-        parts, joined = [], []
-        for h in new:
-            try:
-                logits, cache, mask = prefill_and_merge(fw, [h], hits, cache, mask)
-            except Exception as exc:
-                h.finish("error", repr(exc))
-                continue
-            parts.append(logits)
-            joined.append(h)
-        return (torch.cat(parts) if parts else None), cache, mask, joined
+        return _join(fw, new, hits, cache, mask)
     finally:
         for h in new:
             hits.pop(h.id, None)
+
+
+def _join(fw: Forwards, new: list[RequestHandle], hits: dict[str, Hit], cache: Any, mask: torch.Tensor
+          ) -> tuple[torch.Tensor | None, Any, torch.Tensor, list[RequestHandle]]:
+    try:
+        return (*prefill_and_merge(fw, new, hits, cache, mask), new)
+    except Exception as exc:
+        if len(new) == 1:
+            new[0].finish("error", repr(exc))
+            return None, cache, mask, []
+    parts, joined = [], []
+    for h in new:
+        try:
+            logits, cache, mask = prefill_and_merge(fw, [h], hits, cache, mask)
+        except Exception as exc:
+            h.finish("error", repr(exc))
+            continue
+        parts.append(logits)
+        joined.append(h)
+    return (torch.cat(parts) if parts else None), cache, mask, joined
 
 
 def prefill_and_merge(fw: Forwards, new: list[RequestHandle], hits_of: dict[str, Hit], cache: Any,
