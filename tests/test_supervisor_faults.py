@@ -186,3 +186,51 @@ def test_an_api_apply_racing_a_new_file_of_the_same_name_leaves_one_live_deploym
     dep = supervisor.get("tiny")
     assert dep is not None and supervisor.owner("tiny") is None  # the API's, as it claimed first
     wait_for(lambda: str(file[0]) in (dep.status()["last_error"] or ""), what="for the conflict to show")
+
+
+def test_a_name_two_files_declare_is_the_first_files_in_path_order_and_the_other_is_shown_in_conflict(
+        model, tmp_path):
+    directory = tmp_path / "manifests"
+    directory.mkdir()
+    first, second = directory / "a.yaml", directory / "b.yaml"
+    first.write_text(manifest_text(model, shard="200KiB"))
+    second.write_text(manifest_text(model, shard="300KiB"))  # the same name, "tiny"
+    for attempt in range(3):  # not by the order the parallel loads happen to claim it in
+        supervisor = Supervisor(directory, store=StateStore(tmp_path / f"state{attempt}"), debounce=0.1)
+        try:
+            supervisor.start()
+            dep = supervisor.get("tiny")
+            assert dep is not None and supervisor.owner("tiny") == first.resolve()
+            error = dep.status()["last_error"] or ""
+            assert str(second.resolve()) in error and str(first.resolve()) in error, error
+            assert dep.status()["serving"]
+            if attempt == 2:  # the other file stops declaring it: the conflict is over
+                replace_like_an_editor(second, manifest_text(model, name="other", shard="300KiB"))
+                wait_for(lambda: dep.status()["last_error"] is None, what="for the conflict to clear")
+                wait_for(lambda: supervisor.get("other") is not None, what="for the new name to serve")
+        finally:
+            supervisor.close()
+
+
+def test_a_prune_waits_for_the_names_turn_and_hands_the_name_to_the_file_in_conflict(model, tmp_path):
+    directory = tmp_path / "manifests"
+    directory.mkdir()
+    first, second = directory / "a.yaml", directory / "b.yaml"
+    first.write_text(manifest_text(model, shard="200KiB"))
+    second.write_text(manifest_text(model, shard="300KiB"))
+    supervisor = Supervisor(directory, store=StateStore(tmp_path / "state"), debounce=0.1, prune=True)
+    try:
+        supervisor.start()
+        dep = supervisor.get("tiny")
+        assert dep is not None
+        with supervisor.roster.turns.exclusive("tiny", "a change the test holds"):
+            first.unlink()
+            wait_for(lambda: any(t.name == "deploykit-prune" for t in threading.enumerate()),
+                     what="for the prune to start")
+            assert supervisor.get("tiny") is dep  # it waits for the turn: nothing is pruned under a change
+        wait_for(lambda: supervisor.get("tiny") not in (None, dep), what="for the other file to serve the name")
+        assert supervisor.owner("tiny") == second.resolve()
+        heir = supervisor.get("tiny")
+        assert heir is not None and heir.status()["last_error"] is None
+    finally:
+        supervisor.close()

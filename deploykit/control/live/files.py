@@ -38,8 +38,11 @@ class FollowedFiles:
 
     def start(self) -> None:
         """Load every file's deployments (in parallel, one worker each), then follow the files."""
-        files = self.manifest_files()
+        files = sorted(self.manifest_files())
         declared = [(file, self.names(file)) for file in files]
+        for file, names in declared:  # in path order, before the parallel loads: the first file owns a name
+            for name in names:
+                self.roster.owners.claim_for_file(name, file)
         self.roster.served.begin_loading(name for _, names in declared for name in names)
         if len(files) > 1:
             from ...model.hf import preload
@@ -108,6 +111,7 @@ class FollowedFiles:
         dep = roster.create(name, claim, lambda: Deployment.from_manifest(
             file, name=name, devices=roster.devices, store=roster.store, host=roster.host))
         if dep is not None:
+            roster.show_conflict(name)  # another file that declares the name too, claimed while this loaded
             log.info("%s: serving %s (generation %d)", file, name, dep.generation)
         return dep
 
@@ -130,18 +134,28 @@ class FollowedFiles:
         for name in self.roster.owners.drop_conflicts(file, keep=set()):
             self.roster.show_conflict(name)
         for name in owned:
-            if self.prune:
-                self._remove(name)
+            if self.prune:  # on a thread of its own: it waits for the name's turn, not the watcher
+                self.roster.adds.start(self._remove, name, name="deploykit-prune")
             else:
                 log.warning("%s was removed; %s keeps serving (use --prune to remove it)", file, name)
 
     def _remove(self, name: str) -> None:
+        """Prune ``name`` with its turn held, so that no API apply or delete of it runs meanwhile (one that
+        waited runs after, on a name that is gone); a file in conflict on it then owns it."""
         from ..revisions.lifecycle import delete
 
-        dep = self.roster.served.pop(name)
-        self.roster.owners.release(name)
-        if dep is not None:
-            dep.close()
-        self.roster.forget(name)
-        delete(self.roster.store, name, reason="manifest removed; deployment pruned")
-        log.info("pruned %s", name)
+        try:
+            with self.roster.turns.exclusive(name, "prune"):
+                dep = self.roster.served.pop(name)
+                heir = self.roster.owners.release(name)
+                if dep is not None:
+                    dep.close()
+                self.roster.forget(name)
+                delete(self.roster.store, name, reason="manifest removed; deployment pruned")
+                log.info("pruned %s", name)
+        except Exception:
+            log.exception("%s could not be pruned", name)
+            return
+        if heir is not None and heir.exists():
+            log.info("%s now owns %s", heir, name)
+            self.add_later(heir, [name])

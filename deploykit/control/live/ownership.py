@@ -7,7 +7,10 @@ has exactly one owner, kept in one map behind one lock:
   (naming the file), except that applying that very file means "reconcile it now";
 - a name deployed through the API first stays the API's even if a watched file declares it later: that
   file is then *in conflict* on the name (an error on the name, naming the file) until `deploykit
-  delete NAME` removes the API's deployment and hands the name to the file.
+  delete NAME` removes the API's deployment and hands the name to the file;
+- a name two watched files declare is the first file's in path order at start (later, the file that
+  declared it first keeps it): the other file is in conflict on it (an error on the name, naming both
+  files) until one of them stops declaring it; a pruned owner hands the name to it.
 
 Pure bookkeeping: it loads nothing and decides nothing about models.
 """
@@ -57,10 +60,8 @@ class Owners:
             owner = self._owner[name]
             if owner == file:
                 return Claim(True)
-            if owner is None:
-                self._conflicts[name] = file
-                return Claim(False, conflict_message(name, file))
-            return Claim(False)
+            self._conflicts[name] = file
+            return Claim(False, conflict_message(name, file, owner))
 
     def claim_for_api(self, name: str) -> None:
         with self._lock:
@@ -96,9 +97,14 @@ class Owners:
     def conflict_of(self, name: str) -> str | None:
         with self._lock:
             file = self._conflicts.get(name)
-        return conflict_message(name, file) if file is not None else None
+            owner = self._owner.get(name)
+        return conflict_message(name, file, owner) if file is not None else None
 
 
-def conflict_message(name: str, file: Path) -> str:
+def conflict_message(name: str, file: Path, owner: Path | None = None) -> str:
+    """Why ``file`` does not serve ``name``: the control API (``owner`` None) or another file owns it."""
+    if owner is not None:
+        return (f"{file} declares {name!r}, which {owner} declares too and serves (a name is its first file's, "
+                f"in path order at start); remove {name!r} from one of the two files")
     return (f"{file} declares {name!r}, which was deployed through the control API and stays as it is; run "
             f"`deploykit delete {name}` to hand the name to that file")
