@@ -110,8 +110,8 @@ class FollowedFiles:
 
         dep = roster.create(name, claim, lambda: Deployment.from_manifest(
             file, name=name, devices=roster.devices, store=roster.store, host=roster.host))
-        if dep is not None:
-            roster.show_conflict(name)  # another file that declares the name too, claimed while this loaded
+        if dep is not None and roster.owners.conflict_of(name) is not None:
+            roster.show_conflict(name)  # another file declares the name too
             log.info("%s: serving %s (generation %d)", file, name, dep.generation)
         return dep
 
