@@ -234,3 +234,22 @@ def test_a_prune_waits_for_the_names_turn_and_hands_the_name_to_the_file_in_conf
         assert heir is not None and heir.status()["last_error"] is None
     finally:
         supervisor.close()
+
+
+def test_a_close_during_the_first_loads_leaves_no_watcher_running(model, tmp_path):
+    directory = tmp_path / "manifests"
+    directory.mkdir()
+    write_manifest(directory, model)
+    supervisor = Supervisor(directory, store=StateStore(tmp_path / "state"), debounce=0.1)
+    starting = threading.Thread(target=supervisor.start, name="test-start")
+    closing = threading.Thread(target=supervisor.close, name="test-close")
+    with supervisor.roster.turns.exclusive("tiny", "a change the test holds"):  # the first load waits on it
+        starting.start()
+        wait_for(lambda: any(t.name.startswith("deploykit-load") for t in threading.enumerate()),
+                 what="for the first load to start")
+        closing.start()
+        wait_for(lambda: supervisor.served.closing, what="for the close to begin")
+    starting.join(120)
+    closing.join(120)
+    assert not starting.is_alive() and not closing.is_alive()
+    assert not [t.name for t in threading.enumerate() if t.name == "deploykit-watch"]

@@ -11,6 +11,7 @@ its deployments keep serving.
 from __future__ import annotations
 
 import logging
+import threading
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -32,6 +33,8 @@ class FollowedFiles:
         self.prune = prune
         self.debounce = debounce
         self._watcher: ManifestWatcher | None = None
+        self._watching = threading.Lock()  # start's watcher against a stop (a close during the first loads)
+        self._stopped = False
 
     def manifest_files(self) -> list[Path]:
         return [f for f in manifest_files(self.path) if f.exists()]
@@ -51,13 +54,19 @@ class FollowedFiles:
         with ThreadPoolExecutor(max_workers=max(1, min(4, len(files))), thread_name_prefix="deploykit-load") as pool:
             for file, names in declared:
                 pool.submit(self.add, file, names)
-        self._watcher = ManifestWatcher([self.path], self._on_change, debounce=self.debounce)
-        self._watcher.start()
+        with self._watching:
+            if self._stopped:  # closed while the first loads ran: nothing to follow
+                return
+            self._watcher = ManifestWatcher([self.path], self._on_change, debounce=self.debounce)
+            self._watcher.start()
 
     def stop(self) -> None:
-        """Follow the files no more (joins the watcher)."""
-        if self._watcher is not None:
-            self._watcher.stop()
+        """Follow the files no more (joins the watcher); a watcher not started yet never starts."""
+        with self._watching:
+            self._stopped = True
+            watcher = self._watcher
+        if watcher is not None:
+            watcher.stop()
 
     def set_error(self, file: Path, error: str | None) -> None:
         self.roster.served.set_error(str(file), error)
