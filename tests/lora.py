@@ -74,3 +74,20 @@ def adapters_manifest(base: Path, adapters: dict[str, Path], name: str = "chat",
     if adapters:
         text += "  adapters:\n" + "".join(f"    - {{name: {n}, path: {p}}}\n" for n, p in adapters.items())
     return text
+
+
+def altered_copy(adapter: Path, out: Path, *, config: dict | None = None, truncate: bool = False) -> Path:
+    """A copy of ``adapter`` with ``config`` merged into its adapter_config.json, or with its weights file cut
+    after its header (``truncate``: it validates, from the header, and fails to load)."""
+    import json
+    import shutil
+
+    shutil.copytree(adapter, out)
+    if config:
+        file = out / "adapter_config.json"
+        file.write_text(json.dumps({**json.loads(file.read_text()), **config}))
+    if truncate:
+        weights = out / "adapter_model.safetensors"
+        data = weights.read_bytes()
+        weights.write_bytes(data[:8 + int.from_bytes(data[:8], "little") + 16])
+    return out
