@@ -5,6 +5,7 @@ adapter_model.safetensors); peft's own greedy answers to compare with, and manif
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 
 def train_adapter(base: Path, out: Path, *, text: str, steps: int = 30, rank: int = 4, seed: int = 0,
@@ -91,3 +92,12 @@ def altered_copy(adapter: Path, out: Path, *, config: dict | None = None, trunca
         data = weights.read_bytes()
         weights.write_bytes(data[:8 + int.from_bytes(data[:8], "little") + 16])
     return out
+
+
+def last_logits(adapters: Any, ids: list[int], slot: str | None = None) -> Any:
+    """The model's logits after ``ids``, computed with the adapter ``slot`` (``Adapters.hold``'s; None: the
+    base), as one row of the engine's forwards computes them."""
+    import torch
+
+    with torch.inference_mode(), adapters.rows([slot]):
+        return adapters.model(input_ids=torch.tensor([ids])).logits[0, -1].clone()
