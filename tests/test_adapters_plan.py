@@ -96,12 +96,14 @@ def test_adapters_on_layers_a_gpu_plan_offloads_to_cpu_are_refused_at_plan_time(
     from deploykit.errors import PlanInfeasible
 
     file = _manifest(tmp_path, lora, gpus="[0]")
-    file.write_text(file.read_text().replace("    reserve: 0\n", "    reserve: 0\n  offload: {cpu: {max_memory: 1GiB}}\n"))
+    offload = "    reserve: 0\n  offload: {cpu: {max_memory: 1GiB}}\n"
+    file.write_text(file.read_text().replace("    reserve: 0\n", offload))
     [loaded] = load_manifests(file)
     with pytest.raises(PlanInfeasible) as err:
         plan_manifest(loaded, devices="1x300KiB,cpu=1GiB")  # layer 1 does not fit on the GPU: it is offloaded
     assert "spec.adapters[0] (adapter 'pirate') adapts 'model.layers.1." in str(err.value)
     assert "to CPU memory" in str(err.value)
-    assert all(device == 0 for a in plan_manifest(loaded, devices="1x2MiB,cpu=1GiB").adapters for device, _ in a.devices)
+    on_gpu = plan_manifest(loaded, devices="1x2MiB,cpu=1GiB")
+    assert all(device == 0 for a in on_gpu.adapters for device, _ in a.devices)
     [cpu_only] = load_manifests(_manifest(tmp_path, lora))
     assert plan_manifest(cpu_only, devices="cpu=64MiB").adapters

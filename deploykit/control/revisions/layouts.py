@@ -74,10 +74,11 @@ def with_adapters(loaded: LoadedManifest, fingerprint: str) -> str:
     serves any (``spec.adapters.adapters_fingerprint``), so an adapter saved again in place is a change."""
     from ...spec.adapters import AdapterFileError, adapters_fingerprint
 
-    if not loaded.manifest.spec.adapters:
+    adapters = loaded.manifest.spec.adapters
+    if not adapters:
         return fingerprint
     try:
-        return f"{fingerprint}{_ADAPTERS}{adapters_fingerprint([loaded.resolve(a.path) for a in loaded.manifest.spec.adapters])}"
+        return f"{fingerprint}{_ADAPTERS}{adapters_fingerprint([loaded.resolve(a.path) for a in adapters])}"
     except AdapterFileError as exc:
         raise CheckpointError(str(exc)) from None
 
