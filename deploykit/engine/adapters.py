@@ -192,10 +192,11 @@ class Adapters:
                 self._changed.wait_for(lambda: not self._held.get(slot),
                                        wait if left is None or wait is None else min(wait, left))
 
-    def collect(self) -> None:
-        """Delete the retired slots whose requests ended."""
+    def collect(self, keep: Sequence[str | None] = ()) -> None:
+        """Delete the retired slots whose requests ended (but those in ``keep``: rows about to compute with
+        them, a request cancelled while its row is still in the batch)."""
         with self._changed:
-            done = [s for s in self._retired if not self._held.get(s)]
+            done = [s for s in self._retired if not self._held.get(s) and s not in keep]
         if not done:
             return
         with self._lock:
@@ -211,7 +212,7 @@ class Adapters:
         base). Retired slots whose requests ended are deleted first."""
         with self._lock:
             if self._retired:
-                self.collect()
+                self.collect(keep=slots)
             if self._lora is None or all(n is None for n in slots):
                 yield
                 return
