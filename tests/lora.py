@@ -5,6 +5,7 @@ adapter_model.safetensors); peft's own greedy answers to compare with, and manif
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 
 def train_adapter(base: Path, out: Path, *, text: str, steps: int = 30, rank: int = 4, seed: int = 0,
@@ -74,3 +75,29 @@ def adapters_manifest(base: Path, adapters: dict[str, Path], name: str = "chat",
     if adapters:
         text += "  adapters:\n" + "".join(f"    - {{name: {n}, path: {p}}}\n" for n, p in adapters.items())
     return text
+
+
+def altered_copy(adapter: Path, out: Path, *, config: dict | None = None, truncate: bool = False) -> Path:
+    """A copy of ``adapter`` with ``config`` merged into its adapter_config.json, or with its weights file cut
+    after its header (``truncate``: it validates, from the header, and fails to load)."""
+    import json
+    import shutil
+
+    shutil.copytree(adapter, out)
+    if config:
+        file = out / "adapter_config.json"
+        file.write_text(json.dumps({**json.loads(file.read_text()), **config}))
+    if truncate:
+        weights = out / "adapter_model.safetensors"
+        data = weights.read_bytes()
+        weights.write_bytes(data[:8 + int.from_bytes(data[:8], "little") + 16])
+    return out
+
+
+def last_logits(adapters: Any, ids: list[int], slot: str | None = None) -> Any:
+    """The model's logits after ``ids``, computed with the adapter ``slot`` (``Adapters.hold``'s; None: the
+    base), as one row of the engine's forwards computes them."""
+    import torch
+
+    with torch.inference_mode(), adapters.rows([slot]):
+        return adapters.model(input_ids=torch.tensor([ids])).logits[0, -1].clone()

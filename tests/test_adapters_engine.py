@@ -5,6 +5,7 @@ then deleted; rows of one batch use their own adapters; the base is the base wit
 from __future__ import annotations
 
 import threading
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -14,7 +15,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 from deploykit.engine.adapters import Adapters, AdapterSource, UnknownAdapter
 from deploykit.engine.batching import Engine, GenerationRequest
 from helpers import wait_until
-from lora import chat_ids, peft_reference
+from lora import altered_copy, chat_ids, peft_reference
 
 TOKENS = 40
 
@@ -52,7 +53,7 @@ def test_a_removed_adapter_finishes_its_requests_with_itself_then_goes(engine: A
     text = tokenizer.decode(_until_eos(result.token_ids, engine.eos_ids), skip_special_tokens=True)
     assert text == peft_reference(lora.base, lora.pirate, prompt, TOKENS)  # all of it with the adapter
     lora_a = engine.model.model.layers[0].self_attn.q_proj.lora_A
-    assert set(lora_a) == {"polite"}  # its matrices are gone
+    assert set(lora_a) == engine.adapters.slots() and len(lora_a) == 1  # its matrices are gone: polite's remain
 
 
 def test_removing_the_last_adapter_gives_back_plain_linear_layers(engine: Any, lora: Any) -> None:
@@ -66,16 +67,92 @@ def test_removing_the_last_adapter_gives_back_plain_linear_layers(engine: Any, l
             == peft_reference(lora.base, None, prompt, 12))
 
 
-def test_a_removal_that_times_out_leaves_the_adapter_serving(lora: Any) -> None:
-    """The removal gave up (its requests ran past the timeout): the adapter is kept, and takes requests again,
-    as the failed change says ("it keeps serving")."""
+def test_a_removal_is_final_at_once_and_its_running_request_keeps_its_version(lora: Any) -> None:
+    """A removal never comes back (the revision that removed it is what serves): the adapter takes no new
+    request at once, the request it holds still computes with it, and it is deleted when that one ends."""
     model = AutoModelForCausalLM.from_pretrained(lora.base, dtype=torch.float32)
     adapters = Adapters(model)
     adapters.load(AdapterSource("pirate", str(lora.pirate)))
-    adapters.hold("pirate")  # a request that runs on
-    assert adapters.remove("pirate", timeout=0.05) is False
-    assert adapters.names() == ["pirate"]
-    adapters.hold("pirate")  # a new request is taken
-    adapters.release("pirate")
-    adapters.release("pirate")
-    assert adapters.remove("pirate", timeout=5) is True and adapters.names() == []
+    ids = torch.tensor([chat_ids(lora.base, "hi")])
+    slot = adapters.hold("pirate")  # a request that runs on
+    before = _logits(adapters, ids, slot)
+    stop = threading.Event()
+    stop.set()
+    assert adapters.remove("pirate", timeout=60, stop=stop) is False  # interrupted: its request still runs
+    assert adapters.names() == []
+    with pytest.raises(UnknownAdapter):
+        adapters.hold("pirate")
+    assert torch.equal(_logits(adapters, ids, slot), before)  # the running request computes with it still
+    adapters.release(slot)
+    assert adapters.wait_deleted(slot, timeout=60) and adapters.slots() == set()
+    assert type(model.model.layers[0].self_attn.q_proj) is torch.nn.Linear
+
+
+def _logits(adapters: Adapters, ids: torch.Tensor, slot: str | None = None) -> torch.Tensor:
+    with torch.inference_mode(), adapters.rows([slot]):
+        return adapters.model(input_ids=ids).logits[0, -1].clone()
+
+
+def _pirate_logits(adapters: Adapters, ids: torch.Tensor) -> torch.Tensor:
+    slot = adapters.hold("pirate")
+    try:
+        return _logits(adapters, ids, slot)
+    finally:
+        adapters.release(slot)
+
+
+@pytest.mark.parametrize("change", [{"r": 8, "init_lora_weights": False},  # random B: a leftover would show
+                                    {"target_modules": "all-linear", "init_lora_weights": False},
+                                    {"init_lora_weights": "pissa"}, "truncated"])
+def test_a_failed_load_leaves_the_base_and_the_loaded_adapters_bit_identical(lora: Any, tmp_path: Path,
+                                                                             change: Any) -> None:
+    """A first adapter, a second one and a new version of a served one, each failing at load (a rank that is
+    not the tensors', a target with no tensors, an init that rewrites the base, a cut weights file): the base's
+    logits and the served adapter's are bit for bit what they were, and nothing of the failed one is left."""
+    model = AutoModelForCausalLM.from_pretrained(lora.base, dtype=torch.float32)
+    adapters = Adapters(model)
+    ids = torch.tensor([chat_ids(lora.base, "hi")])
+    plain = _logits(adapters, ids)
+    broken = (altered_copy(lora.pirate, tmp_path / "broken", truncate=True) if change == "truncated"
+              else altered_copy(lora.pirate, tmp_path / "broken", config=change))
+    with pytest.raises(Exception):
+        adapters.load(AdapterSource("first", str(broken)))  # the first adapter: peft wraps the layers for it
+    assert type(model.model.layers[0].self_attn.q_proj) is torch.nn.Linear and adapters.slots() == set()
+    assert torch.equal(_logits(adapters, ids), plain)
+
+    adapters.load(AdapterSource("pirate", str(lora.pirate)))
+    pirate = _pirate_logits(adapters, ids)
+    assert not torch.equal(pirate, plain)
+    with_pirate = _logits(adapters, ids)
+    for name in ("other", "pirate"):  # another adapter beside it, and a new version of it
+        with pytest.raises(Exception):
+            adapters.load(AdapterSource(name, str(broken)))
+        assert adapters.names() == ["pirate"] and len(adapters.slots()) == 1
+        assert torch.equal(_logits(adapters, ids), with_pirate)
+        assert torch.equal(_logits(adapters, ids), plain)
+        assert torch.equal(_pirate_logits(adapters, ids), pirate)
+
+
+def test_a_new_version_serves_new_requests_while_running_ones_finish_with_the_old(lora: Any) -> None:
+    model = AutoModelForCausalLM.from_pretrained(lora.base, dtype=torch.float32)
+    adapters = Adapters(model)
+    ids = torch.tensor([chat_ids(lora.base, "hi")])
+    adapters.load(AdapterSource("pirate", str(lora.pirate)))
+    old = adapters.hold("pirate")  # a request in flight
+    pirate = _logits(adapters, ids, old)
+    adapters.load(AdapterSource("pirate", str(lora.polite)))  # the manifest points pirate elsewhere
+    polite = _pirate_logits(adapters, ids)
+    assert not torch.equal(polite, pirate)
+    assert torch.equal(_logits(adapters, ids, old), pirate)  # the request in flight keeps its version
+    adapters.load(AdapterSource("polite", str(lora.polite)))
+    assert torch.equal(_logits(adapters, ids, adapters.hold("polite")), polite)
+    adapters.release(old)
+    assert adapters.wait_deleted(old, timeout=60)
+    assert len(adapters.slots()) == 2 and old not in adapters.slots()
+
+
+def test_adapter_names_with_dots_load(lora: Any) -> None:
+    """peft's module dictionaries take no '.' in a key; a served name may hold one."""
+    adapters = Adapters(AutoModelForCausalLM.from_pretrained(lora.base, dtype=torch.float32))
+    adapters.load(AdapterSource("pirate.v2", str(lora.pirate)))
+    assert adapters.names() == ["pirate.v2"]

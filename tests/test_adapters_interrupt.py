@@ -1,6 +1,7 @@
-"""A live adapter change interrupted: the server is stopped (SIGTERM) while the removal of an adapter waits
-for a request that still runs on it. The server ends within its drain time, no thread is left, and a
-restart serves what the state store says serves (the removal never became current)."""
+"""A live adapter change interrupted: the server is stopped (SIGTERM) while a removed adapter still serves a
+request that started on it. The removal is current at once (the adapter takes no new request; the running one
+finishes with it), the server ends within its drain time, no thread is left, and a restart serves what the
+state store says serves (the removal)."""
 
 from __future__ import annotations
 
@@ -42,7 +43,7 @@ def _unread_stream(port: int, model: str) -> socket.socket:
     return sock
 
 
-def test_sigterm_while_an_adapter_removal_waits_for_its_request(tmp_path: Path) -> None:
+def test_sigterm_while_a_removed_adapter_still_serves_its_request(tmp_path: Path) -> None:
     base = build_chat_model(tmp_path / "base", context=2100)
     pirate = train_adapter(base, tmp_path / "pirate", text="user: hi\nassistant: arr", steps=2)
     manifests = tmp_path / "m"
@@ -72,7 +73,7 @@ def test_sigterm_while_an_adapter_removal_waits_for_its_request(tmp_path: Path) 
     assert "Exception in ASGI application" not in server.stderr, server.stderr[-3000:]
     assert "POST /v1/chat/completions: still running when the drain time ran out; ended" in server.stderr
 
-    with Server(manifests, state) as again:  # the file still says "no adapter": the restart applies it
+    with Server(manifests, state) as again:  # the removal was recorded when it took effect: the restart serves it
         now = wait_until(lambda: (st := _status(again.url))["revision"] > before["revision"] and st["phase"] == "Ready"
-                         and st, 120, "the removal is applied after the restart")
+                         and st, 120, "the removal serves after the restart")
         assert _models(again.url) == {"chat"} and now["adapters"] == []

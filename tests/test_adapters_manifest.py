@@ -65,9 +65,20 @@ def test_missing_and_non_lora_directories_are_refused(lora: Any, tmp_path: Path)
     assert "has no adapter_model.safetensors" in issues[1].message
 
 
-@pytest.mark.parametrize(("change", "said"), [({"use_dora": True}, "DoRA"), ({"r": 512}, "rank 512"),
-                                              ({"peft_type": "IA3"}, "not a LoRA adapter"),
-                                              ({"modules_to_save": ["lm_head"]}, "modules_to_save")])
+@pytest.mark.parametrize(("change", "said"), [
+    ({"use_dora": True}, "DoRA"), ({"r": 512}, "rank 512"), ({"peft_type": "IA3"}, "not a LoRA adapter"),
+    ({"modules_to_save": ["lm_head"]}, "modules_to_save"),
+    # inits that rewrite the base's weights at injection (peft's LoraLayer.update_layer)
+    *(({"init_lora_weights": init}, f"init_lora_weights {init!r} rewrites the base model's weights")
+      for init in ("pissa", "pissa_niter_4", "olora", "corda", "loftq", "lora_ga", "mica")),
+    # the config and the tensors disagree: peft would size the layers by the config, or leave them random
+    ({"r": 8}, "has rank 4, but adapter_config.json gives this module rank 8 (r)"),
+    ({"rank_pattern": {"q_proj": 2}}, "has rank 4, but adapter_config.json gives this module rank 2 (rank_pattern"),
+    ({"target_modules": ["q_proj", "v_proj"]}, "which target_modules ['q_proj', 'v_proj'] does not name"),
+    ({"target_modules": ["q_proj", "k_proj", "v_proj", "down_proj"]}, "for which the adapter holds no weights"),
+    ({"target_modules": ["q_proj", "v_proj", "down_proj"], "layers_to_transform": [0]}, "does not name"),
+    ({"target_modules": "(q_proj"}, "not a regular expression"),
+])
 def test_what_deploykit_does_not_serve_is_refused(lora: Any, tmp_path: Path, change: dict[str, Any],
                                                   said: str) -> None:
     changed = Path(shutil.copytree(lora.pirate, tmp_path / "changed"))
@@ -77,15 +88,46 @@ def test_what_deploykit_does_not_serve_is_refused(lora: Any, tmp_path: Path, cha
     assert issue.field == "spec.adapters.0.path" and said in issue.message
 
 
+@pytest.mark.parametrize("change", [{"init_lora_weights": False}, {"init_lora_weights": "gaussian"},
+                                    {"target_modules": "model.*(q_proj|v_proj|down_proj)"},
+                                    {"rank_pattern": {"q_proj": 4}}, {"target_modules": "all-linear"}])
+def test_inits_that_leave_the_base_alone_and_agreeing_targets_are_valid(lora: Any, tmp_path: Path,
+                                                                        change: dict[str, Any]) -> None:
+    changed = Path(shutil.copytree(lora.pirate, tmp_path / "changed"))
+    config = json.loads((changed / "adapter_config.json").read_text())
+    (changed / "adapter_config.json").write_text(json.dumps({**config, **change}))
+    assert _issues(_write(tmp_path, lora.base, [("changed", changed)])) == []
+
+
+def test_a_base_without_safetensors_is_refused_with_the_reason(lora: Any, tmp_path: Path) -> None:
+    """Pickle weights (and a GGUF file): the adapters cannot be checked against them from headers, so they are
+    refused for what they are, not as adapters "made for another model"."""
+    import torch
+    from safetensors.torch import load_file
+
+    base = tmp_path / "bin-base"
+    shutil.copytree(lora.base, base)
+    torch.save(load_file(base / "model.safetensors"), base / "pytorch_model.bin")
+    (base / "model.safetensors").unlink()
+    text = _write(tmp_path, base, [("pirate", lora.pirate)]).read_text()
+    file = tmp_path / "chat.yaml"
+    file.write_text(text.replace("    dtype: float32\n", "    dtype: float32\n    allow_pickle: true\n"))
+    issues = _issues(file)
+    assert [i.field for i in issues] == ["spec.model.path"], issues
+    assert "served on safetensors checkpoints only" in issues[0].message
+    assert "another model" not in issues[0].message
+
+
 def test_duplicate_and_invalid_names_are_refused_at_the_name(lora: Any, tmp_path: Path) -> None:
     with pytest.raises(ManifestError) as err:
         load_manifests(_write(tmp_path, lora.base, [("pirate", lora.pirate), ("pirate", lora.polite)]))
     [issue] = err.value.issues
     assert (issue.field, issue.line) == ("spec.adapters.1.name", 12)
     assert "already used by spec.adapters[0]" in issue.message
-    with pytest.raises(ManifestError) as err:
-        load_manifests(_write(tmp_path, lora.base, [("chat:pirate", lora.pirate)]))
-    assert err.value.issues[0].field == "spec.adapters.0.name"
+    for bad in ("chat:pirate", '"pirate\\n"'):  # a trailing newline too ("$" would take it)
+        with pytest.raises(ManifestError) as err:
+            load_manifests(_write(tmp_path, lora.base, [(bad, lora.pirate)]))
+        assert err.value.issues[0].field == "spec.adapters.0.name", bad
 
 
 @pytest.mark.parametrize(("extra", "field", "said"), [

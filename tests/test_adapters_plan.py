@@ -85,3 +85,25 @@ def test_plan_text_lists_each_adapter(lora: Any, tmp_path: Path) -> None:
     assert result.exit_code == 0, result.output
     assert "adapter pirate: 13 KiB (cpu 13 KiB)" in result.output
     assert "adapter polite: 13 KiB (cpu 13 KiB)" in result.output
+
+
+def test_adapters_on_layers_a_gpu_plan_offloads_to_cpu_are_refused_at_plan_time(lora: Any, tmp_path: Path) -> None:
+    """Accelerate brings an offloaded layer's weights to the GPU for each forward, but peft's LoRA matrices of
+    that layer would stay on the meta device: refused, naming the adapter's entry and the layer. A CPU-only
+    plan holds every layer where it runs, and serves them."""
+    import pytest
+
+    from deploykit.errors import PlanInfeasible
+
+    file = _manifest(tmp_path, lora, gpus="[0]")
+    offload = "    reserve: 0\n  offload: {cpu: {max_memory: 1GiB}}\n"
+    file.write_text(file.read_text().replace("    reserve: 0\n", offload))
+    [loaded] = load_manifests(file)
+    with pytest.raises(PlanInfeasible) as err:
+        plan_manifest(loaded, devices="1x300KiB,cpu=1GiB")  # layer 1 does not fit on the GPU: it is offloaded
+    assert "spec.adapters[0] (adapter 'pirate') adapts 'model.layers.1." in str(err.value)
+    assert "to CPU memory" in str(err.value)
+    on_gpu = plan_manifest(loaded, devices="1x2MiB,cpu=1GiB")
+    assert all(device == 0 for a in on_gpu.adapters for device, _ in a.devices)
+    [cpu_only] = load_manifests(_manifest(tmp_path, lora))
+    assert plan_manifest(cpu_only, devices="cpu=64MiB").adapters

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Callable
+from dataclasses import replace
 from typing import Any, Literal, Protocol
 
 from .adapters import Adapters, UnknownAdapter
@@ -97,8 +98,10 @@ class Engine:
                 raise ValueError("the continuous batching backend does not enforce response_format or tools; "
                                  "use spec.serving.batching: padded")
             grammar = self.grammars.matcher(request.grammar)
-        h = RequestHandle(request, self._queue.check(request), rng=request_generator(request), listener=listener,
-                          grammar=grammar, on_finish=self._hold_adapter(request))
+        check = self._queue.check(request)
+        request, on_finish = self._hold_adapter(request)
+        h = RequestHandle(request, check, rng=request_generator(request), listener=listener,
+                          grammar=grammar, on_finish=on_finish)
         try:
             return self._batcher.submit(h)
         except BaseException:
@@ -106,17 +109,18 @@ class Engine:
                 h.on_finish()
             raise
 
-    def _hold_adapter(self, request: GenerationRequest) -> Callable[[], None] | None:
-        """Count the request on its adapter until it ends (a removed adapter waits for them); UnknownAdapter
-        when it is not loaded, or where the backend cannot compute rows with adapters (continuous)."""
+    def _hold_adapter(self, request: GenerationRequest) -> tuple[GenerationRequest, Callable[[], None] | None]:
+        """Count the request on its adapter's current version until it ends, and the request computing with
+        that version (its slot) throughout; UnknownAdapter when it is not loaded, or where the backend cannot
+        compute rows with adapters (continuous)."""
         name = request.adapter
         if name is None:
-            return None
+            return request, None
         if self.adapters is None or self.backend == "continuous":
             raise UnknownAdapter(name)
         adapters = self.adapters
-        adapters.hold(name)
-        return lambda: adapters.release(name)
+        slot = adapters.hold(name)
+        return replace(request, adapter=slot), lambda: adapters.release(slot)
 
     def cancel(self, handle: RequestHandle) -> None:
         """Free the request's slot; its handle ends at once with finish_reason 'cancelled'."""

@@ -16,12 +16,12 @@ from .plan import AdapterPlan, Device, Plan
 def plan_adapters(plan: Plan, adapters: list[tuple[str, Path]]) -> tuple[AdapterPlan, ...]:
     """Each (name, directory) placed as ``plan`` places the layers it adapts. PlanInfeasible when a device's
     adapters do not fit in what its budget leaves."""
-    planned = tuple(_plan_one(plan, name, directory) for name, directory in adapters)
+    planned = tuple(_plan_one(plan, i, name, directory) for i, (name, directory) in enumerate(adapters))
     _check_room(plan, planned)
     return planned
 
 
-def _plan_one(plan: Plan, name: str, directory: Path) -> AdapterPlan:
+def _plan_one(plan: Plan, index: int, name: str, directory: Path) -> AdapterPlan:
     try:
         files = read_adapter(directory)
     except AdapterFileError as exc:
@@ -32,14 +32,27 @@ def _plan_one(plan: Plan, name: str, directory: Path) -> AdapterPlan:
         one = AdapterFiles(files.config, {k: v for k, v in files.tensors.items()
                                           if k.startswith(f"base_model.model.{module}.lora_")})
         per_device[device] = per_device.get(device, 0) + one.bytes_at(plan.dtype)
-    tiers = {d.device: d.tier for d in plan.devices}
-    on_disk = sorted(str(m) for m in files.modules() if tiers.get(_device_of(plan.device_map, m)) == "disk")
-    if on_disk:
-        raise PlanInfeasible(f"adapter {name!r} adapts {on_disk[0]!r}, which the plan offloads to disk: adapters are "
-                             "served on layers held in memory only (raise spec.offload.cpu.max_memory)")
+    _refuse_offloaded(plan, index, name, files)
     order = {d.device: i for i, d in enumerate(plan.devices)}
     devices = tuple(sorted(per_device.items(), key=lambda item: order.get(item[0], len(order))))
     return AdapterPlan(name, str(directory), sum(per_device.values()), devices)
+
+
+def _refuse_offloaded(plan: Plan, index: int, name: str, files: AdapterFiles) -> None:
+    """Adapters are served on layers that compute where they are held: not on layers offloaded to disk,
+    nor on layers a GPU plan holds in CPU memory (accelerate's hooks bring their weights to the GPU for each
+    forward; peft's LoRA matrices of such a layer stay where its weights are held, on the meta device, and
+    the adapter would compute garbage)."""
+    tiers = {d.device: d.tier for d in plan.devices}
+    gpu_plan = "gpu" in tiers.values()
+    for module in sorted(files.modules()):
+        tier = tiers.get(_device_of(plan.device_map, module))
+        if tier == "disk" or (tier == "cpu" and gpu_plan):
+            where = "to disk" if tier == "disk" else "to CPU memory (a GPU plan's offloaded layers)"
+            raise PlanInfeasible(f"spec.adapters[{index}] (adapter {name!r}) adapts {module!r}, which the plan "
+                                 f"offloads {where}: adapters are served on layers that run where they are held "
+                                 "only (give the GPUs room for every layer the adapter adapts, or serve it on a "
+                                 "CPU-only plan)")
 
 
 def _device_of(device_map: dict[str, Device], module: str) -> Device:

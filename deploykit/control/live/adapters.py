@@ -1,12 +1,16 @@
 """A change of ``spec.adapters`` alone, applied live on the serving generation.
 
 When the only difference between the applied manifest and the serving revision is its list of LoRA
-adapters (same checkpoint, every other field equal), nothing of the base is loaded again: the change is
-recorded as a revision like any other (history, diff, rollback), planned (the adapters' bytes), and the
-serving generation's adapters are brought in step (``engine.adapters.Adapters``): new ones are loaded
-first (a broken one fails the change and leaves everything as it was), then removed ones stop taking
-requests and go once theirs ended, then changed ones (another path or scale) are loaded again. The base
-serves throughout; its generation does not change. Anything else is a rollout as before.
+adapters, or the files of one of them (same checkpoint, every other field equal), nothing of the base is
+loaded again: the change is recorded as a revision like any other (history, diff, rollback), planned (the
+adapters' bytes), and the serving generation's adapters are brought in step (``engine.adapters.Adapters``):
+every new adapter and every new version of a changed one (another path, scale or files) is loaded beside
+what serves, and only once all of them loaded whole does one switch make the new set serve: new names take
+requests, changed ones answer with their new version (requests in flight finish with the old one), removed
+ones take no more (theirs finish with them; each is deleted when its last request ended). A load that fails
+fails the change as a whole: what it loaded is deleted, and the base and every adapter serve exactly as
+before. Nothing waits for requests, so a close or a newer change never waits behind one. The base serves
+throughout; its generation does not change. Anything else is a rollout as before.
 """
 
 from __future__ import annotations
@@ -17,20 +21,18 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from ...errors import ApplyError, DeploykitError
+from ...spec.adapters import AdapterFileError, adapter_fingerprint
 from ...spec.manifest import LoadedManifest
 from ..revisions.change import Change
-from ..revisions.layouts import open_source
+from ..revisions.layouts import checkpoint_part, open_source
 from ..revisions.loading import recorded_manifest, serving_of
 from ..revisions.reconciler import ApplyOutcome, finish_gated, git_commit
 from ..revisions.decision import Action
 from ..revisions.state import StateStore
 
 if TYPE_CHECKING:
-    from ...engine.adapters import AdapterSource, Adapters
+    from ...engine.adapters import AdapterSource, Adapters, Staged
     from .pool import Generation
-
-REMOVE_TIMEOUT = 300.0  # how long a removed adapter's running requests may take to end
-
 
 @dataclass(frozen=True)
 class AdapterDiff:
@@ -38,7 +40,7 @@ class AdapterDiff:
 
     new: tuple[AdapterSource, ...]  # not served yet
     gone: tuple[str, ...]  # no longer in the manifest
-    changed: tuple[AdapterSource, ...]  # served with another path or scale
+    changed: tuple[AdapterSource, ...]  # served with another path, scale or files
 
     def describe(self) -> str:
         parts = [f"+{s.name}" for s in self.new] + [f"-{n}" for n in self.gone] + [f"~{s.name}" for s in self.changed]
@@ -47,25 +49,37 @@ class AdapterDiff:
 
 def live_adapter_diff(store: StateStore, gen: Generation | None, loaded: LoadedManifest) -> AdapterDiff | None:
     """The adapters to change when ``loaded`` differs from the revision ``gen`` serves in ``spec.adapters``
-    alone; None when it is not such a change (or nothing changed: the apply says so)."""
+    (or their files) alone; None when it is not such a change (or nothing changed: the apply says so)."""
     adapters: Adapters | None = getattr(gen.runtime, "adapters", None) if gen is not None else None
     current = store.current(loaded.name) if adapters is not None else None
     if gen is None or adapters is None or current is None or current.revision != gen.revision:
         return None
     if not loaded.manifest.spec.adapters and not adapters.names():  # no adapters before or after
         return None
-    if current.manifest_digest == loaded.digest:
+    try:
+        fingerprint = open_source(loaded)[1]
+    except (DeploykitError, ValueError):  # unreadable: the apply says why
+        return None
+    if current.manifest_digest == loaded.digest and current.checkpoint_fingerprint == fingerprint:
         return None
     recorded = recorded_manifest(current)
     if _without_adapters(recorded).digest != _without_adapters(loaded).digest:
         return None
-    if open_source(loaded)[1] != current.checkpoint_fingerprint:
+    if checkpoint_part(fingerprint) != checkpoint_part(current.checkpoint_fingerprint):
         return None
-    wanted = {s.name: s for s in serving_of(loaded).adapters}
+    wanted = {s.name: replace(s, fingerprint=_fingerprint(s)) for s in serving_of(loaded).adapters}
     served = {s.name: s for s in adapters.sources()}
     return AdapterDiff(new=tuple(s for n, s in wanted.items() if n not in served),
                        gone=tuple(n for n in served if n not in wanted),
                        changed=tuple(s for n, s in wanted.items() if n in served and served[n] != s))
+
+
+def _fingerprint(source: AdapterSource) -> str:
+    """The files' fingerprint now, which the load then holds them to ("" when unreadable: the plan says why)."""
+    try:
+        return adapter_fingerprint(Path(source.path))
+    except AdapterFileError:
+        return ""
 
 
 def apply_live(store: StateStore, gen: Generation, change: Change, diff: AdapterDiff) -> ApplyOutcome:
@@ -83,7 +97,7 @@ def _record_and_act(store: StateStore, gen: Generation, change: Change, diff: Ad
     source = Path(loaded.source).resolve()
     revision = store.begin_revision(name=loaded.name, manifest_path=str(source), manifest_text=loaded.text,
                                     manifest_digest=loaded.digest,
-                                    checkpoint_fingerprint=current.checkpoint_fingerprint,
+                                    checkpoint_fingerprint=open_source(loaded)[1],
                                     git_commit=git_commit(source))
     reason = f"only spec.adapters changed ({diff.describe()}): applied live on generation {gen.number}"
     store.record_event(loaded.name, "Decided", f"revision {revision}: {reason}")
@@ -102,21 +116,21 @@ def _record_and_act(store: StateStore, gen: Generation, change: Change, diff: Ad
 
 
 def _bring_in_step(adapters: Adapters, diff: AdapterDiff) -> None:
-    loaded: list[str] = []
+    """Load every new adapter and new version beside what serves, then switch them all at once; a failed
+    load discards what was loaded, and nothing that serves changed."""
+    staged: list[Staged] = []
     try:
-        for source in diff.new:
-            adapters.load(source)
-            loaded.append(source.name)
+        for source in (*diff.new, *diff.changed):
+            try:
+                staged.append(adapters.stage(source))
+            except Exception as exc:
+                raise ApplyError(f"adapter {source.name!r} ({source.path}) could not be loaded: {exc}; nothing "
+                                 "that serves changed") from exc
     except BaseException:
-        for name in loaded:  # as it was: the change failed as a whole
-            adapters.remove(name, timeout=REMOVE_TIMEOUT)
+        for one in staged:
+            adapters.discard(one)
         raise
-    for name in (*diff.gone, *(s.name for s in diff.changed)):
-        if not adapters.remove(name, timeout=REMOVE_TIMEOUT):
-            raise ApplyError(f"adapter {name!r} still had requests running after {REMOVE_TIMEOUT:.0f}s; it keeps "
-                             "serving")
-    for source in diff.changed:
-        adapters.load(source)
+    adapters.commit(serve=staged, remove=diff.gone)
 
 
 def _without_adapters(loaded: LoadedManifest) -> LoadedManifest:

@@ -66,7 +66,29 @@ def open_source(loaded: LoadedManifest) -> tuple[Checkpoint | None, str]:
                                         max_shard_size=spec.sharding.max_shard_size,
                                         quantization=spec.model.quantization)
     checkpoint = open_checkpoint(loaded.model_path, allow_pickle=spec.model.allow_pickle)
-    return checkpoint, checkpoint.fingerprint
+    return checkpoint, with_adapters(loaded, checkpoint.fingerprint)
+
+
+def with_adapters(loaded: LoadedManifest, fingerprint: str) -> str:
+    """What a revision records as its source: the checkpoint's fingerprint, and its adapters' files' when it
+    serves any (``spec.adapters.adapters_fingerprint``), so an adapter saved again in place is a change."""
+    from ...spec.adapters import AdapterFileError, adapters_fingerprint
+
+    adapters = loaded.manifest.spec.adapters
+    if not adapters:
+        return fingerprint
+    try:
+        return f"{fingerprint}{_ADAPTERS}{adapters_fingerprint([loaded.resolve(a.path) for a in adapters])}"
+    except AdapterFileError as exc:
+        raise CheckpointError(str(exc)) from None
+
+
+def checkpoint_part(fingerprint: str | None) -> str | None:
+    """The checkpoint's part of a recorded fingerprint (``with_adapters``)."""
+    return fingerprint.split(_ADAPTERS)[0] if fingerprint else fingerprint
+
+
+_ADAPTERS = " adapters:"
 
 
 def existing_import(loaded: LoadedManifest, store: StateStore) -> tuple[Path, Checkpoint | None]:
