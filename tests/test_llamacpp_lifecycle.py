@@ -96,6 +96,7 @@ def test_keep_alive_and_the_budget_end_the_process_and_a_request_loads_again(tmp
 
 def test_the_library_answers_through_llama_server_and_closing_ends_it(tmp_path: Path):
     from deploykit import Deployment
+    from deploykit.engine.admission import QueueFull
     from deploykit.engine.text import RequestError
 
     llama_server()
@@ -110,4 +111,18 @@ def test_the_library_answers_through_llama_server_and_closing_ends_it(tmp_path: 
             raise AssertionError("max_tokens above spec.serving.max_tokens was served")
         except RequestError as exc:
             assert exc.param == "max_tokens"
+        gen = dep.pool.try_pin()
+        assert gen is not None
+        slots = gen.runtime.engine
+        dep.pool.release(gen)
+        slots.enter(slots.slots + slots.max_queued)  # every place taken, as by requests over HTTP
+        try:
+            dep.generate("The capital of France is", max_tokens=2)
+            raise AssertionError("a library call was served past the engine's slots and queue")
+        except QueueFull:
+            pass
+        finally:
+            slots.leave(slots.slots + slots.max_queued)
+        assert dep.generate("The capital of France is", max_tokens=2).completion_tokens == 2
+        assert slots.stats() == {"running": 0, "waiting": 0}
     assert len(pids) == 1 and not alive(pids[0])

@@ -126,6 +126,34 @@ def test_deploykit_refuses_first_with_its_own_400s(server):
     assert len(seeded.choices) == 2 and seeded.choices[0].logprobs is not None
 
 
+def test_each_prompt_takes_a_place_in_the_slots_and_more_prompts_than_places_are_a_400(server):
+    client = _client(server.url)
+    room = 2 + 64  # engine.slots + serving.max_queued (the default)
+    with pytest.raises(openai.BadRequestError) as err:
+        client.completions.create(model="smol", prompt=["hi"] * (room + 1), max_tokens=1)
+    assert err.value.body["param"] == "prompt" and err.value.body["code"] == "too_many_prompts"  # type: ignore[index]
+    assert len(client.completions.create(model="smol", prompt=["hi"] * 3, max_tokens=1).choices) == 3
+
+
+def test_slots_count_places_not_requests():
+    from deploykit.engine.admission import QueueFull
+    from deploykit.engine.llamacpp.runtime import Slots
+
+    slots = Slots(1, 0)
+    with pytest.raises(QueueFull):
+        slots.enter(2)  # a request of 2 prompts does not fit 1 slot and no queue
+    slots.enter(1)
+    assert slots.stats() == {"running": 1, "waiting": 0}
+    with pytest.raises(QueueFull):
+        slots.enter(1)
+    slots.leave(1)
+    slots = Slots(2, 3)
+    slots.enter(4)
+    assert slots.stats() == {"running": 2, "waiting": 2}
+    slots.leave(4)
+    assert slots.stats() == {"running": 0, "waiting": 0}
+
+
 def test_unset_sampling_fields_are_the_openai_apis_defaults_not_llama_servers(server, alone):
     """No temperature, top_p, top_k or min_p from the client: sampled as OpenAI's temperature 1, top_p 1 and no
     truncation (llama-server alone, told so explicitly, answers the same), not as llama-server's defaults."""

@@ -55,17 +55,19 @@ class Slots:
         self._lock = threading.Lock()
         self._closed = False
 
-    def enter(self) -> None:
+    def enter(self, count: int = 1) -> None:
+        """Take ``count`` places (one per prompt: llama-server runs each prompt of a request as a task of
+        its own); QueueFull when they are not all free now."""
         with self._lock:
             if self._closed:
                 raise QueueFull("this generation is closing")
-            if self._in_flight >= self.slots + self.max_queued:
+            if self._in_flight + count > self.slots + self.max_queued:
                 raise QueueFull(f"{self._in_flight} requests in flight")
-            self._in_flight += 1
+            self._in_flight += count
 
-    def leave(self) -> None:
+    def leave(self, count: int = 1) -> None:
         with self._lock:
-            self._in_flight = max(0, self._in_flight - 1)
+            self._in_flight = max(0, self._in_flight - count)
 
     def stats(self) -> dict[str, int]:
         with self._lock:
@@ -158,8 +160,10 @@ class LlamaRuntime:
             self._supervisor.connection_broke(server)
 
     def answer(self, path: str, body: dict[str, Any]) -> dict[str, Any]:
-        """One request on this thread (``Deployment.generate`` / ``chat``), on a live, checked process."""
+        """One request on this thread (``Deployment.generate`` / ``chat``), on a live, checked process, admitted
+        by the same slots as the HTTP routes' (QueueFull past them)."""
         server: LlamaServer | None = None
+        self.engine.enter()
         try:
             server = self._supervisor.wait_ready_blocking(ENGINE_WAIT_SECONDS)
             return post_blocking(server.socket, server.api_key, path, body, timeout=REQUEST_TIMEOUT_SECONDS)
@@ -171,6 +175,8 @@ class LlamaRuntime:
             if server is not None:
                 self._supervisor.connection_broke(server)
             raise RequestError(f"generation failed: the llama.cpp engine's connection broke ({exc})") from None
+        finally:
+            self.engine.leave()
 
     def describe(self) -> str:
         return f"llama-server pid {self.pid} on {self._supervisor.proc.socket}"

@@ -63,11 +63,16 @@ class _Ticket:
     request ends (``LeasedStream`` calls ``cancel`` even when a stream's body never ran); it also closes the
     request's open upstream answer, if any (llama-server then stops generating it)."""
 
-    def __init__(self, held: Lease) -> None:
-        self.slots = held.runtime.engine
+    def __init__(self, held: Lease, items: int = 1) -> None:
+        self.slots, self.items = held.runtime.engine, items
         self.upstream: Upstream | None = None
+        room = self.slots.slots + self.slots.max_queued
+        if items > room:  # never admitted, however long it waits: not a 429
+            held.release()
+            raise APIError(400, f"{items} prompts in one request; this model admits at most {room} at once "
+                                "(engine.slots + serving.max_queued)", param="prompt", code="too_many_prompts")
         try:
-            self.slots.enter()
+            self.slots.enter(items)
         except QueueFull:
             held.release()
             raise APIError(429, "too many requests are waiting for this model; retry shortly", code="queue_full",
@@ -77,7 +82,7 @@ class _Ticket:
     def cancel(self) -> None:
         if self._held:
             self._held = False
-            self.slots.leave()
+            self.slots.leave(self.items)
             if self.upstream is not None:
                 _closing.add(task := asyncio.ensure_future(self.upstream.aclose()))
                 task.add_done_callback(_closing.discard)
@@ -136,7 +141,8 @@ async def chat(body: ChatCompletionRequest, request: Request, held: Lease, name:
         return _upstream_body(body, held, body.requested_max_tokens())
 
     upstream = _checked(held, build)
-    return await _relay("/v1/chat/completions", upstream, body, request, held, name, prefix="chatcmpl")
+    return await _relay("/v1/chat/completions", upstream, body, request, held, name, prefix="chatcmpl",
+                        items=body.n)
 
 
 def _check_structured(body: ChatCompletionRequest) -> None:
@@ -174,14 +180,16 @@ async def completions(body: CompletionRequest, request: Request, held: Lease, na
         return _upstream_body(body, held, body.max_tokens)
 
     upstream = _checked(held, build)
-    return await _relay("/v1/completions", upstream, body, request, held, name, prefix="cmpl")
+    return await _relay("/v1/completions", upstream, body, request, held, name, prefix="cmpl",
+                        items=len(body.prompts()) * body.n)
 
 
 async def _relay(path: str, upstream: dict[str, Any], body: ChatCompletionRequest | CompletionRequest,
-                 request: Request, held: Lease, name: str, *, prefix: str) -> Any:
+                 request: Request, held: Lease, name: str, *, prefix: str, items: int = 1) -> Any:
+    """``items``: the places the request takes in the generation's slots (one per prompt and choice)."""
     done = _Done(request, held, name, arrival(request))
     our_id = new_id(prefix)
-    ticket = _Ticket(held)
+    ticket = _Ticket(held, items)
     try:
         if body.stream:
             client, opened = await _sent(held, request, name, lambda c: c.open_stream(path, upstream))
