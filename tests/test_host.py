@@ -485,3 +485,40 @@ def test_a_recreate_on_a_probed_host_plans_with_the_serving_generation_given_bac
     assert result.swapped and result.strategy == "recreate"
     assert [(d.device, d.bytes) for d in dep.pool.current.plan.devices if d.bytes] == [("cpu", 428_864)]
     assert dep.generate("hi", max_tokens=4).text == before and f.host.used() == {"cpu": 428_864}
+
+
+def test_a_live_adapter_change_on_a_probed_host_records_the_device_map_that_serves(tmp_path, lora):
+    """A change of spec.adapters alone keeps the serving base: on this host as probed, which does not count
+    the base's own memory as free, it is planned with that memory given back, so the revision records the
+    device map that serves (planned against the probe alone, half the base went to disk on paper, and the
+    adapters on it were refused)."""
+    from dataclasses import replace
+
+    from deploykit.control.revisions.change import Change, deployment_inventory
+    from deploykit.spec.manifest import manifest_named
+
+    def manifest(*names: str) -> str:
+        return (f"apiVersion: deploykit/v1\nkind: ModelDeployment\nmetadata: {{name: chat}}\nspec:\n"
+                f"  model: {{path: {lora.base}, task: causal-lm, dtype: float32}}\n  placement: {{gpus: []}}\n"
+                f"  offload: {{disk: {{path: {tmp_path / 'offload'}}}}}\n"
+                f"  serving: {{prefix_cache: {{enabled: false}}}}\n  adapters:\n"
+                + "".join(f"    - {{name: {n}, path: {getattr(lora, n)}}}\n" for n in names))
+
+    path = tmp_path / "chat.yaml"
+    path.write_text(manifest("pirate"))
+    store = StateStore(tmp_path / "state")
+    dep = Deployment.from_manifest(path, store=store, host=Host(Budget({"cpu": 4 << 20})))
+    try:
+        serving = dep.pool.current.plan.device_map
+        assert set(serving.values()) == {"cpu"}
+        replace_like_an_editor(path, manifest("pirate", "polite"))
+        loaded = manifest_named(path, "chat")
+        probed = deployment_inventory(loaded, None)
+        assert not probed.simulated
+        change = Change(loaded, budget_cpu=4 << 20, _inventory=replace(probed, cpu=428_864 // 2))
+        result = dep.roll_to(loaded, change=change)
+        assert result.strategy == "live" and dep.generation == 1
+        assert dep.pool.current.plan.device_map == serving
+        assert store.current("chat").revision == 2 and store.current("chat").plan.device_map == serving
+    finally:
+        dep.close()
