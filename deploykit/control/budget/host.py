@@ -51,6 +51,10 @@ class Held(Protocol):
         one writer of what is loaded), and call ``then(unloaded)`` there; the future ends after it, with
         whether it did. An unload that finds another generation current by then is stale: it does nothing."""
 
+    @property
+    def plan(self) -> Plan | None:
+        """The current generation's plan (None when none is current)."""
+
     def retiring(self) -> list[Plan | None]:
         """The plans of the generations no longer current that are still in memory (draining, or retired and
         not yet freed): the budget counts them until they are freed."""
@@ -106,6 +110,9 @@ class Entry:
     want: dict[str, int] = field(default_factory=dict)  # what its next load asks for (its plan, as registered)
     shrink: Shrink | None = None  # its need with the default prefix cache fitted to the room left
     waiting_for_room: str | None = None  # a load of it waits for room: why (status shows it)
+    # during a blue-green rollout, the plan of the generation that served when it began: ``bytes`` counts it
+    # until the rollout ends, also once it retires (so ``retiring`` must not count it twice)
+    counted: Plan | None = None
 
     def busy(self) -> int:
         return self.pool.in_use + self.waiting + (self.state == LOADING) + self.rolling
@@ -266,7 +273,7 @@ class Host:
         finally:
             with self._cond:
                 if beside:
-                    entry.extra = {}
+                    entry.extra, entry.counted = {}, None
                     if ok:
                         entry.bytes = dict(grant.bytes)
                 else:
@@ -334,7 +341,7 @@ class Host:
         if grant is None:
             return decision
         if beside:
-            entry.extra = dict(grant.bytes)
+            entry.extra, entry.counted = dict(grant.bytes), entry.pool.plan
         else:
             entry.state, entry.bytes = LOADING, dict(grant.bytes)
         return grant
@@ -440,7 +447,7 @@ class Host:
 
 def _retiring(entry: Entry) -> list[dict[str, int]]:
     """Bytes per tier of each generation of ``entry`` that no longer serves but is still in memory."""
-    return [plan_tiers(plan) for plan in entry.pool.retiring() if plan is not None]
+    return [plan_tiers(plan) for plan in entry.pool.retiring() if plan is not None and plan is not entry.counted]
 
 
 def _sizes(need: Mapping[str, int]) -> str:

@@ -137,6 +137,7 @@ class GenerationPool:
         self.owner: Callable[[Callable[[], bool]], Future[bool]] = _run_here  # runs on the change thread
         self._watchers: list[Future[None]] = []  # ``changed()``'s futures, ended by the next change
         self._made: list[Generation] = []  # generations made and not yet freed (``retiring``)
+        self._unloading: Generation | None = None  # being freed by ``unload_now``
 
     @property
     def current(self) -> Generation | None:
@@ -162,6 +163,12 @@ class GenerationPool:
     def loaded(self) -> bool:
         """A generation is current (``budget.host.Held``)."""
         return self._current is not None
+
+    @property
+    def plan(self) -> Plan | None:
+        """The current generation's plan (``budget.host.Held``)."""
+        gen = self._current
+        return gen.plan if gen is not None else None
 
     @property
     def in_use(self) -> int:
@@ -374,8 +381,13 @@ class GenerationPool:
             if gen is None or gen.refs > 0 or self._closed or (target is not None and gen is not target):
                 return False
             self._current, self.unloaded, gen.retired = None, True, True
+            self._unloading = gen  # the host counts it as loaded until this unload answers
             self._wake()
-        self._free(gen)  # the drain/free path, with the leak guard
+        try:
+            self._free(gen)  # the drain/free path, with the leak guard
+        finally:
+            with self._cond:
+                self._unloading = None
         return True
 
     def retiring(self) -> list[Plan | None]:
@@ -383,7 +395,8 @@ class GenerationPool:
         draining or retired with callers left, a discarded candidate, or being freed."""
         with self._cond:
             self._made = [g for g in self._made if g.loaded is not None]
-            return [g.plan for g in self._made if g is not self._current and g is not self._candidate]
+            return [g.plan for g in self._made
+                    if g is not self._current and g is not self._candidate and g is not self._unloading]
 
     def mark_unloaded(self) -> None:
         """Nothing is loaded and nothing should wait for a load (an on-demand deployment not yet used)."""
