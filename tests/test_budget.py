@@ -232,3 +232,38 @@ def test_a_change_deferred_for_an_unloaded_deployment_reserves_its_new_plan(tmp_
         assert budget_bytes() == SIZE + (1 << 20)
         assert complete(openai.OpenAI(base_url=f"{server.url}/v1", api_key="x"), "a") in ("stop", "length")
         assert budget_bytes() == SIZE + (1 << 20)
+
+
+def test_two_eager_deployments_whose_weights_fit_both_load_with_smaller_default_caches(tmp_path):
+    """Two eager deployments whose weights fit the budget together, their default prefix caches (each planned
+    from the whole budget) not: both load, the caches sized from what the budget leaves, and /readyz, the
+    metrics and /status agree."""
+    from deploykit.control.revisions.change import Change
+    from deploykit.spec.manifest import manifest_named
+
+    model = build_chat_model(tmp_path / "wide", hidden=256, intermediate=1024)
+    (tmp_path / "m").mkdir()
+    for name in ("a", "b"):  # the default prefix cache: no prefix_cache field
+        (tmp_path / "m" / f"{name}.yaml").write_text(
+            manifest(model, name, load="eager").replace(", prefix_cache: {enabled: false}", ""))
+    plain = tmp_path / "plain.yaml"
+    plain.write_text(manifest(model, "plain"))
+    weights = Change(manifest_named(plain, "plain")).plan().total_bytes
+    budget = 2 * weights + (3 << 20)
+    planned = Change(manifest_named(tmp_path / "m" / "a.yaml", "a"), budget_cpu=budget).plan().prefix_cache_bytes
+    assert planned > 0 and 2 * (weights + planned) > budget
+    with Server(tmp_path / "m", tmp_path / "state", "--budget", f"cpu={budget}") as server:
+        assert get(f"{server.url}/readyz")[0] == 200
+        assert states(server) == {"a": "loaded", "b": "loaded"}
+        assert server.metric("deploykit_model_loaded", model="a") == 1
+        assert server.metric("deploykit_model_loaded", model="b") == 1
+        assert server.metric("deploykit_model_unloads_total") == 0
+        status = {s["name"]: s for s in get(f"{server.url}/status")[1]}
+        caches = sorted(status[n]["budget"]["bytes"] - weights for n in ("a", "b"))
+        assert caches[0] < planned and caches[1] == planned, caches  # the second one's cache is smaller
+        assert server.metric("deploykit_budget_used_bytes", tier="cpu") == 2 * weights + sum(caches) <= budget
+        for name in ("a", "b"):
+            assert status[name]["phase"] == "Ready" and status[name]["budget"]["waiting"] is None
+            assert not any(c["type"] == "Loaded" for c in status[name]["conditions"])
+        client = openai.OpenAI(base_url=f"{server.url}/v1", api_key="none", max_retries=0, timeout=120)
+        assert complete(client, "a") and complete(client, "b")

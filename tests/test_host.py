@@ -339,3 +339,185 @@ def test_an_engine_that_fails_to_close_still_releases_its_model(fleet, caplog):
                for r in caplog.records if r.exc_info)
     assert f.states() == {"a": "unloaded"}
     assert dep.generate("hi", max_tokens=2).text is not None  # loaded again on demand
+
+
+def cached(model: Path, name: str, **kwargs) -> str:
+    """``text`` with the default prefix cache (sized by the planner, counted by the budget)."""
+    return text(model, name, **kwargs).replace(", prefix_cache: {enabled: false}", "")
+
+
+@pytest.fixture(scope="module")
+def wide_model(tmp_path_factory) -> Path:
+    """A chat model of a few MiB: large enough for a default prefix cache of whole MiB beside it."""
+    return build_chat_model(tmp_path_factory.mktemp("wide") / "model", hidden=256, intermediate=1024)
+
+
+def test_two_whose_weights_fit_both_load_with_their_default_caches_sized_from_what_is_left(tmp_path, wide_model):
+    """The weights of two fit the budget, their default prefix caches (sized from the whole budget) do not: the
+    second one's cache is sized from what the first leaves, so both load and nothing is unloaded for a cache."""
+    from deploykit.control.revisions.change import Change
+    from deploykit.spec.manifest import manifest_named
+
+    (tmp_path / "probe.yaml").write_text(text(wide_model, "probe"))
+    weights = Change(manifest_named(tmp_path / "probe.yaml", "probe")).plan().total_bytes
+    budget = 2 * weights + (3 << 20)
+    (tmp_path / "probe.yaml").write_text(cached(wide_model, "probe"))
+    planned = Change(manifest_named(tmp_path / "probe.yaml", "probe"), budget_cpu=budget).plan().prefix_cache_bytes
+    assert planned > 0 and 2 * (weights + planned) > budget  # as each is planned, the two do not fit together
+    f = Fleet(tmp_path, wide_model, budget)
+    try:
+        for name in ("a", "b"):
+            (tmp_path / f"{name}.yaml").write_text(cached(wide_model, name))
+            f.deps[name] = Deployment.from_manifest(tmp_path / f"{name}.yaml", store=f.store, host=f.host)
+        assert f.states() == {"a": "loaded", "b": "loaded"} and not f.host.unloads
+        caches = {n: d.pool.current.plan.prefix_cache_bytes for n, d in f.deps.items()}
+        assert caches["a"] == planned and caches["b"] < planned, caches
+        for name, dep in f.deps.items():  # each engine keeps what its plan says, no more
+            assert dep.pool.current.runtime.engine.prefix_cache_bytes == caches[name]
+        assert f.host.used()["cpu"] == 2 * weights + caches["a"] + caches["b"] <= budget
+        for dep in f.deps.values():
+            assert dep.status()["phase"] == "Ready" and dep.generate("hi", max_tokens=2).text is not None
+    finally:
+        f.close()
+
+
+def test_a_load_that_waits_for_room_says_so_in_status(fleet):
+    from deploykit.control.live.status import served_status
+
+    f = fleet(ONE, wait=30.0)
+    a, b = f.add("a"), f.add("b", load="on-demand")
+    held = a.pin()  # a request in flight on a: it cannot be unloaded
+    done = threading.Event()
+    threading.Thread(target=lambda: (b.generate("hi", max_tokens=2), done.set()), daemon=True).start()
+    try:
+        wait_until(lambda: f.host.describe("b").waiting is not None)
+        waiting = f.host.describe("b").waiting
+        assert waiting.startswith("waiting for room: needs cpu=418.8 KiB, the budget has cpu=69.5 KiB left"), waiting
+        report = served_status(f.store, "b", b.state())
+        assert {"type": "Loaded", "status": False, "reason": "WaitingForRoom", "message": waiting} \
+            in report["conditions"]
+    finally:
+        a.pool.unpin(held)
+    assert done.wait(60)
+    assert f.host.describe("b").waiting is None
+    assert not any(c["type"] == "Loaded" for c in served_status(f.store, "b", b.state())["conditions"])
+
+
+def test_a_generation_still_streaming_after_a_reload_keeps_its_room(fleet):
+    """After a blue-green reload the old generation stays in memory while a stream reads it: the budget counts
+    it until it is freed, so another deployment's load waits for it rather than going over the budget."""
+    f = fleet(TWO, wait=60.0)
+    a, b = f.add("a", priority=1), f.add("b", load="on-demand")
+    stream = a.pin()  # a long stream on a's first generation
+    replace_like_an_editor(f.root / "a.yaml", text(f.model, "a", priority=1, max_tokens=32))
+    assert a.reload() is True and a.reloads[-1].strategy == "blue-green"
+    assert stream.loaded is not None and a.pool.current is not stream
+    assert f.host.used() == {"cpu": 2 * 428_864}  # the new generation and the one still streaming
+    done = threading.Event()
+    threading.Thread(target=lambda: (b.generate("hi", max_tokens=2), done.set()), daemon=True).start()
+    try:
+        wait_until(lambda: f.host.describe("b").waiting is not None)  # b waits: a outranks it, its old one streams
+        assert not done.is_set() and f.states() == {"a": "loaded", "b": "unloaded"}
+    finally:
+        a.pool.unpin(stream)  # the stream ends: the old generation is freed, and its room with it
+    assert done.wait(60)
+    assert stream.loaded is None and f.states() == {"a": "loaded", "b": "loaded"}
+    assert f.host.used() == {"cpu": 2 * 428_864}
+
+
+def test_a_stale_unload_never_unloads_the_generation_rolled_out_after_it(fleet):
+    """b asks a's owner to unload a while a's change thread is busy rolling a out (to a priority b cannot
+    evict): the request waits behind the rollout, and by its turn another generation is current, so it does
+    nothing; b's wait ends within its own bound, naming the budget, and a's new generation keeps serving."""
+    f = fleet(ONE, wait=3.0)
+    a, b = f.add("a"), f.add("b", load="on-demand")
+    started, release = threading.Event(), threading.Event()
+
+    def rollout_held_up() -> bool:  # on a's change thread, like every change of a
+        started.set()
+        assert release.wait(60)
+        replace_like_an_editor(f.root / "a.yaml", text(f.model, "a", priority=5, max_tokens=32))
+        return a.reload()
+
+    rolled = a.pool.owner(rollout_held_up)
+    assert started.wait(30)
+    answer: dict[str, object] = {}
+    done = threading.Event()
+
+    def ask_b() -> None:
+        try:
+            answer["text"] = b.generate("hi", max_tokens=2).text
+        except BudgetError as exc:
+            answer["error"] = exc
+        finally:
+            done.set()
+
+    threading.Thread(target=ask_b, daemon=True).start()
+    entry = next(e for e in f.host.entries() if e.name == "a")
+    wait_until(lambda: entry.unloading)  # b asked a's owner to unload a: queued behind the held-up rollout
+    release.set()
+    assert rolled.result(60) is True and a.reloads[-1].strategy == "recreate"
+    assert done.wait(30)
+    assert "budget" in str(answer.get("error")), answer
+    assert f.states() == {"a": "loaded", "b": "unloaded"} and not f.host.unloads
+    assert a.pool.current.revision == 2 and a.generate("hi", max_tokens=2).text is not None
+
+
+def test_a_recreate_on_a_probed_host_plans_with_the_serving_generation_given_back(fleet):
+    """On this host as probed (no --devices), the serving generation's memory is not free: a model over half
+    of what the probe finds (here: the probe, as it is while the model is loaded, leaves half the model free)
+    is recreated on the host with its bytes given back, not refused as not fitting."""
+    from dataclasses import replace
+
+    from deploykit.control.revisions.change import Change, deployment_inventory
+    from deploykit.spec.manifest import manifest_named
+
+    f = fleet(ONE)
+    dep = f.add("a")
+    before = dep.generate("hi", max_tokens=4).text
+    replace_like_an_editor(f.root / "a.yaml", text(f.model, "a", max_tokens=32))
+    loaded = manifest_named(f.root / "a.yaml", "a")
+    probed = deployment_inventory(loaded, None)
+    assert not probed.simulated
+    change = Change(loaded, budget_cpu=ONE, _inventory=replace(probed, cpu=428_864 // 2))
+    result = dep.roll_to(loaded, change=change)
+    assert result.swapped and result.strategy == "recreate"
+    assert [(d.device, d.bytes) for d in dep.pool.current.plan.devices if d.bytes] == [("cpu", 428_864)]
+    assert dep.generate("hi", max_tokens=4).text == before and f.host.used() == {"cpu": 428_864}
+
+
+def test_a_live_adapter_change_on_a_probed_host_records_the_device_map_that_serves(tmp_path, lora):
+    """A change of spec.adapters alone keeps the serving base: on this host as probed, which does not count
+    the base's own memory as free, it is planned with that memory given back, so the revision records the
+    device map that serves (planned against the probe alone, half the base went to disk on paper, and the
+    adapters on it were refused)."""
+    from dataclasses import replace
+
+    from deploykit.control.revisions.change import Change, deployment_inventory
+    from deploykit.spec.manifest import manifest_named
+
+    def manifest(*names: str) -> str:
+        return (f"apiVersion: deploykit/v1\nkind: ModelDeployment\nmetadata: {{name: chat}}\nspec:\n"
+                f"  model: {{path: {lora.base}, task: causal-lm, dtype: float32}}\n  placement: {{gpus: []}}\n"
+                f"  offload: {{disk: {{path: {tmp_path / 'offload'}}}}}\n"
+                f"  serving: {{prefix_cache: {{enabled: false}}}}\n  adapters:\n"
+                + "".join(f"    - {{name: {n}, path: {getattr(lora, n)}}}\n" for n in names))
+
+    path = tmp_path / "chat.yaml"
+    path.write_text(manifest("pirate"))
+    store = StateStore(tmp_path / "state")
+    dep = Deployment.from_manifest(path, store=store, host=Host(Budget({"cpu": 4 << 20})))
+    try:
+        serving = dep.pool.current.plan.device_map
+        assert set(serving.values()) == {"cpu"}
+        replace_like_an_editor(path, manifest("pirate", "polite"))
+        loaded = manifest_named(path, "chat")
+        probed = deployment_inventory(loaded, None)
+        assert not probed.simulated
+        change = Change(loaded, budget_cpu=4 << 20, _inventory=replace(probed, cpu=428_864 // 2))
+        result = dep.roll_to(loaded, change=change)
+        assert result.strategy == "live" and dep.generation == 1
+        assert dep.pool.current.plan.device_map == serving
+        assert store.current("chat").revision == 2 and store.current("chat").plan.device_map == serving
+    finally:
+        dep.close()

@@ -76,8 +76,9 @@ def _memory_line(b: dict[str, Any]) -> str:
     else:
         keep = f"keep-alive left {b['keep_alive_left']:g}s of {b['keep_alive']:g}s"
     busy = f", {b['busy']} request(s) in flight" if b["busy"] else ""
+    waiting = f"; {b['waiting']}" if b.get("waiting") else ""  # its load waits for room, and why
     return (f"memory: {b['state']}, {format_size(b['bytes'])}, priority {b['priority']}; last used "
-            f"{b['idle_seconds']:g}s ago{busy}; {keep}")
+            f"{b['idle_seconds']:g}s ago{busy}; {keep}{waiting}")
 
 
 @click.command()

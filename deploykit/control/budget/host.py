@@ -15,15 +15,21 @@ import logging
 import threading
 import time
 from collections import Counter, deque
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from concurrent.futures import Future, wait
 from contextlib import contextmanager
 from functools import partial
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
+from ...units import format_size
 from .scheduler import Never, Resident, Room, Wait, Want, expired, make_room
-from .tiers import Budget, BudgetError
+from .tiers import Budget, BudgetError, plan_tiers
+
+if TYPE_CHECKING:
+    from ...placement.plan import Plan
+
+Shrink = Callable[[Mapping[str, int]], dict[str, int]]
 
 
 class Held(Protocol):
@@ -41,8 +47,17 @@ class Held(Protocol):
     def last_used(self) -> float: ...
 
     def unload(self, then: Callable[[bool], None]) -> Future[bool]:
-        """Unload if idle, on the owner's change thread (the one writer of what is loaded), and call
-        ``then(unloaded)`` there; the future ends after it, with whether it did."""
+        """Unload what is current now if it is idle when its turn comes, on the owner's change thread (the
+        one writer of what is loaded), and call ``then(unloaded)`` there; the future ends after it, with
+        whether it did. An unload that finds another generation current by then is stale: it does nothing."""
+
+    @property
+    def plan(self) -> Plan | None:
+        """The current generation's plan (None when none is current)."""
+
+    def retiring(self) -> list[Plan | None]:
+        """The plans of the generations no longer current that are still in memory (draining, or retired and
+        not yet freed): the budget counts them until they are freed."""
 
 log = logging.getLogger(__name__)
 DEFAULT_WAIT_TIMEOUT = 120.0  # seconds a load waits for room before its request gets 503
@@ -50,6 +65,16 @@ KEEP_ALIVE_POLL = 0.5  # seconds between keep-alive checks: an unload follows ex
 LOAD_HISTORY = 256  # load durations kept for the histogram
 UNLOAD_WAIT = 30.0  # seconds to wait for the owners to unload what was chosen (idle ones: at once)
 UNLOADED, LOADING, LOADED = "unloaded", "loading", "loaded"
+
+
+@dataclass(frozen=True)
+class Grant:
+    """What ``Host.room`` reserved: ``bytes`` per tier and, where the load's default prefix cache was shrunk
+    to fit (``shrink``), ``left``: the room per tier the budget left it beside the others, which its plan is
+    fitted to (``tiers.fit_prefix_cache``); None: the plan as it was asked for."""
+
+    bytes: dict[str, int]
+    left: dict[str, int] | None = None
 
 
 @dataclass(frozen=True)
@@ -64,6 +89,7 @@ class BudgetView:
     idle_seconds: float  # since its last request
     keep_alive_left: float | None
     busy: int  # requests holding or waiting for it, a load or a rollout under way
+    waiting: str | None = None  # why its load waits for room, while it does ("waiting for room: ...")
 
 
 @dataclass
@@ -81,6 +107,12 @@ class Entry:
     extra: dict[str, int] = field(default_factory=dict)  # a blue-green rollout's next generation
     load_lock: threading.Lock = field(default_factory=threading.Lock)
     unloading: bool = False  # its owner was asked to unload it and has not answered yet
+    want: dict[str, int] = field(default_factory=dict)  # what its next load asks for (its plan, as registered)
+    shrink: Shrink | None = None  # its need with the default prefix cache fitted to the room left
+    waiting_for_room: str | None = None  # a load of it waits for room: why (status shows it)
+    # during a blue-green rollout, the plan of the generation that served when it began: ``bytes`` counts it
+    # until the rollout ends, also once it retires (so ``retiring`` must not count it twice)
+    counted: Plan | None = None
 
     def busy(self) -> int:
         return self.pool.in_use + self.waiting + (self.state == LOADING) + self.rolling
@@ -110,20 +142,26 @@ class Host:
     # ---- membership ----------------------------------------------------------------------------
 
     def register(self, name: str, pool: Held, need: dict[str, int], *, priority: int,
-                 keep_alive: float | None) -> None:
-        """Know ``name`` (refused with a BudgetError naming the budget if its plan alone exceeds it)."""
-        decision = make_room(self.budget, [], Want(name, need, priority))
+                 keep_alive: float | None, shrink: Shrink | None = None) -> None:
+        """Know ``name`` (refused with a BudgetError naming the budget if its plan alone exceeds it, its
+        default prefix cache shrunk to nothing by ``shrink`` where it has one)."""
+        least = shrink(self._zero()) if shrink is not None else need
+        decision = make_room(self.budget, [], Want(name, least, priority))
         if isinstance(decision, Never):
             raise BudgetError(f"{name!r} can never be loaded: {decision.reason}")
         with self._cond:
             entry = self._entries.get(name)
             if entry is None:
-                self._entries[name] = Entry(name, pool, dict(need), priority, keep_alive,
-                                            LOADED if pool.loaded else UNLOADED)
+                entry = self._entries[name] = Entry(name, pool, dict(need), priority, keep_alive,
+                                                    LOADED if pool.loaded else UNLOADED)
             else:
                 entry.priority, entry.keep_alive = priority, keep_alive
                 if entry.state == UNLOADED and not entry.extra:  # holds nothing: its next load is this plan
                     entry.bytes = dict(need)
+            entry.want, entry.shrink = dict(need), shrink
+
+    def _zero(self) -> dict[str, int]:
+        return {tier: 0 for tier in self.budget.tiers}
 
     @contextmanager
     def rolling(self, name: str) -> Iterator[None]:
@@ -160,7 +198,8 @@ class Host:
             left = (None if entry.keep_alive is None or entry.state != LOADED
                     else entry.keep_alive if busy else max(0.0, entry.keep_alive - idle))
             return BudgetView(entry.state, sum(entry.bytes.values()), dict(entry.bytes), entry.priority,
-                              entry.keep_alive, round(idle, 1), None if left is None else round(left, 1), busy)
+                              entry.keep_alive, round(idle, 1), None if left is None else round(left, 1), busy,
+                              entry.waiting_for_room)
 
     def entries(self) -> list[Entry]:
         with self._cond:
@@ -172,9 +211,11 @@ class Host:
             return self._used()
 
     def _used(self) -> dict[str, int]:
-        used = {tier: 0 for tier in self.budget.tiers}
+        """Every generation still in memory: what the loaded and loading ones hold or reserve, a rollout's next
+        generation, and the generations that no longer serve but are not freed yet (a stream still reads one)."""
+        used = self._zero()
         for e in self._entries.values():
-            for need in (e.bytes if e.state != UNLOADED else {}, e.extra):
+            for need in (e.bytes if e.state != UNLOADED else {}, e.extra, *_retiring(e)):
                 for tier, b in need.items():
                     used[tier] = used.get(tier, 0) + b
         return used
@@ -196,43 +237,49 @@ class Host:
                     entry.waiting -= 1
                 self._cond.notify_all()
 
-    def load(self, name: str, do_load: Callable[[], None], *, reason: str, need: dict[str, int] | None = None,
-             timeout: float | None = None, stop: threading.Event | None = None) -> bool:
-        """Load ``name`` with ``do_load`` once room is made (one load per name at a time; False when it was
-        loaded meanwhile). Raises BudgetError when no room can be made within ``timeout``, or once
+    def load(self, name: str, do_load: Callable[[Grant], None], *, reason: str,
+             need: dict[str, int] | None = None, timeout: float | None = None,
+             stop: threading.Event | None = None) -> bool:
+        """Load ``name`` with ``do_load(grant)`` once room is made (one load per name at a time; False when it
+        was loaded meanwhile). Raises BudgetError when no room can be made within ``timeout``, or once
         ``stop`` is set while it waits for room (the deployment is closing)."""
         entry = self._entry(name)
         with entry.load_lock:
             if entry.pool.loaded:
                 return False
-            with self.room(name, need or entry.bytes, reason=reason, timeout=timeout, stop=stop):
-                do_load()
+            with self.room(name, need or entry.want or entry.bytes, reason=reason, timeout=timeout, stop=stop,
+                           shrink=None if need else entry.shrink) as grant:
+                do_load(grant)
             return True
 
     @contextmanager
     def room(self, name: str, need: dict[str, int], *, reason: str, timeout: float | None = None,
-             beside: bool = False, stop: threading.Event | None = None) -> Iterator[None]:
+             beside: bool = False, stop: threading.Event | None = None,
+             shrink: Shrink | None = None) -> Iterator[Grant]:
         """Reserve ``need`` for ``name`` while the block loads it, unloading idle deployments as the
         scheduler says (waiting up to ``timeout`` for room). ``beside``: a blue-green rollout's next
-        generation, held beside the one that serves; else the block makes ``need`` what ``name`` holds."""
+        generation, held beside the one that serves; else the block makes what it reserved what ``name``
+        holds. ``shrink``: ``need`` with its default prefix cache fitted to a room per tier (a cache is
+        evictable): where ``need`` does not fit beside the others but the plan does with a smaller cache, that
+        is reserved rather than unloading anyone or waiting; the grant says the room to fit the plan to."""
         entry = self._entry(name)
         started = self.clock()
-        self._reserve(entry, need, timeout=self.wait_timeout if timeout is None else timeout, beside=beside,
-                      stop=stop)
+        grant = self._reserve(entry, need, timeout=self.wait_timeout if timeout is None else timeout, beside=beside,
+                              stop=stop, shrink=shrink)
         ok = False
         try:
-            yield
+            yield grant
             ok = True
         finally:
             with self._cond:
                 if beside:
-                    entry.extra = {}
+                    entry.extra, entry.counted = {}, None
                     if ok:
-                        entry.bytes = dict(need)
+                        entry.bytes = dict(grant.bytes)
                 else:
                     entry.state = LOADED if ok and entry.pool.loaded else UNLOADED
                     if ok:
-                        entry.bytes = dict(need)
+                        entry.bytes = dict(grant.bytes)
                 self._cond.notify_all()
             if ok:
                 self.loads[(name, reason)] += 1
@@ -246,34 +293,86 @@ class Host:
         return entry
 
     def _reserve(self, entry: Entry, need: dict[str, int], *, timeout: float, beside: bool,
-                 stop: threading.Event | None = None) -> None:
+                 stop: threading.Event | None = None, shrink: Shrink | None = None) -> Grant:
         deadline = self.clock() + timeout
-        while True:
-            with self._cond:
-                residents = self._residents(entry.name if not beside else None)
-                decision = make_room(self.budget, residents, Want(entry.name if not beside else f"{entry.name} (next)",
-                                                                  need, entry.priority))
-                if isinstance(decision, Never):
-                    raise BudgetError(f"{entry.name!r} can never be loaded: {decision.reason}")
-                if isinstance(decision, Room) and not decision.unload:
-                    if beside:
-                        entry.extra = dict(need)
-                    else:
-                        entry.state, entry.bytes = LOADING, dict(need)
-                    return
-                asked = self._detach(decision.unload) if isinstance(decision, Room) else []
-                if not asked:  # no room yet, or the unloads asked for are still under way
-                    if stop is not None and stop.is_set():
-                        raise BudgetError(f"stopped waiting for room for {entry.name!r}: it is closing")
-                    remaining = deadline - self.clock()
-                    if remaining <= 0:
+        try:
+            while True:
+                with self._cond:
+                    decision = self._decide(entry, need, beside=beside, shrink=shrink)
+                    if isinstance(decision, Grant):
+                        return decision
+                    if isinstance(decision, Never):
+                        raise BudgetError(f"{entry.name!r} can never be loaded: {decision.reason}")
+                    asked = self._detach(decision.unload) if isinstance(decision, Room) else []
+                    if not asked:  # no room yet, or the unloads asked for are still under way
+                        if stop is not None and stop.is_set():
+                            raise BudgetError(f"stopped waiting for room for {entry.name!r}: it is closing")
+                        remaining = deadline - self.clock()
                         why = decision.reason if isinstance(decision, Wait) else "unloading others takes too long"
-                        raise BudgetError(f"no room for {entry.name!r} after waiting {timeout:g}s: {why}")
-                    self._cond.wait(min(remaining, KEEP_ALIVE_POLL))
-                    continue
-            # an idle one unloads at once (whatever this wait's own timeout: auto's is 0); then decide
-            # again: it now fits, or someone got busy meanwhile
-            wait(self._unload(asked, "pressure"), UNLOAD_WAIT)
+                        if remaining <= 0:
+                            raise BudgetError(f"no room for {entry.name!r} after waiting {timeout:g}s: {why}")
+                        if not beside:
+                            entry.waiting_for_room = self._waiting(entry, need, shrink, why)
+                        self._cond.wait(min(remaining, KEEP_ALIVE_POLL))
+                        continue
+                # an idle one unloads at once (whatever this wait's own timeout: auto's is 0); then decide
+                # again: it now fits, or someone got busy meanwhile
+                self._await_unloads(asked, self._unload(asked, "pressure"))
+        finally:
+            with self._cond:
+                entry.waiting_for_room = None
+
+    def _decide(self, entry: Entry, need: dict[str, int], *, beside: bool,
+                shrink: Shrink | None) -> Grant | Room | Wait | Never:
+        """Under the lock: reserve ``need`` (a ``Grant``) if it fits beside the others now, else ``need`` with
+        its default prefix cache shrunk to the room left if that fits, else what the scheduler says for the
+        least it can load with."""
+        residents = self._residents(entry.name if not beside else None)
+        want = entry.name if not beside else f"{entry.name} (next)"
+        decision = make_room(self.budget, residents, Want(want, need, entry.priority))
+        grant: Grant | None = Grant(dict(need)) if isinstance(decision, Room) and not decision.unload else None
+        if grant is None and shrink is not None:
+            least = make_room(self.budget, residents, Want(want, shrink(self._zero()), entry.priority))
+            if isinstance(least, Room) and not least.unload:
+                left = self._left(residents, want)
+                grant = Grant(shrink(left), left)
+            else:
+                decision = least
+        if grant is None:
+            return decision
+        if beside:
+            entry.extra, entry.counted = dict(grant.bytes), entry.pool.plan
+        else:
+            entry.state, entry.bytes = LOADING, dict(grant.bytes)
+        return grant
+
+    def _left(self, residents: list[Resident], want: str) -> dict[str, int]:
+        """Per budget tier, what the residents other than ``want`` leave free."""
+        left = dict(self.budget.tiers)
+        for r in residents:
+            if r.name != want:
+                for tier, b in r.bytes.items():
+                    if tier in left:
+                        left[tier] -= b
+        return {tier: max(0, b) for tier, b in left.items()}
+
+    def _waiting(self, entry: Entry, need: dict[str, int], shrink: Shrink | None, why: str) -> str:
+        """What status says while a load of ``entry`` waits for room."""
+        least = shrink(self._zero()) if shrink is not None else need
+        left = self._left(self._residents(entry.name), entry.name)
+        return (f"waiting for room: needs {_sizes(least)}, the budget has {_sizes(left)} left ({why})")
+
+    def _await_unloads(self, entries: list[Entry], futures: list[Future[bool]]) -> None:
+        """Wait for the owners to unload ``entries``, but only while they stay idle: an owner whose change
+        thread is busy with a change of its own (a rollout, a load) does the unload after it, if at all (then
+        it is stale and does nothing), so waiting for it would hold this load up for as long; decide again."""
+        deadline = self.clock() + UNLOAD_WAIT
+        pending = set(futures)
+        while pending and self.clock() < deadline:
+            _, pending = wait(pending, KEEP_ALIVE_POLL)
+            with self._cond:
+                if all(e.busy() for e, f in zip(entries, futures) if f in pending):
+                    return
 
     def _residents(self, exclude: str | None) -> list[Resident]:
         out = []
@@ -282,6 +381,8 @@ class Host:
                 out.append(Resident(e.name, e.bytes, e.priority, e.pool.last_used, e.busy(), e.keep_alive))
             if e.extra:
                 out.append(Resident(f"{e.name} (next)", e.extra, e.priority, e.pool.last_used, 1))
+            for i, held in enumerate(_retiring(e)):  # never unloaded: freed when their last caller leaves
+                out.append(Resident(f"{e.name} (retiring {i + 1})", held, e.priority, e.pool.last_used, 1))
         return out
 
     def _detach(self, names: tuple[str, ...] | list[str]) -> list[Entry]:
@@ -342,3 +443,12 @@ class Host:
         self._stop.set()
         if self._thread is not None:
             self._thread.join(timeout=5)
+
+
+def _retiring(entry: Entry) -> list[dict[str, int]]:
+    """Bytes per tier of each generation of ``entry`` that no longer serves but is still in memory."""
+    return [plan_tiers(plan) for plan in entry.pool.retiring() if plan is not None and plan is not entry.counted]
+
+
+def _sizes(need: Mapping[str, int]) -> str:
+    return ", ".join(f"{t}={format_size(b)}" for t, b in sorted(need.items())) or "nothing"

@@ -11,11 +11,11 @@ from __future__ import annotations
 import re
 from typing import Any
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from ...errors import DeploykitError
 from ...placement.inventory import Inventory
-from ...placement.kv import prefix_cache_tiers
+from ...placement.kv import default_prefix_cache, kv_shares, prefix_cache_tiers
 from ...placement.plan import Plan
 from ...units import SIZE_UNITS_TEXT, format_size, parse_size
 
@@ -107,3 +107,32 @@ def plan_tiers(plan: Plan) -> dict[str, int]:
     return tiers
 
 
+
+
+def fit_prefix_cache(plan: Plan, left: Mapping[str, int]) -> Plan:
+    """``plan`` with its prefix cache sized from ``left``, the room per budget tier the budget leaves it beside
+    the others (a cache is evictable: it shrinks before a load is refused): the default rule
+    (``kv.default_prefix_cache``, a quarter of the room beside the rest of the plan) on that room, never more
+    than planned. ``plan`` itself where that changes nothing."""
+    if not plan.prefix_cache_bytes:
+        return plan
+    base = plan_tiers(replace(plan, prefix_cache_bytes=0))
+    rooms = [int(max(0, left[tier] - base.get(tier, 0)) / share)
+             for tier, share in _cache_shares(plan).items() if tier in left and share > 0]
+    if not rooms:
+        return plan
+    held = min(plan.prefix_cache_bytes, default_prefix_cache(min(rooms)))
+    if held == plan.prefix_cache_bytes:
+        return plan
+    note = (f"prefix cache {format_size(held)} (planned {format_size(plan.prefix_cache_bytes)}): sized from the "
+            "room the host budget left it beside the other deployments")
+    return replace(plan, prefix_cache_bytes=held, notes=plan.notes + (note,))
+
+
+def _cache_shares(plan: Plan) -> dict[str, float]:
+    """The share of the prefix cache on each budget tier (its KV's: ``placement.kv.kv_shares``)."""
+    shares: dict[str, float] = {}
+    for device, share in kv_shares(plan).items():
+        tier = "cpu" if device == "cpu" else f"gpu{device}"
+        shares[tier] = shares.get(tier, 0.0) + share
+    return shares

@@ -29,6 +29,7 @@ from ..revisions.loading import recorded_manifest, serving_of
 from ..revisions.reconciler import ApplyOutcome, finish_gated, git_commit
 from ..revisions.decision import Action
 from ..revisions.state import StateStore
+from .held import inventory_freed
 
 if TYPE_CHECKING:
     from ...engine.adapters import AdapterSource, Adapters, Staged
@@ -85,7 +86,8 @@ def _fingerprint(source: AdapterSource) -> str:
 def apply_live(store: StateStore, gen: Generation, change: Change, diff: AdapterDiff) -> ApplyOutcome:
     """Record ``change`` as a revision and bring ``gen``'s adapters in step with it (see the module)."""
     loaded = change.loaded
-    plan = change.plan()  # the same base, its adapters' bytes new: fails before anything is recorded
+    plan = change.plan(inventory_freed(change.inventory(), gen))  # the base as it serves, its adapters' bytes
+    # new (planned with what it holds given back: the probe does not count it free); fails before recording
     with store.deployment_lock(loaded.name):
         return _record_and_act(store, gen, change, diff, plan)
 

@@ -21,9 +21,12 @@ from typing import TYPE_CHECKING
 from ...errors import PlanInfeasible
 from ...names import Load, Strategy
 from ..budget import BudgetError, plan_tiers
+from ..budget.host import Shrink
+from ..budget.tiers import fit_prefix_cache
 from ..revisions.change import Change
 from ..revisions.reconciler import ApplyOptions, ApplyOutcome, apply
 from .adapters import live_adapter_diff
+from .held import inventory_freed
 from .rollout import Rollout, RolloutResult, inventory_beside
 
 if TYPE_CHECKING:
@@ -36,9 +39,20 @@ if TYPE_CHECKING:
 StepSink = Callable[[str], None] | None
 
 
-def need_of(change: Change) -> dict[str, int]:
-    """Bytes per budget tier of the change's plan (the plan its apply uses: pure, no weights read)."""
-    return plan_tiers(change.plan())
+def need_of(change: Change, serving: Generation | None = None) -> dict[str, int]:
+    """Bytes per budget tier of the change's plan (the plan its apply uses: pure, no weights read); with a
+    ``serving`` generation, planned against the host with its bytes given back (``held.inventory_freed``)."""
+    return plan_tiers(change.plan(inventory_freed(change.inventory(), serving)))
+
+
+def shrink_of(change: Change, serving: Generation | None = None) -> Shrink | None:
+    """How the change's need shrinks to fit a room (``Host.room``'s ``shrink``): its default prefix cache is
+    sized from what the budget leaves it (``tiers.fit_prefix_cache``); None where its cache is not a default
+    one (off, or ``max_bytes`` set: counted as the manifest says)."""
+    plan = change.plan(inventory_freed(change.inventory(), serving))
+    if not plan.prefix_cache_bytes or change.loaded.manifest.spec.serving.prefix_cache.max_bytes is not None:
+        return None
+    return lambda left: plan_tiers(fit_prefix_cache(plan, left))
 
 
 def need_beside(change: Change, serving: Generation | None, need: dict[str, int]) -> dict[str, int]:
@@ -57,17 +71,20 @@ def start_budgeted(loads: Loads, host: Host, change: Change, *, force: bool = Fa
     """Start under the budget; True when the last promoted revision was loaded instead of the manifest,
     which the caller then rolls out through its gates (``Loads.promoted_before_gates``)."""
     lifecycle = change.loaded.manifest.spec.lifecycle
-    need = need_of(change)
-    host.register(loads.name, loads.pool, need, priority=lifecycle.priority, keep_alive=lifecycle.keep_alive)
+    need, shrink = need_of(change), shrink_of(change)
+    host.register(loads.name, loads.pool, need, priority=lifecycle.priority, keep_alive=lifecycle.keep_alive,
+                  shrink=shrink)
     try:
-        return _start(loads, host, change, need, force=force, progress=progress, on_step=on_step)
+        return _start(loads, host, change, need, shrink, force=force, progress=progress, on_step=on_step)
     except BaseException:
         host.forget(loads.name)  # it never served: the budget holds nothing for it
         raise
+    finally:
+        loads.room_left = None
 
 
-def _start(loads: Loads, host: Host, change: Change, need: dict[str, int], *, force: bool,
-           progress: ProgressSink | None, on_step: StepSink) -> bool:
+def _start(loads: Loads, host: Host, change: Change, need: dict[str, int], shrink: Shrink | None, *,
+           force: bool, progress: ProgressSink | None, on_step: StepSink) -> bool:
     loaded = change.loaded
     if loaded.manifest.spec.lifecycle.load == Load.ON_DEMAND:
         probe = _probe(loads, change, force=force)
@@ -82,15 +99,18 @@ def _start(loads: Loads, host: Host, change: Change, need: dict[str, int], *, fo
         with host.room(loads.name, plan_tiers(promoted.plan), reason="start"):
             loads.load_current()
         return True
-    with host.room(loads.name, need, reason="start"):
+    with host.room(loads.name, need, reason="start", shrink=shrink) as grant:
+        loads.room_left = grant.left
         loads.load_initial(loaded, force=force, progress=progress, on_step=on_step, change=change)
     return False
 
 
 def _probe(loads: Loads, change: Change, *, force: bool) -> ApplyOutcome:
-    """What the apply of ``change`` would do (a dry run: nothing recorded, nothing loaded)."""
-    return apply(change.loaded, store=loads.store, change=change,
-                 options=ApplyOptions(devices=loads.devices, dry_run=True, force=force))
+    """What the apply of ``change`` would do (a dry run: nothing recorded, nothing loaded), planned against
+    the host with what the serving generation holds given back (as a recreate or a live change plans it)."""
+    return apply(change.loaded, store=loads.store, change=change, options=ApplyOptions(
+        devices=loads.devices, inventory=inventory_freed(change.inventory(), loads.pool.current), dry_run=True,
+        force=force))
 
 
 def roll_budgeted(loads: Loads, host: Host, change: Change, *, force: bool = False,
@@ -99,8 +119,9 @@ def roll_budgeted(loads: Loads, host: Host, change: Change, *, force: bool = Fal
                   publish: Callable[[CanaryProgress | None], None] | None = None) -> RolloutResult:
     loaded = change.loaded
     lifecycle = loaded.manifest.spec.lifecycle
-    need = need_of(change)
-    host.register(loads.name, loads.pool, need, priority=lifecycle.priority, keep_alive=lifecycle.keep_alive)
+    need = need_of(change, loads.pool.current)
+    host.register(loads.name, loads.pool, need, priority=lifecycle.priority, keep_alive=lifecycle.keep_alive,
+                  shrink=shrink_of(change, loads.pool.current))
     probe = _probe(loads, change, force=force)
     if probe.status == "unchanged":
         loads.pending = None  # back to what is recorded: nothing left to apply

@@ -29,7 +29,7 @@ from .rollout import Rollout, RolloutResult
 
 if TYPE_CHECKING:
     from ...artifacts.reshard import ProgressSink
-    from ..budget.host import Host
+    from ..budget.host import Grant, Host
     from ..revisions.state import StateStore
     from .pool import GenerationPool
 
@@ -127,11 +127,13 @@ class ChangeRunner:
         if pending is not None and self._reload_once(pending) is True:
             self._notify()
 
-    def load_on_demand(self) -> None:
-        """On the worker: load what serves now (``Loads.load_current``); a failure that is not a lack of
-        room shows in ``status()`` like a failed reload, and a load that works clears it."""
+    def load_on_demand(self, grant: Grant | None = None) -> None:
+        """On the worker: load what serves now (``Loads.load_current``), in the room the host's ``grant``
+        left; a failure that is not a lack of room shows in ``status()`` like a failed reload, and a load
+        that works clears it."""
         if not self.pool.unloaded:
             return  # loaded meanwhile (a rollout, another request)
+        self.loads.room_left = grant.left if grant is not None else None
         try:
             gated_next = self.loads.load_current()
         except BudgetError:

@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from ...names import Strategy
+from ..budget.tiers import fit_prefix_cache
 from ..revisions.change import Change
 from ..revisions.loading import checked_current, load_laid_out, serving_of
 from ..revisions.reconciler import ApplyOptions, ApplyOutcome, apply
@@ -23,6 +24,9 @@ if TYPE_CHECKING:
     from collections.abc import Callable
 
     from ...artifacts.reshard import ProgressSink
+    from ...engine.loader import LoadedModel
+    from ...engine.serving import ServingSpec
+    from ...placement.plan import Plan
     from ...spec.manifest import LoadedManifest
     from ..budget.host import Host
     from ..revisions.state import Revision, StateStore
@@ -44,6 +48,14 @@ class Loads:
     pending: LoadedManifest | None = None  # an on-demand manifest to apply at its first load
     last_outcome: ApplyOutcome | None = None
     verified: int | None = field(default=None)  # the revision whose shards this process checked by hash
+    room_left: dict[str, int] | None = None  # the room the host's grant left the load in progress, per tier
+
+    def _install(self, model: LoadedModel, plan: Plan | None, revision: int, strategy: str,
+                 serving: ServingSpec) -> None:
+        """Serve ``model``, its default prefix cache fitted to the room the budget left it (``room_left``)."""
+        if plan is not None and self.room_left is not None:
+            plan = model.plan = fit_prefix_cache(plan, self.room_left)
+        self.pool.install(model, plan, revision, strategy, serving)
 
     def load_initial(self, loaded: LoadedManifest, *, force: bool = False, progress: ProgressSink | None = None,
                      on_step: Callable[[str], None] | None = None, change: Change | None = None) -> None:
@@ -52,7 +64,7 @@ class Loads:
             devices=self.devices, keep_model=True, load_if_unchanged=True, force=force),
             progress=progress, on_step=on_step, change=change)
         assert outcome.loaded is not None
-        self.pool.install(outcome.loaded, outcome.plan, outcome.revision or 0, "initial", serving_of(loaded))
+        self._install(outcome.loaded, outcome.plan, outcome.revision or 0, "initial", serving_of(loaded))
         outcome.loaded = None  # the pool owns the model now: a kept outcome must not pin it
         self.last_outcome = outcome
         if outcome.revision is not None:
@@ -95,7 +107,7 @@ class Loads:
         current = checked_current(self.store, self.name, verified=self.verified)
         self.verified = current.revision
         model, plan, serving = load_laid_out(current)
-        self.pool.install(model, plan, current.revision, "on-demand", serving)
+        self._install(model, plan, current.revision, "on-demand", serving)
         return self.pending is not None
 
     def take_pending(self) -> LoadedManifest | None:

@@ -136,6 +136,8 @@ class GenerationPool:
         self._split = Split()  # the share of new pins the candidate takes
         self.owner: Callable[[Callable[[], bool]], Future[bool]] = _run_here  # runs on the change thread
         self._watchers: list[Future[None]] = []  # ``changed()``'s futures, ended by the next change
+        self._made: list[Generation] = []  # generations made and not yet freed (``retiring``)
+        self._unloading: Generation | None = None  # being freed by ``unload_now``
 
     @property
     def current(self) -> Generation | None:
@@ -161,6 +163,12 @@ class GenerationPool:
     def loaded(self) -> bool:
         """A generation is current (``budget.host.Held``)."""
         return self._current is not None
+
+    @property
+    def plan(self) -> Plan | None:
+        """The current generation's plan (``budget.host.Held``)."""
+        gen = self._current
+        return gen.plan if gen is not None else None
 
     @property
     def in_use(self) -> int:
@@ -265,7 +273,10 @@ class GenerationPool:
         with self._cond:
             self._number += 1
             number = self._number
-        return new_generation(number, loaded, plan, revision, strategy, serving)
+        gen = new_generation(number, loaded, plan, revision, strategy, serving)
+        with self._cond:
+            self._made.append(gen)
+        return gen
 
     def install(self, loaded: LoadedModel, plan: Plan | None, revision: int, strategy: str,
                 serving: ServingSpec) -> Generation:
@@ -345,9 +356,13 @@ class GenerationPool:
     def unload(self, then: Callable[[bool], None]) -> Future[bool]:
         """Unload the current generation if no caller holds it, on the owner's change thread (``owner``:
         the deployment's ``ChangeWorker.submit``; the host asks, the owner does), then call
-        ``then(unloaded)`` there. The future ends after that, with whether it unloaded."""
+        ``then(unloaded)`` there. The future ends after that, with whether it unloaded. The request is for
+        the generation current now: if another is current when its turn comes (it waited behind a rollout),
+        it is stale and unloads nothing."""
+        target = self._current
+
         def job() -> bool:
-            unloaded = self.unload_now()
+            unloaded = target is not None and self.unload_now(target)
             then(unloaded)
             return unloaded
 
@@ -357,18 +372,31 @@ class GenerationPool:
             then(False)
             return _run_here(lambda: False)
 
-    def unload_now(self) -> bool:
+    def unload_now(self, target: Generation | None = None) -> bool:
         """On the owner's change thread: unload and free the current generation if no caller holds it
         (checked and done under the pool's lock, so a request pinning it at the same moment either wins,
-        or finds it unloaded and asks for a load)."""
+        or finds it unloaded and asks for a load); nothing when ``target`` is given and no longer current."""
         with self._cond:
             gen = self._current
-            if gen is None or gen.refs > 0 or self._closed:
+            if gen is None or gen.refs > 0 or self._closed or (target is not None and gen is not target):
                 return False
             self._current, self.unloaded, gen.retired = None, True, True
+            self._unloading = gen  # the host counts it as loaded until this unload answers
             self._wake()
-        self._free(gen)  # the drain/free path, with the leak guard
+        try:
+            self._free(gen)  # the drain/free path, with the leak guard
+        finally:
+            with self._cond:
+                self._unloading = None
         return True
+
+    def retiring(self) -> list[Plan | None]:
+        """The plans of the generations that no longer serve but are still in memory (``budget.host.Held``):
+        draining or retired with callers left, a discarded candidate, or being freed."""
+        with self._cond:
+            self._made = [g for g in self._made if g.loaded is not None]
+            return [g.plan for g in self._made
+                    if g is not self._current and g is not self._candidate and g is not self._unloading]
 
     def mark_unloaded(self) -> None:
         """Nothing is loaded and nothing should wait for a load (an on-demand deployment not yet used)."""

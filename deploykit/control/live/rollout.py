@@ -30,6 +30,7 @@ from ..revisions.loading import load_revision, recorded_manifest, serving_of
 from ..revisions.reconciler import ApplyOptions, ApplyOutcome, apply
 from ..revisions.state import StateStore
 from .adapters import apply_live, live_adapter_diff
+from .held import inventory_freed
 from .canary import AbortSignal, CanaryProgress, GatedPlan, GatedRollout, refuse_thin_golden
 from .pool import Generation, GenerationPool
 
@@ -158,7 +159,8 @@ class Rollout:
             self.pool.drain(self.acquire_timeout)
             drained = True
 
-        options = ApplyOptions(devices=self.devices, keep_model=True, before_load=before_load, force=how.force)
+        freed = inventory_freed(how.change.inventory(), self.pool.current)  # planned as if the old one were gone
+        options = ApplyOptions(inventory=freed, keep_model=True, before_load=before_load, force=how.force)
         try:
             outcome = apply(loaded, store=self.store, options=options, progress=how.progress, on_step=how.on_step,
                             change=how.change)

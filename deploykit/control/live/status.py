@@ -146,10 +146,14 @@ def served_status(store: StateStore, name: str, live: LiveStatus | None) -> dict
     """One deployment as a server shows it (``/status``, ``deploykit status`` through a server): the
     store's record (``status_report``) and, where this process holds it, its live state, which decides
     the phase and the error (a pending broken change, a conflict)."""
+    waiting = live.budget.waiting if live is not None and live.budget is not None else None  # for room
     held = None if live is None else Held(progressing=live.phase == Phase.PROGRESSING, error=live.last_error,
-                                          activity=_activity(live.rollout), serving=live.serving,
+                                          activity=waiting or _activity(live.rollout), serving=live.serving,
                                           conflict=live.conflict is not None)
     report = status_report(store, name, held)  # one place decides phase, error and conditions
+    if waiting is not None:  # its load waits for the host budget: say so, and why
+        report["conditions"].append({"type": "Loaded", "status": False, "reason": "WaitingForRoom",
+                                     "message": waiting})
     report["serving"] = bool(live and live.serving)
     report["serving_revision"] = live.revision if live else None
     report["generation"] = live.generation if live else None
