@@ -133,6 +133,10 @@ def test_each_prompt_takes_a_place_in_the_slots_and_more_prompts_than_places_are
         client.completions.create(model="smol", prompt=["hi"] * (room + 1), max_tokens=1)
     assert err.value.body["param"] == "prompt" and err.value.body["code"] == "too_many_prompts"  # type: ignore[index]
     assert len(client.completions.create(model="smol", prompt=["hi"] * 3, max_tokens=1).choices) == 3
+    both = client.completions.create(model="smol", prompt=PROMPTS, n=2, max_tokens=2)  # n per prompt, as documented
+    assert sorted(c.index for c in both.choices) == [0, 1, 2, 3]
+    streamed = client.completions.create(model="smol", prompt=PROMPTS, n=2, max_tokens=2, stream=True)
+    assert sorted({c.index for chunk in streamed for c in chunk.choices}) == [0, 1, 2, 3]
 
 
 def test_slots_count_places_not_requests():

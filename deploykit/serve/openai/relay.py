@@ -297,6 +297,8 @@ class _Rewriter:
         if data == b"[DONE]":
             self.ended = True
             return b"data: [DONE]\n\n"
+        if data.strip() == b"null":  # llama-server's separator between the prompts of one request: no event
+            return b""
         if self._swaps is None or b'"usage"' in data or b'"timings"' in data or b'"error"' in data:
             return self._parsed(json.loads(data))
         for old, new in self._swaps:
