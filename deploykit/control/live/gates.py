@@ -9,7 +9,7 @@ import math
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from .traffic import TrafficWindow, p95
+from .traffic import TrafficWindow
 
 if TYPE_CHECKING:
     from ...engine.scoring import GoldenComparison
@@ -32,6 +32,8 @@ class GateResult:
     detail: str | None = None
 
     def describe(self) -> str:
+        if self.value is None and not self.passed and self.detail:  # a relative gate with no baseline
+            return f"gate {self.gate}: {self.detail} (limit {self.limit:g})"
         return _describe(self) + (f" ({self.detail})" if self.detail else "")
 
     def to_dict(self) -> dict[str, object]:
@@ -93,31 +95,47 @@ def golden_gates(gates: Gates, comparison: GoldenComparison) -> list[GateResult]
     return results
 
 
+NO_BASELINE = ("no baseline: the serving generation finished no request (with a first token, for a ratio) in "
+               "the window to compare with")
+
+
 def traffic_gates(gates: Gates, window: TrafficWindow, serving: TrafficWindow | None = None) -> list[GateResult]:
     """The traffic gates the manifest sets, on one step's requests of the new generation, and the relative
     ones against ``serving``, the serving generation's requests over the same window (the canary checks
-    them once the step has its ``min_requests``; a gate with nothing to measure, e.g. no first token, or no
-    request of the serving generation to compare with, passes)."""
+    them once the step has its ``min_requests``). An absolute gate with nothing to measure (no first token)
+    passes; a relative gate with nothing to compare with (no request of the serving generation, or none
+    with a first token, in the window) fails, saying "no baseline": a relative limit never passes on no
+    evidence."""
     rate = window.error_rate if window.requests else None
-    ttft = p95(window.ttfts)
+    ttft = window.ttft_p95
     results = (_at_most("max_error_rate", rate, gates.max_error_rate)
                + _at_most("max_ttft_p95", ttft, gates.max_ttft_p95))
     base = serving if serving is not None and serving.requests else None
     if gates.max_error_rate_increase is not None:
-        value: float | None = None
-        detail: str | None = None
-        if rate is not None and base is not None:
+        limit = gates.max_error_rate_increase
+        if base is None:
+            results.append(_no_baseline("max_error_rate_increase", limit))
+        elif rate is not None:
             value = rate - base.error_rate
             detail = f"new {rate:.3f} of {window.requests} requests, serving {base.error_rate:.3f} of {base.requests}"
-        results += _at_most("max_error_rate_increase", value, gates.max_error_rate_increase, detail)
+            results += _at_most("max_error_rate_increase", value, limit, detail)
+        else:
+            results += _at_most("max_error_rate_increase", None, limit)
     if gates.max_ttft_p95_ratio is not None:
-        base_ttft = p95(base.ttfts) if base is not None else None
-        value = detail = None
-        if ttft is not None and base_ttft:
-            value = ttft / base_ttft
-            detail = f"new {ttft:.3f}s, serving {base_ttft:.3f}s"
-        results += _at_most("max_ttft_p95_ratio", value, gates.max_ttft_p95_ratio, detail)
+        limit = gates.max_ttft_p95_ratio
+        base_ttft = base.ttft_p95 if base is not None else None
+        if ttft is None:  # the new generation's requests have no first token: nothing to measure
+            results += _at_most("max_ttft_p95_ratio", None, limit)
+        elif not base_ttft:
+            results.append(_no_baseline("max_ttft_p95_ratio", limit))
+        else:
+            results += _at_most("max_ttft_p95_ratio", ttft / base_ttft, limit,
+                                f"new {ttft:.3f}s, serving {base_ttft:.3f}s")
     return results
+
+
+def _no_baseline(gate: str, limit: float) -> GateResult:
+    return GateResult(gate, None, limit, False, detail=NO_BASELINE)
 
 
 def first_failure(results: list[GateResult]) -> GateResult | None:

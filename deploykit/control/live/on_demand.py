@@ -18,6 +18,7 @@ from ...names import Strategy
 from ..revisions.change import Change
 from ..revisions.loading import checked_current, load_laid_out, serving_of
 from ..revisions.reconciler import ApplyOptions, ApplyOutcome, apply
+from .commit import serve_applied
 
 if TYPE_CHECKING:
     from collections.abc import Callable
@@ -48,12 +49,12 @@ class Loads:
     def load_initial(self, loaded: LoadedManifest, *, force: bool = False, progress: ProgressSink | None = None,
                      on_step: Callable[[str], None] | None = None, change: Change | None = None) -> None:
         """Apply ``loaded`` (or load its current revision, verified and health-checked) and serve it."""
-        outcome = apply(loaded, store=self.store, options=ApplyOptions(
-            devices=self.devices, keep_model=True, load_if_unchanged=True, force=force),
-            progress=progress, on_step=on_step, change=change)
-        assert outcome.loaded is not None
-        self.pool.install(outcome.loaded, outcome.plan, outcome.revision or 0, "initial", serving_of(loaded))
-        outcome.loaded = None  # the pool owns the model now: a kept outcome must not pin it
+        with self.store.rollout_lock(loaded.name):  # a new revision is Progressing until it serves
+            outcome = apply(loaded, store=self.store, options=ApplyOptions(
+                devices=self.devices, keep_model=True, load_if_unchanged=True, force=force, gated=True),
+                progress=progress, on_step=on_step, change=change)
+            assert outcome.loaded is not None
+            serve_applied(self.pool, self.store, loaded, outcome, "initial", serving_of(loaded))
         self.last_outcome = outcome
         if outcome.revision is not None:
             self.verified = outcome.revision
