@@ -294,7 +294,8 @@ class GatedRollout:
             token = self.abort.token()
             window = new_step.window()
             enough = window.requests >= canary.min_requests
-            results = traffic_gates(self.how.gates, window, self._baseline(serving_step.window())) \
+            results = traffic_gates(self.how.gates, window, self._baseline(serving_step.window(), percent),
+                                    min_baseline=canary.min_requests) \
                 if enough and self.how.gates is not None else []
             self._show_step(window.requests, results)
             self._check(results, f"at step {number} ({percent}%)")
@@ -307,12 +308,13 @@ class GatedRollout:
             if self.abort.wait((deadline if now < deadline else limit) - now, token):
                 self._check([], f"at step {number} ({percent}%)")
 
-    def _baseline(self, step: TrafficWindow) -> TrafficWindow:
+    def _baseline(self, step: TrafficWindow, percent: int) -> TrafficWindow:
         """What the relative gates compare with: the serving generation's requests over the step's window;
-        in the last step (100%: it takes no new request) those of the whole canary so far (none at all with
-        ``steps: [100]``: the relative gates then fail with "no baseline")."""
+        in the last step (100%: it takes no new request, only those that started before end in it) those of
+        the whole canary so far. With ``steps: [100]`` that is only such stragglers: fewer than the step's
+        ``min_requests``, and the relative gates fail with "no baseline"."""
         assert self._whole is not None
-        return step if step.requests else self._whole[0].window()
+        return self._whole[0].window() if percent >= 100 else step
 
     def _show_step(self, step_requests: int, results: list[GateResult]) -> None:
         kept = tuple(g for g in self._now().gates if g.gate not in {r.gate for r in results})
