@@ -296,3 +296,45 @@ def test_when_nothing_can_serve_requests_get_a_prompt_503_saying_why(tmp_path):
         assert status["phase"] == "Failed" and not status["serving"], status
         stopping = time.monotonic()
     assert time.monotonic() - stopping < 30
+
+
+def test_a_deployment_whose_watch_cannot_start_is_closed_not_leaked(tmp_path):
+    """``from_manifest(watch=True)`` whose watch fails (its directory is gone by then) raises, and the
+    deployment it started is closed: no change thread left, its model freed."""
+    import shutil
+
+    from deploykit import Deployment
+
+    started: list = []
+
+    class LosesItsDirectory(Deployment):
+        def start(self, **options) -> None:  # type: ignore[no-untyped-def, override]
+            super().start(**options)
+            started.append(self)
+            shutil.rmtree(self.manifest_path.parent)  # the watch that follows has nothing to watch
+
+    model = build_chat_model(tmp_path / "model")
+    served = tmp_path / "served"
+    served.mkdir()
+    (served / "chat.yaml").write_text(chat_manifest(model, shard="2GiB"))
+    with pytest.raises(OSError):
+        LosesItsDirectory.from_manifest(served / "chat.yaml", state_dir=tmp_path / "state", watch=True)
+    [dep] = started
+    assert dep.pool.current is None and dep.phase_state.phase == "Closed", dep.status()
+    assert not [t.name for t in threading.enumerate() if t.name == "deploykit-change-chat"]
+
+
+def test_a_pool_view_is_one_moment_revision_included(tmp_path):
+    """``PoolView.revision`` is read with the generation, under the pool's lock: a live adapter change that
+    relabels the generation afterwards does not change a view already taken."""
+    from deploykit import Deployment
+
+    model = build_chat_model(tmp_path / "model")
+    path = tmp_path / "chat.yaml"
+    path.write_text(chat_manifest(model, shard="2GiB"))
+    with Deployment.from_manifest(path, state_dir=tmp_path / "state") as dep:
+        view = dep.pool.view()
+        current = dep.pool.current
+        assert current is not None and view.revision == 1
+        current.revision = 2  # what a live adapter change does to the serving generation
+        assert view.revision == 1 and dep.pool.view().revision == 2

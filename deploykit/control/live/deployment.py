@@ -323,9 +323,9 @@ class Deployment(EmbeddedApi):
         from .watcher import ManifestWatcher
 
         if self._watcher is None:
-            self._watcher = ManifestWatcher([self.manifest_path], lambda paths: self.request_reload(),
-                                            debounce=debounce)
-            self._watcher.start()
+            watcher = ManifestWatcher([self.manifest_path], lambda paths: self.request_reload(), debounce=debounce)
+            watcher.start()
+            self._watcher = watcher  # only a watcher that started is stopped by ``close``
 
     # ---- status and shutdown --------------------------------------------------------------------
 
