@@ -141,6 +141,12 @@ class AbortSignal:
         with self._cond:
             return self._reason
 
+    def check(self) -> None:
+        """Raise ``Aborted`` if the armed rollout was aborted (before its candidate loads)."""
+        reason = self.reason
+        if reason is not None:
+            raise Aborted(f"rollout aborted before its candidate loaded: {reason}")
+
     def commit(self) -> None:
         """The rollout promotes: raise ``Aborted`` if an abort came first, else refuse aborts from now on."""
         with self._cond:

@@ -146,7 +146,7 @@ class Rollout:
         try:
             with self.store.rollout_lock(loaded.name):  # its revision stays Progressing without the apply lock
                 outcome = apply(loaded, store=self.store, options=ApplyOptions(
-                    inventory=beside, keep_model=True, force=how.force, gated=True),
+                    inventory=beside, keep_model=True, force=how.force, gated=True, interrupted=self.abort.check),
                                 progress=how.progress, on_step=how.on_step, change=how.change)
                 if outcome.status == "unchanged" or outcome.loaded is None:
                     return RolloutResult(False, "none", outcome)

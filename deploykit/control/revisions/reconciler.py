@@ -70,6 +70,7 @@ class ApplyOptions:
     keep_model: bool = False  # return the loaded model (a runtime serves it)
     load_if_unchanged: bool = False  # also load the current revision when nothing changed
     before_load: Callable[[], None] | None = None  # runs just before loading (recreate frees the old model)
+    interrupted: Callable[[], None] | None = None  # raises to stop before the load (a gated rollout's abort)
     gated: bool = False  # loaded and checked, left Progressing: the caller records it Ready once it serves
     # (``live.commit.serve_applied``, a canary's promotion) or Failed (``finish_gated``)
 
@@ -203,6 +204,8 @@ def _act(change: Change, store: StateStore, checkpoint: Checkpoint | None, finge
             shards, result, sums = _files(loaded, store, checkpoint, plan, progress)
         store.set_plan(loaded.name, revision, plan_json=json.dumps(plan.to_dict()), plan_digest=plan.digest,
                        shards_path=str(shards), checksums=sums)
+        if options.interrupted is not None:
+            options.interrupted()  # an abort while it laid out: no load for nothing
         if options.before_load is not None:
             with timer.step("drain"):
                 options.before_load()
