@@ -296,7 +296,8 @@ def test_relative_gates_without_a_serving_window_fail_with_no_baseline() -> None
     assert results[1].to_dict() == {"gate": "max_error_rate_increase", "value": None, "limit": 0.1, "passed": False,
                                     "detail": "no baseline: the serving generation finished 0 requests in the "
                                               "window to compare with, fewer than the 1 needed"}
-    assert first_failure(results).describe().startswith("gate max_error_rate_increase: no baseline")  # type: ignore[union-attr]
+    failed = first_failure(results)
+    assert failed is not None and failed.describe().startswith("gate max_error_rate_increase: no baseline")
     # a few stragglers (requests that started before the step) are no baseline for a step that needs 10
     few = traffic_gates(gates, TrafficWindow(10, 0, (0.1,)), TrafficWindow(2, 0, (0.1,)), min_baseline=10)
     assert [r.passed for r in few] == [True, False, False] and NO_BASELINE in (few[1].detail or "")

@@ -156,6 +156,9 @@ class ApiChanges:
         deployment's reloads are serialised and an unchanged manifest is a no-op)."""
         file = self.roster.owners.file_of(name)
         assert file is not None and self.files is not None
+        dep = self.roster.get(name)
+        if dep is not None:  # a gated rollout of another manifest holds the turn: end it first
+            dep.supersede_by_file()
         with self.roster.turns.exclusive(name, "apply", on_wait):
             dep = self.roster.get(name)
             if dep is None:  # the file's deployment never loaded: try again now

@@ -85,9 +85,9 @@ class AbortSignal:
     """How other threads end the gated rollout a deployment's change thread runs, and how that thread waits.
 
     The rollout ``arm``s it when it starts, before its candidate loads (with the digest of the manifest it
-    rolls out, ``digest``: a change of another one supersedes it), and waits on it between checks (``wait``: an abort, a finished
-    request (``poke``) or its deadline, whichever comes first; never a sleep). ``abort`` (a rollback, a new
-    change) ends the armed rollout at its next check; ``close`` (the deployment or the server stopping) also
+    rolls out: a change of another one ``supersede``s it), and waits on it between checks (``wait``: an
+    abort, a finished request (``poke``) or its deadline, whichever comes first; never a sleep). ``abort``
+    (a rollback, a new change) ends the armed rollout at its next check; ``close`` (the deployment or the server stopping) also
     ends every rollout armed later. ``commit`` is the rollout's point of no return (promotion): an abort that
     came first ends it instead, and one that comes after returns False, so a caller of ``abort`` that got True
     knows the candidate will not be promoted.

@@ -318,6 +318,10 @@ class Deployment(EmbeddedApi):
             return False
         return self._changes.abort.supersede(loaded.digest, "superseded by a newer change of the manifest")
 
+    def supersede_by_file(self) -> bool:
+        """``supersede`` with the manifest file as it is now (what ``reconcile`` will roll out)."""
+        return self.supersede(self._file_manifest())
+
     def watch(self, *, debounce: float = 0.3) -> None:
         """Reload on the worker whenever the manifest's content changes."""
         from .watcher import ManifestWatcher

@@ -140,8 +140,8 @@ class Rollout:
         """Load and check beside the serving generation, leave the revision Progressing, and let the gates
         (and a canary's steps) decide (``canary.GatedRollout``)."""
         refuse_thin_golden(loaded, gated.gates, self.pool.current)  # before anything loads or is recorded
-        # armed before the load: a rollback or a newer change while the candidate loads ends this rollout
-        # (once it has loaded), never the revision before it
+        # armed before the load: a rollback or a newer change while the candidate is laid out or loads ends
+        # this rollout (before its weights load, or as soon as they have), never the revision before it
         self.abort.arm(loaded.digest)
         try:
             with self.store.rollout_lock(loaded.name):  # its revision stays Progressing without the apply lock
