@@ -146,7 +146,7 @@ def test_an_abort_ends_a_canary_mid_way(deployed) -> None:
     result: list[bool] = []
     reloading = threading.Thread(target=lambda: result.append(dep.reload()))
     reloading.start()
-    wait_until(lambda: dep.rolling and dep.status()["rollout"]["stage"] == "traffic", timeout=60,
+    wait_until(lambda: dep.rolling and (dep.status()["rollout"] or {}).get("stage") == "traffic", timeout=60,
                what="the canary's first step")
     candidate = dep.pool.candidate
     assert dep.pool.share == 10 and candidate is not None
@@ -301,5 +301,111 @@ def test_a_store_failure_at_the_promotion_leaves_no_candidate_and_serves_what_th
         wait_until(lambda: other in [n for n, _ in dep.pool.memory], timeout=30,
                    what=f"generation {other} (revision {other}) is freed")
         assert dep.status()["revision"] == serving
+    finally:
+        dep.close()
+
+
+def test_library_calls_take_the_step_share_not_twice_it(deployed) -> None:
+    """``generate`` pins once per call: at a 10% step one call in ten goes to the candidate."""
+    dep, path, good = deployed
+    path.write_text(manifest(good, shard="1MiB", steps="[10, 100]", seconds="300s"))
+    result: list[bool] = []
+    reloading = threading.Thread(target=lambda: result.append(dep.reload()))
+    reloading.start()
+    try:
+        wait_until(lambda: (dep.status()["rollout"] or {}).get("stage") == "traffic", timeout=60,
+                   what="the canary's first step")
+        candidate, serving = dep.pool.candidate, dep.pool.current
+        assert candidate is not None and serving is not None
+        new_before, old_before = candidate.traffic.total, serving.traffic.total
+        for _ in range(20):
+            dep.generate("Hello", max_tokens=1)
+        assert (candidate.traffic.total - new_before, serving.traffic.total - old_before) == (2, 18)
+    finally:
+        dep.abort_rollout("rolled back by hand")
+        reloading.join(timeout=60)
+    assert result == [False]
+
+
+class AbortedWhileScoring(Deployment):
+    """A deployment whose rollout is aborted as its golden references start to be scored."""
+
+    def _publish(self, progress) -> None:  # type: ignore[no-untyped-def]
+        super()._publish(progress)
+        if progress is not None and progress.stage == "golden" and not progress.gates:
+            self.abort_rollout("rolled back by hand")
+
+
+def test_an_abort_during_golden_scoring_ends_it_before_the_references_are_scored(tmp_path: Path) -> None:
+    """Scoring is interrupted between two forwards: no golden gate value is ever computed after the abort."""
+    good = build_chat_model(tmp_path / "good")
+    (tmp_path / "golden.jsonl").write_text("".join(json.dumps(c) + "\n" for c in GOLDEN))
+    path = tmp_path / "chat.yaml"
+    path.write_text(manifest(good))
+    dep = AbortedWhileScoring.from_manifest(path, state_dir=tmp_path / "state")
+    try:
+        path.write_text(manifest(good, shard="1MiB"))
+        assert dep.reload() is False
+        rollout = dep.status()["rollout"]
+        assert rollout["stage"] == "rolled-back" and rollout["gates"] == [], rollout
+        last = dep.store.history("chat")[-1]
+        assert (last.revision, last.phase, last.reason) == (2, "Failed", "rollout aborted: rolled back by hand")
+        assert dep.pool.candidate is None and dep.status()["revision"] == 1
+    finally:
+        dep.close()
+
+
+def test_relative_gates_with_no_baseline_fail_the_canary(deployed) -> None:
+    """``steps: [100]``: the serving generation takes no request, so the relative gates have nothing to
+    compare with; the rollout fails naming the gate and "no baseline", never promoted on no evidence."""
+    dep, path, good = deployed
+    relative = manifest(good, shard="1MiB", steps="[100]", min_requests=4).replace(
+        "gates: {golden: golden.jsonl, max_nll_increase: 0.05, min_top1_agreement: 0.9}",
+        "gates: {max_error_rate_increase: 0.5}")
+    path.write_text(relative)
+    callers = Callers(dep)
+    try:
+        assert dep.reload() is False
+    finally:
+        callers.join()
+    assert callers.failures == []
+    last = dep.store.history("chat")[-1]
+    assert last.phase == "Failed" and (last.reason or "").startswith("gate max_error_rate_increase: no baseline")
+    gate = next(g for g in dep.status()["rollout"]["gates"] if g["gate"] == "max_error_rate_increase")
+    assert gate["passed"] is False and gate["detail"].startswith("no baseline")
+    assert dep.status()["revision"] == 1
+
+
+class AbortedWhileLoading(StateStore):
+    """The state store of a deployment whose rollout is aborted while its candidate loads (right after the
+    candidate's plan is recorded, before its weights load)."""
+
+    owner: Deployment | None = None
+    aborted: list[bool] = []
+
+    def set_plan(self, name: str, revision: int, **fields) -> None:  # type: ignore[no-untyped-def]
+        super().set_plan(name, revision, **fields)
+        if revision == 2 and self.owner is not None:
+            self.aborted.append(self.owner.abort_rollout("rolled back by hand"))
+
+
+def test_an_abort_while_the_candidate_loads_ends_that_rollout(tmp_path: Path) -> None:
+    """A rollback while the candidate loads aborts it (armed from the start), instead of finding no rollout
+    and going one revision back from the one that serves."""
+    good = build_chat_model(tmp_path / "good")
+    (tmp_path / "golden.jsonl").write_text("".join(json.dumps(c) + "\n" for c in GOLDEN))
+    path = tmp_path / "chat.yaml"
+    path.write_text(manifest(good))
+    store = AbortedWhileLoading(tmp_path / "state")
+    dep = Deployment.from_manifest(path, store=store)
+    store.owner = dep
+    try:
+        path.write_text(manifest(good, shard="1MiB"))
+        assert dep.reload() is False
+        assert store.aborted == [True]
+        last = dep.store.history("chat")[-1]  # it stopped before loading the candidate's weights
+        assert (last.revision, last.phase, last.reason) == (2, "Failed", "rollout aborted before its candidate "
+                                                                         "loaded: rolled back by hand")
+        assert dep.status()["revision"] == 1 and dep.pool.candidate is None
     finally:
         dep.close()

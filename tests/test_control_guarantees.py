@@ -212,3 +212,129 @@ def test_rewrites_under_streaming_load_stall_no_request_longer_than_a_reload(tmp
         longest = status_of(server, "chat")["reloads"]["longest_seconds"]
     assert not failures, failures
     assert max(latencies) <= longest + 2 * alone + 1.0, (max(latencies), longest, alone)
+
+
+def _broken_adapter(base: Path, to: Path) -> Path:
+    """A real PEFT adapter of ``base`` whose weights file was cut short: its header and config pass
+    validation, loading it (when the generation's runtime is built) fails."""
+    from lora import train_adapter
+
+    adapter = train_adapter(base, to, text="user: hi\nassistant: arr", steps=1)
+    _truncate(adapter)
+    return adapter
+
+
+def _truncate(adapter: Path) -> None:
+    weights = adapter / "adapter_model.safetensors"
+    weights.write_bytes(weights.read_bytes()[:-64])
+
+
+def adapter_manifest(model: Path, *, strategy: str, shard: str = "10MiB", adapter: Path | None = None) -> str:
+    text = chat_manifest(model, shard=shard) + f"  rollout: {{strategy: {strategy}}}\n"
+    return text + (f"  adapters:\n    - {{name: a, path: {adapter}}}\n" if adapter is not None else "")
+
+
+@pytest.mark.parametrize("strategy", ["blue-green", "recreate"])
+def test_a_revision_whose_runtime_cannot_be_built_is_never_recorded_ready(tmp_path, strategy):
+    """The new generation loads and passes its health check, then building its runtime fails (a broken
+    adapter): the revision is Failed, the store's current revision is still the one that serves, and the
+    last Ready revision answers (a recreate loads it again)."""
+    from deploykit import Deployment
+
+    model = build_chat_model(tmp_path / "model")
+    path = tmp_path / "chat.yaml"
+    path.write_text(adapter_manifest(model, strategy=strategy))
+    dep = Deployment.from_manifest(path, state_dir=tmp_path / "state")
+    try:
+        path.write_text(adapter_manifest(model, strategy=strategy, shard="1MiB",
+                                         adapter=_broken_adapter(model, tmp_path / "broken")))
+        assert dep.reload() is False
+        history = [(r.revision, r.phase) for r in dep.store.history("chat")]
+        assert history == [(1, "Ready"), (2, "Failed")], history
+        assert "SafetensorError" in (dep.store.history("chat")[-1].reason or "")
+        assert dep.store.current("chat").revision == 1  # type: ignore[union-attr]
+        current = dep.pool.current
+        assert current is not None and current.revision == 1
+        assert dep.generate("Hello", max_tokens=2).text is not None
+        status = dep.status()
+        assert status["revision"] == 1 and status["serving"] and "SafetensorError" in status["last_error"]
+    finally:
+        dep.close()
+
+
+def test_when_nothing_can_serve_requests_get_a_prompt_503_saying_why(tmp_path):
+    """A recreate whose new runtime cannot be built, and whose restore of the last Ready revision fails too
+    (its adapter broke on disk since): nothing serves and nothing will by itself. Requests are answered at
+    once with an OpenAI-shaped 503 that says why, instead of waiting `acquire_timeout` (300 s); the server
+    stops promptly."""
+    import time
+
+    from lora import train_adapter
+
+    model = build_chat_model(tmp_path / "model")
+    adapter = train_adapter(model, tmp_path / "adapter", text="user: hi\nassistant: arr", steps=1)
+    served = tmp_path / "served"
+    served.mkdir()
+    path = served / "chat.yaml"
+    path.write_text(adapter_manifest(model, strategy="recreate", adapter=adapter))
+    with Server(served, tmp_path / "state") as server:
+        _truncate(adapter)  # revision 1 cannot be loaded again
+        replace_like_an_editor(path, adapter_manifest(model, strategy="recreate", shard="1MiB", adapter=adapter))
+        wait_until(lambda: "SafetensorError" in (status_of(server, "chat").get("last_error") or ""), 120,
+                   "the recreate fails")
+        client = openai.OpenAI(base_url=f"{server.url}/v1", api_key="none", max_retries=0, timeout=60)
+        started = time.monotonic()
+        with pytest.raises(openai.APIStatusError) as refused:
+            client.completions.create(model="chat", prompt="hello", max_tokens=2)
+        assert time.monotonic() - started < 10
+        assert refused.value.status_code == 503
+        body = refused.value.body
+        error = body.get("error", body) if isinstance(body, dict) else {}
+        assert error.get("param") == "model", body
+        assert "serves nothing" in error["message"] and "recreate failed" in error["message"], error
+        status = status_of(server, "chat")
+        assert status["phase"] == "Failed" and not status["serving"], status
+        stopping = time.monotonic()
+    assert time.monotonic() - stopping < 30
+
+
+def test_a_deployment_whose_watch_cannot_start_is_closed_not_leaked(tmp_path):
+    """``from_manifest(watch=True)`` whose watch fails (its directory is gone by then) raises, and the
+    deployment it started is closed: no change thread left, its model freed."""
+    import shutil
+
+    from deploykit import Deployment
+
+    started: list = []
+
+    class LosesItsDirectory(Deployment):
+        def start(self, **options) -> None:  # type: ignore[no-untyped-def, override]
+            super().start(**options)
+            started.append(self)
+            shutil.rmtree(self.manifest_path.parent)  # the watch that follows has nothing to watch
+
+    model = build_chat_model(tmp_path / "model")
+    served = tmp_path / "served"
+    served.mkdir()
+    (served / "chat.yaml").write_text(chat_manifest(model, shard="2GiB"))
+    with pytest.raises(OSError):
+        LosesItsDirectory.from_manifest(served / "chat.yaml", state_dir=tmp_path / "state", watch=True)
+    [dep] = started
+    assert dep.pool.current is None and dep.phase_state.phase == "Closed", dep.status()
+    assert not [t.name for t in threading.enumerate() if t.name == "deploykit-change-chat"]
+
+
+def test_a_pool_view_is_one_moment_revision_included(tmp_path):
+    """``PoolView.revision`` is read with the generation, under the pool's lock: a live adapter change that
+    relabels the generation afterwards does not change a view already taken."""
+    from deploykit import Deployment
+
+    model = build_chat_model(tmp_path / "model")
+    path = tmp_path / "chat.yaml"
+    path.write_text(chat_manifest(model, shard="2GiB"))
+    with Deployment.from_manifest(path, state_dir=tmp_path / "state") as dep:
+        view = dep.pool.view()
+        current = dep.pool.current
+        assert current is not None and view.revision == 1
+        current.revision = 2  # what a live adapter change does to the serving generation
+        assert view.revision == 1 and dep.pool.view().revision == 2

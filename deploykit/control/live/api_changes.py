@@ -108,6 +108,7 @@ class ApiChanges:
             raise ManifestError(issues)
         if dry_run:
             return self.dry_run(change, force=force)
+        self._supersede(name, loaded)  # a gated rollout of another manifest holds the turn: end it first
         with roster.turns.exclusive(name, what, on_wait):
             dep = roster.get(name)
             if dep is not None:
@@ -126,6 +127,13 @@ class ApiChanges:
             roster.served.set_error(f"revision of {name}", None)
             assert dep.last_outcome is not None
             return dep.last_outcome
+
+    def _supersede(self, name: str, loaded: LoadedManifest) -> None:
+        """End a gated rollout of ``name`` that rolls out another manifest, before waiting for its turn
+        (the rollout holds it until its last step)."""
+        dep = self.roster.get(name)
+        if dep is not None:
+            dep.supersede(loaded)
 
     def _release_if_unserved(self, name: str) -> None:
         """An API deployment that never served gives its name up (a file in conflict on it takes it)."""
@@ -148,6 +156,9 @@ class ApiChanges:
         deployment's reloads are serialised and an unchanged manifest is a no-op)."""
         file = self.roster.owners.file_of(name)
         assert file is not None and self.files is not None
+        dep = self.roster.get(name)
+        if dep is not None:  # a gated rollout of another manifest holds the turn: end it first
+            dep.supersede_by_file()
         with self.roster.turns.exclusive(name, "apply", on_wait):
             dep = self.roster.get(name)
             if dep is None:  # the file's deployment never loaded: try again now
@@ -197,6 +208,9 @@ class ApiChanges:
 
         roster = self.roster
         roster.owners.check_api_change(name, "delete")
+        dep = roster.get(name)
+        if dep is not None:  # a gated rollout holds the turn until its last step: end it first
+            dep.abort_rollout("the deployment is being deleted")
         with roster.turns.exclusive(name, "delete", on_wait):
             dep = roster.served.pop(name)
             heir = roster.owners.release(name)

@@ -31,10 +31,11 @@ from ..revisions.reconciler import finish_gated
 from ..revisions.state import StateStore
 from .gates import GateResult, first_failure, golden_gates, traffic_gates
 from .pool import Generation, GenerationPool
-from .traffic import TrafficWindow
+from .traffic import Tally, TrafficWindow
 
 if TYPE_CHECKING:
     from ...engine.loader import LoadedModel
+    from ...engine.scoring import CaseScore
     from ...engine.serving import ServingSpec
     from ...placement.plan import Plan
     from ...spec.schema import Canary, Gates
@@ -83,9 +84,10 @@ class CanaryProgress:
 class AbortSignal:
     """How other threads end the gated rollout a deployment's change thread runs, and how that thread waits.
 
-    The rollout ``arm``s it when it starts and waits on it between checks (``wait``: an abort, a finished
-    request (``poke``) or its deadline, whichever comes first; never a sleep). ``abort`` (a rollback, a new
-    change) ends the armed rollout at its next check; ``close`` (the deployment or the server stopping) also
+    The rollout ``arm``s it when it starts, before its candidate loads (with the digest of the manifest it
+    rolls out: a change of another one ``supersede``s it), and waits on it between checks (``wait``: an
+    abort, a finished request (``poke``) or its deadline, whichever comes first; never a sleep). ``abort``
+    (a rollback, a new change) ends the armed rollout at its next check; ``close`` (the deployment or the server stopping) also
     ends every rollout armed later. ``commit`` is the rollout's point of no return (promotion): an abort that
     came first ends it instead, and one that comes after returns False, so a caller of ``abort`` that got True
     knows the candidate will not be promoted.
@@ -97,14 +99,22 @@ class AbortSignal:
         self._reason: str | None = None
         self._closed: str | None = None  # the deployment is closing: every rollout from now on aborts
         self._pokes = 0
+        self._digest: str | None = None  # the manifest the armed rollout rolls out
 
-    def arm(self) -> None:
+    def arm(self, digest: str | None = None) -> None:
         with self._cond:
-            self._armed, self._reason = True, self._closed
+            self._armed, self._reason, self._digest = True, self._closed, digest
 
     def disarm(self) -> None:
         with self._cond:
-            self._armed, self._reason = False, None
+            self._armed, self._reason, self._digest = False, None, None
+
+    def supersede(self, digest: str, reason: str) -> bool:
+        """``abort`` the armed rollout if it rolls out a manifest other than ``digest``."""
+        with self._cond:
+            if not self._armed or self._digest == digest:
+                return False
+        return self.abort(reason)
 
     @property
     def armed(self) -> bool:
@@ -130,6 +140,12 @@ class AbortSignal:
     def reason(self) -> str | None:
         with self._cond:
             return self._reason
+
+    def check(self) -> None:
+        """Raise ``Aborted`` if the armed rollout was aborted (before its candidate loads)."""
+        reason = self.reason
+        if reason is not None:
+            raise Aborted(f"rollout aborted before its candidate loaded: {reason}")
 
     def commit(self) -> None:
         """The rollout promotes: raise ``Aborted`` if an abort came first, else refuse aborts from now on."""
@@ -198,7 +214,7 @@ class GatedRollout:
         self.progress: CanaryProgress | None = None
         self._recorded: tuple[object, ...] | None = None  # what the store last got (``_record``)
         self._recorded_at = 0.0
-        self._traffic_started = 0.0  # when the first step began (``_baseline``)
+        self._whole: tuple[Tally, Tally] | None = None  # (serving, new) since the first step began
 
     def run(self, model: LoadedModel, plan: Plan | None, revision: int, serving: ServingSpec) -> Generation:
         """Stage, judge and promote; on any failure give the candidate up, record the revision Failed, raise.
@@ -207,10 +223,10 @@ class GatedRollout:
         if serving_gen is None:
             raise ApplyError("a gated rollout needs a serving generation to compare with")
         steps = tuple(self.how.canary.steps) if self.how.canary else ()
-        self.abort.arm()
-        try:
+        try:  # armed by the caller before the candidate loaded (``Rollout._gated``); disarmed by it
             gen = self.pool.stage(model, plan, revision, "canary" if self.how.canary else "blue-green", serving)
             self._show(CanaryProgress(revision, serving_gen.number, gen.number, steps))
+            self._check([])  # an abort while the candidate loaded ends it now
             self._golden(serving_gen, gen)
             if self.how.canary is not None:
                 self._steps(serving_gen, gen, self.how.canary)
@@ -219,8 +235,6 @@ class GatedRollout:
         except BaseException as exc:
             self._roll_back(revision, exc)
             raise
-        finally:
-            self.abort.disarm()
         # Recorded Ready (the store's current revision): it serves from here, whatever fails after
         self.pool.promote()
         self._show(self._now(stage="promoted", share=100))
@@ -244,28 +258,39 @@ class GatedRollout:
         from ...spec.golden import read_golden
 
         cases = read_golden(path)
-        scores = []
-        for gen in (serving, new):
-            if gen.loaded is None:
-                raise ApplyError(f"generation {gen.number} was freed before its golden references were scored")
-            scores.append(score(gen.loaded, gen.loaded.tokenizer, cases, forward_lock=gen.forward_lock))
+        scores: list[list[CaseScore]] = [[], []]
+        for case in cases:  # case by case, both generations: an abort is heard between two forwards
+            for scored, gen in zip(scores, (serving, new)):
+                self._check([])
+                if gen.loaded is None:
+                    raise ApplyError(f"generation {gen.number} was freed before its golden references were scored")
+                scored += score(gen.loaded, gen.loaded.tokenizer, [case], forward_lock=gen.forward_lock)
         results = golden_gates(gates, compare(*scores))
         self._show(self._now(gates=tuple(results)))
         self._check(results)
 
     def _steps(self, serving: Generation, new: Generation, canary: Canary) -> None:
         new.traffic.watch = serving.traffic.watch = self.abort.poke  # a finished request wakes the step
-        self._traffic_started = time.monotonic()
+        whole = self._whole = (serving.traffic.tally(), new.traffic.tally())  # since the first step began
         try:
             for number, percent in enumerate(canary.steps, start=1):
-                self._step(serving, new, canary, number, percent)
+                step = (serving.traffic.tally(), new.traffic.tally())
+                try:
+                    self._step(step, canary, number, percent)
+                finally:
+                    for tally in step:
+                        tally.close()
         finally:
             new.traffic.watch = serving.traffic.watch = None
+            for tally in whole:
+                tally.close()
 
-    def _step(self, serving: Generation, new: Generation, canary: Canary, number: int, percent: int) -> None:
+    def _step(self, tallies: tuple[Tally, Tally], canary: Canary, number: int, percent: int) -> None:
         """One step: ``percent`` of new requests to ``new`` until ``step_seconds`` passed and it finished
         ``min_requests`` (the step extends for them up to ``step_limit``, then fails). Its traffic gates are
-        checked each time a request ends, once the evidence is in; an abort ends it at once."""
+        checked each time a request ends, once the evidence is in (from running tallies: nothing is scanned);
+        an abort ends it at once."""
+        serving_step, new_step = tallies
         started = time.monotonic()
         deadline, limit = started + canary.step_seconds, started + canary.step_limit
         self.pool.route(percent)
@@ -273,11 +298,12 @@ class GatedRollout:
                              step_requests=0))
         while True:
             token = self.abort.token()
-            window = new.traffic.window(started)
+            window = new_step.window()
             enough = window.requests >= canary.min_requests
-            results = traffic_gates(self.how.gates, window, self._baseline(serving, started)) \
+            results = traffic_gates(self.how.gates, window, self._baseline(serving_step.window(), percent),
+                                    min_baseline=canary.min_requests) \
                 if enough and self.how.gates is not None else []
-            self._show_step(serving, new, window.requests, results)
+            self._show_step(window.requests, results)
             self._check(results, f"at step {number} ({percent}%)")
             now = time.monotonic()
             if enough and now >= deadline:
@@ -288,21 +314,25 @@ class GatedRollout:
             if self.abort.wait((deadline if now < deadline else limit) - now, token):
                 self._check([], f"at step {number} ({percent}%)")
 
-    def _baseline(self, serving: Generation, started: float) -> TrafficWindow:
+    def _baseline(self, step: TrafficWindow, percent: int) -> TrafficWindow:
         """What the relative gates compare with: the serving generation's requests over the step's window;
-        in the last step (100%: it takes no new request) those of the whole canary so far."""
-        window = serving.traffic.window(started)
-        return window if window.requests else serving.traffic.window(self._traffic_started)
+        in the last step (100%: it takes no new request, only those that started before end in it) those of
+        the whole canary so far. With ``steps: [100]`` that is only such stragglers: fewer than the step's
+        ``min_requests``, and the relative gates fail with "no baseline"."""
+        assert self._whole is not None
+        return self._whole[0].window() if percent >= 100 else step
 
-    def _show_step(self, serving: Generation, new: Generation, step_requests: int,
-                   results: list[GateResult]) -> None:
+    def _show_step(self, step_requests: int, results: list[GateResult]) -> None:
         kept = tuple(g for g in self._now().gates if g.gate not in {r.gate for r in results})
-        self._show(self._now(gates=kept + tuple(results), requests=self._requests(serving, new),
-                             step_requests=step_requests))
+        self._show(self._now(gates=kept + tuple(results), requests=self._requests(), step_requests=step_requests))
 
-    def _requests(self, serving: Generation, new: Generation) -> dict[str, int]:
+    def _requests(self) -> dict[str, int]:
         """Each generation's finished requests since the first step began."""
-        return {str(g.number): g.traffic.window(self._traffic_started).requests for g in (serving, new)}
+        progress = self._now()
+        assert self._whole is not None
+        serving, new = self._whole
+        return {str(progress.serving_generation): serving.window().requests,
+                str(progress.new_generation): new.window().requests}
 
     def _check(self, results: list[GateResult], where: str = "") -> None:
         failed = first_failure(results)

@@ -227,7 +227,9 @@ class ChangeRunner:
     def _record_failure(self, exc: Exception, loaded: LoadedManifest | None, strategy: str,
                         clock: ReloadClock) -> None:
         error = describe(exc, loaded)
-        log.warning("reload of %s failed; generation %d keeps serving: %s", self.name, self.pool.number, error)
+        view = self.pool.view()
+        serving = f"generation {view.number} keeps serving" if view.current is not None else "nothing serves"
+        log.warning("reload of %s failed; %s: %s", self.name, serving, error)
         store_failure(self.store, self.name, exc, loaded, error)  # first: who sees it here sees it in the store
         self.cell.move(Event(Trigger.CHANGE_FAILED, serving=self.serving(), error=error))
         clock.record(self.reload_log, self.pool.number, None, False, strategy, error)

@@ -96,7 +96,11 @@ class Deployment(EmbeddedApi):
         dep = cls(Path(path), name=name, devices=devices, store=store, acquire_timeout=acquire_timeout, host=host)
         dep._start_or_close()
         if watch:
-            dep.watch(debounce=debounce)
+            try:
+                dep.watch(debounce=debounce)
+            except BaseException:  # nobody else holds it: its model and worker go with the error
+                dep.close()
+                raise
         return dep
 
     @classmethod
@@ -256,7 +260,7 @@ class Deployment(EmbeddedApi):
         the file; it becomes this deployment's manifest. Unlike ``reload`` it raises on failure (after
         recording it as a reload failure: the serving generation stays). ``change``: ``loaded`` already
         checked and planned by the caller."""
-        self._supersede(loaded)
+        self.supersede(loaded)
         return self._worker.call(lambda: self._changes.roll(loaded, force=force, progress=progress, on_step=on_step,
                                                     change=change))
 
@@ -264,7 +268,7 @@ class Deployment(EmbeddedApi):
                   on_step: StepSink = None) -> RolloutResult:
         """Roll out the manifest file as it is now (what a save of it does) and raise the real reason
         when that fails; the serving generation stays. ``deploykit apply`` of a watched file."""
-        self._supersede(self._file_manifest())
+        self.supersede(self._file_manifest())
         return self._worker.call(lambda: self._changes.roll(None, force=force, progress=progress, on_step=on_step,
                                                     change=None))
 
@@ -294,7 +298,7 @@ class Deployment(EmbeddedApi):
     def request_reload(self) -> None:
         """Reload on this deployment's worker (returns at once; bursts coalesce), so one deployment's
         slow reload never delays another's. A gated rollout of another manifest in progress ends first."""
-        self._supersede(self._file_manifest())
+        self.supersede(self._file_manifest())
         self._worker.request(self.reload)
 
     def _file_manifest(self) -> LoadedManifest | None:
@@ -306,24 +310,26 @@ class Deployment(EmbeddedApi):
         except DeploykitError:
             return None
 
-    def _supersede(self, loaded: LoadedManifest | None) -> None:
-        """A change of ``loaded`` is asked for while a gated rollout of another manifest runs: end that
-        rollout now (its step would otherwise run out before the change could start)."""
-        progress = self.rollout_progress
-        if loaded is None or progress is None or not self.rolling:
-            return
-        rolling = self.store.get(self.name, progress.revision)
-        if rolling is not None and rolling.manifest_digest != loaded.digest:
-            self._changes.abort.abort("superseded by a newer change of the manifest")
+    def supersede(self, loaded: LoadedManifest | None) -> bool:
+        """A change of ``loaded`` is asked for while a gated rollout of another manifest runs (loading its
+        candidate, scoring, or in a step): end that rollout now (it would otherwise run out before the change
+        could start). True when one was ended."""
+        if loaded is None:
+            return False
+        return self._changes.abort.supersede(loaded.digest, "superseded by a newer change of the manifest")
+
+    def supersede_by_file(self) -> bool:
+        """``supersede`` with the manifest file as it is now (what ``reconcile`` will roll out)."""
+        return self.supersede(self._file_manifest())
 
     def watch(self, *, debounce: float = 0.3) -> None:
         """Reload on the worker whenever the manifest's content changes."""
         from .watcher import ManifestWatcher
 
         if self._watcher is None:
-            self._watcher = ManifestWatcher([self.manifest_path], lambda paths: self.request_reload(),
-                                            debounce=debounce)
-            self._watcher.start()
+            watcher = ManifestWatcher([self.manifest_path], lambda paths: self.request_reload(), debounce=debounce)
+            watcher.start()
+            self._watcher = watcher  # only a watcher that started is stopped by ``close``
 
     # ---- status and shutdown --------------------------------------------------------------------
 

@@ -61,18 +61,18 @@ class EmbeddedApi(ABC):
         ``sampling``: max_tokens, temperature (0 = greedy, the default), top_p, seed, stop."""
         from ...engine.text import completion_prompt_ids
 
-        if (relayed := self._relayed("/v1/completions", {"prompt": prompt}, sampling)) is not None:
-            return relayed
-        with self._text_runtime() as runtime:
+        with self._text_runtime() as runtime:  # one pin per call: a canary's split counts each call once
+            if (relayed := _relayed(runtime, "/v1/completions", {"prompt": prompt}, sampling)) is not None:
+                return relayed
             return runtime.complete(completion_prompt_ids(runtime.tokenizer, prompt), _sampling(sampling))
 
     def chat(self, messages: list[dict[str, Any]], **sampling: Any) -> Completion:
         """Answer a chat (``[{"role": "user", "content": "..."}]``) through the model's chat template."""
         from ...engine.text import chat_prompt_ids
 
-        if (relayed := self._relayed("/v1/chat/completions", {"messages": messages}, sampling)) is not None:
-            return relayed
         with self._text_runtime() as runtime:
+            if (relayed := _relayed(runtime, "/v1/chat/completions", {"messages": messages}, sampling)) is not None:
+                return relayed
             return runtime.complete(chat_prompt_ids(runtime.tokenizer, messages), _sampling(sampling),
                                     prompt_param="messages")
 
@@ -88,41 +88,17 @@ class EmbeddedApi(ABC):
         finally:
             self.unpin(gen)
 
-    def _relayed(self, path: str, body: dict[str, Any], sampling: dict[str, Any]) -> Completion | None:
-        """A llama.cpp generation's answer (its llama-server computes it); None for any other engine."""
-        from ...engine.llamacpp.runtime import LlamaRuntime
-        from ...engine.llamacpp.sampling import sampling_fields
-        from ...engine.runtime import Completion
-        from ...engine.text import RequestError
-
-        gen = self.pin()
-        try:
-            runtime = gen.runtime
-            if not isinstance(runtime, LlamaRuntime):
-                return None
-            options, limits = _sampling(dict(sampling)), runtime.limits
-            max_tokens = options.max_tokens or min(limits.default_max_tokens, limits.max_tokens)
-            if max_tokens > limits.max_tokens:
-                raise RequestError(f"max_tokens {max_tokens} is more than this model allows ({limits.max_tokens}, "
-                                   "spec.serving.max_tokens)", param="max_tokens")
-            fields = sampling_fields(temperature=options.temperature, top_p=options.top_p, seed=options.seed)
-            answer = runtime.answer(path, {**body, **fields, "stop": list(options.stop) or None,
-                                           "max_tokens": max_tokens})
-        finally:
-            self.unpin(gen)
-        choice, usage = answer["choices"][0], answer.get("usage", {})
-        text = choice["message"]["content"] if "message" in choice else choice["text"]
-        return Completion(text or "", "stop" if choice.get("finish_reason") == "stop" else "length",
-                          int(usage.get("prompt_tokens", 0)), int(usage.get("completion_tokens", 0)))
-
     @contextmanager
     def _text_runtime(self) -> Iterator[TextRuntime]:
+        """The pinned generation's text runtime (a ``TextRuntime``, or a llama.cpp ``LlamaRuntime`` that
+        ``_relayed`` answers through), its outcome recorded as a canary's evidence."""
+        from ...engine.llamacpp.runtime import LlamaRuntime
         from ...engine.runtime import TextRuntime
         from ...engine.text import RequestError
 
         gen = self.pin()
         try:
-            if not isinstance(gen.runtime, TextRuntime):
+            if not isinstance(gen.runtime, (TextRuntime, LlamaRuntime)):
                 raise ApplyError(f"{self.name!r} ({gen.task}) does not generate text")
             try:
                 yield gen.runtime
@@ -134,6 +110,28 @@ class EmbeddedApi(ABC):
             gen.traffic.record(ttft=None, failed=False)
         finally:
             self.unpin(gen)
+
+
+def _relayed(runtime: Any, path: str, body: dict[str, Any], sampling: dict[str, Any]) -> Completion | None:
+    """A llama.cpp generation's answer (its llama-server computes it); None for any other engine."""
+    from ...engine.llamacpp.runtime import LlamaRuntime
+    from ...engine.llamacpp.sampling import sampling_fields
+    from ...engine.runtime import Completion
+    from ...engine.text import RequestError
+
+    if not isinstance(runtime, LlamaRuntime):
+        return None
+    options, limits = _sampling(dict(sampling)), runtime.limits
+    max_tokens = options.max_tokens or min(limits.default_max_tokens, limits.max_tokens)
+    if max_tokens > limits.max_tokens:
+        raise RequestError(f"max_tokens {max_tokens} is more than this model allows ({limits.max_tokens}, "
+                           "spec.serving.max_tokens)", param="max_tokens")
+    fields = sampling_fields(temperature=options.temperature, top_p=options.top_p, seed=options.seed)
+    answer = runtime.answer(path, {**body, **fields, "stop": list(options.stop) or None, "max_tokens": max_tokens})
+    choice, usage = answer["choices"][0], answer.get("usage", {})
+    text = choice["message"]["content"] if "message" in choice else choice["text"]
+    return Completion(text or "", "stop" if choice.get("finish_reason") == "stop" else "length",
+                      int(usage.get("prompt_tokens", 0)), int(usage.get("completion_tokens", 0)))
 
 
 def _sampling(options: dict[str, Any]) -> Sampling:

@@ -9,7 +9,7 @@ import math
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from .traffic import TrafficWindow, p95
+from .traffic import TrafficWindow
 
 if TYPE_CHECKING:
     from ...engine.scoring import GoldenComparison
@@ -32,6 +32,8 @@ class GateResult:
     detail: str | None = None
 
     def describe(self) -> str:
+        if self.value is None and not self.passed and self.detail:  # a relative gate with no baseline
+            return f"gate {self.gate}: {self.detail} (limit {self.limit:g})"
         return _describe(self) + (f" ({self.detail})" if self.detail else "")
 
     def to_dict(self) -> dict[str, object]:
@@ -93,31 +95,54 @@ def golden_gates(gates: Gates, comparison: GoldenComparison) -> list[GateResult]
     return results
 
 
-def traffic_gates(gates: Gates, window: TrafficWindow, serving: TrafficWindow | None = None) -> list[GateResult]:
+NO_BASELINE = "no baseline"  # how a relative gate's detail begins when it had nothing to compare with
+
+
+def traffic_gates(gates: Gates, window: TrafficWindow, serving: TrafficWindow | None = None, *,
+                  min_baseline: int = 1) -> list[GateResult]:
     """The traffic gates the manifest sets, on one step's requests of the new generation, and the relative
     ones against ``serving``, the serving generation's requests over the same window (the canary checks
-    them once the step has its ``min_requests``; a gate with nothing to measure, e.g. no first token, or no
-    request of the serving generation to compare with, passes)."""
+    them once the step has its ``min_requests``). An absolute gate with nothing to measure (no first token)
+    passes; a relative gate with nothing to compare with (fewer than ``min_baseline`` requests of the serving
+    generation in the window, or none with a first token for the ratio) fails, saying "no baseline": a
+    relative limit never passes on no evidence."""
     rate = window.error_rate if window.requests else None
-    ttft = p95(window.ttfts)
+    ttft = window.ttft_p95
     results = (_at_most("max_error_rate", rate, gates.max_error_rate)
                + _at_most("max_ttft_p95", ttft, gates.max_ttft_p95))
-    base = serving if serving is not None and serving.requests else None
+    count = serving.requests if serving is not None else 0
+    needed = max(1, min_baseline)
+    base = serving if serving is not None and count >= needed else None
+    too_few = (f"{NO_BASELINE}: the serving generation finished {count} request{'' if count == 1 else 's'} in "
+               f"the window to compare with, fewer than the {needed} needed")
     if gates.max_error_rate_increase is not None:
-        value: float | None = None
-        detail: str | None = None
-        if rate is not None and base is not None:
+        limit = gates.max_error_rate_increase
+        if base is None:
+            results.append(_no_baseline("max_error_rate_increase", limit, too_few))
+        elif rate is not None:
             value = rate - base.error_rate
             detail = f"new {rate:.3f} of {window.requests} requests, serving {base.error_rate:.3f} of {base.requests}"
-        results += _at_most("max_error_rate_increase", value, gates.max_error_rate_increase, detail)
+            results += _at_most("max_error_rate_increase", value, limit, detail)
+        else:
+            results += _at_most("max_error_rate_increase", None, limit)
     if gates.max_ttft_p95_ratio is not None:
-        base_ttft = p95(base.ttfts) if base is not None else None
-        value = detail = None
-        if ttft is not None and base_ttft:
-            value = ttft / base_ttft
-            detail = f"new {ttft:.3f}s, serving {base_ttft:.3f}s"
-        results += _at_most("max_ttft_p95_ratio", value, gates.max_ttft_p95_ratio, detail)
+        limit = gates.max_ttft_p95_ratio
+        base_ttft = base.ttft_p95 if base is not None else None
+        if ttft is None:  # the new generation's requests have no first token: nothing to measure
+            results += _at_most("max_ttft_p95_ratio", None, limit)
+        elif base is None:
+            results.append(_no_baseline("max_ttft_p95_ratio", limit, too_few))
+        elif not base_ttft:
+            results.append(_no_baseline("max_ttft_p95_ratio", limit, f"{NO_BASELINE}: none of the serving "
+                                        f"generation's {count} requests in the window had a first token"))
+        else:
+            results += _at_most("max_ttft_p95_ratio", ttft / base_ttft, limit,
+                                f"new {ttft:.3f}s, serving {base_ttft:.3f}s")
     return results
+
+
+def _no_baseline(gate: str, limit: float, detail: str) -> GateResult:
+    return GateResult(gate, None, limit, False, detail=detail)
 
 
 def first_failure(results: list[GateResult]) -> GateResult | None:

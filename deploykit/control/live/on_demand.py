@@ -19,6 +19,7 @@ from ..budget.tiers import fit_prefix_cache
 from ..revisions.change import Change
 from ..revisions.loading import checked_current, load_laid_out, serving_of
 from ..revisions.reconciler import ApplyOptions, ApplyOutcome, apply
+from .commit import serve_applied
 
 if TYPE_CHECKING:
     from collections.abc import Callable
@@ -60,12 +61,14 @@ class Loads:
     def load_initial(self, loaded: LoadedManifest, *, force: bool = False, progress: ProgressSink | None = None,
                      on_step: Callable[[str], None] | None = None, change: Change | None = None) -> None:
         """Apply ``loaded`` (or load its current revision, verified and health-checked) and serve it."""
-        outcome = apply(loaded, store=self.store, options=ApplyOptions(
-            devices=self.devices, keep_model=True, load_if_unchanged=True, force=force),
-            progress=progress, on_step=on_step, change=change)
-        assert outcome.loaded is not None
-        self._install(outcome.loaded, outcome.plan, outcome.revision or 0, "initial", serving_of(loaded))
-        outcome.loaded = None  # the pool owns the model now: a kept outcome must not pin it
+        with self.store.rollout_lock(loaded.name):  # a new revision is Progressing until it serves
+            outcome = apply(loaded, store=self.store, options=ApplyOptions(
+                devices=self.devices, keep_model=True, load_if_unchanged=True, force=force, gated=True),
+                progress=progress, on_step=on_step, change=change)
+            assert outcome.loaded is not None
+            if outcome.plan is not None and self.room_left is not None:  # the prefix cache fitted to the grant
+                outcome.plan = outcome.loaded.plan = fit_prefix_cache(outcome.plan, self.room_left)
+            serve_applied(self.pool, self.store, loaded, outcome, "initial", serving_of(loaded))
         self.last_outcome = outcome
         if outcome.revision is not None:
             self.verified = outcome.revision

@@ -106,10 +106,7 @@ class PoolView:
     share: int  # percent of new requests the candidate takes
     in_flight: int  # callers holding the current generation
     baseline_rss: int | None
-
-    @property
-    def revision(self) -> int | None:
-        return self.current.revision if self.current is not None else None
+    revision: int | None = None  # the current generation's, read with it
 
     @property
     def serving(self) -> bool:
@@ -138,6 +135,7 @@ class GenerationPool:
         self._watchers: list[Future[None]] = []  # ``changed()``'s futures, ended by the next change
         self._made: list[Generation] = []  # generations made and not yet freed (``retiring``)
         self._unloading: Generation | None = None  # being freed by ``unload_now``
+        self.broken: str | None = None  # why nothing serves and nothing will until a change (``mark_broken``)
 
     @property
     def current(self) -> Generation | None:
@@ -150,7 +148,8 @@ class GenerationPool:
             return PoolView(gen, gen.number if gen is not None else self._number, self.unloaded,
                             candidate.number if candidate is not None else None,
                             self._split.percent if candidate is not None else 0,
-                            gen.refs if gen is not None else 0, self.baseline_rss)
+                            gen.refs if gen is not None else 0, self.baseline_rss,
+                            gen.revision if gen is not None else None)
 
     @property
     def number(self) -> int:
@@ -209,6 +208,8 @@ class GenerationPool:
             while self._current is None:
                 if self.unloaded:
                     raise NotLoaded(f"deployment {self.name!r} is not loaded")
+                if self.broken is not None:
+                    raise ApplyError(self.broken)
                 if self._closed:
                     raise ApplyError(f"deployment {self.name!r} is closed")
                 remaining = deadline - time.monotonic()
@@ -232,6 +233,8 @@ class GenerationPool:
                 future.set_exception(ApplyError(f"deployment {self.name!r} is closed"))
             elif self._current is None and self.unloaded:
                 future.set_exception(NotLoaded(f"deployment {self.name!r} is not loaded"))
+            elif self._current is None and self.broken is not None:
+                future.set_exception(ApplyError(self.broken))
             elif self._current is not None:
                 future.set_result(None)
             else:
@@ -281,10 +284,33 @@ class GenerationPool:
     def install(self, loaded: LoadedModel, plan: Plan | None, revision: int, strategy: str,
                 serving: ServingSpec) -> Generation:
         """Make ``loaded`` the current generation; the previous one is freed once unpinned."""
-        gen = self._numbered(loaded, plan, revision, strategy, serving)
+        return self.put(self.build(loaded, plan, revision, strategy, serving))
+
+    def build(self, loaded: LoadedModel, plan: Plan | None, revision: int, strategy: str,
+              serving: ServingSpec) -> Generation:
+        """A generation of ``loaded`` with its runtime, not current yet (``put`` makes it current, ``abandon``
+        frees it): what may fail is done before anything is recorded or swapped."""
+        return self._numbered(loaded, plan, revision, strategy, serving)
+
+    def abandon(self, gen: Generation) -> None:
+        """Free a generation ``build`` made that never became current."""
+        gen.retired = True
+        self._free(gen)
+
+    def mark_broken(self, reason: str) -> None:
+        """Nothing serves and nothing will load by itself (a failed recreate whose restore failed too):
+        waiting and new pins fail at once with ``reason`` until a generation is installed."""
+        with self._cond:
+            if self._current is None:
+                self.broken = reason
+                self._wake()
+
+    def put(self, gen: Generation) -> Generation:
+        """Make ``gen`` (from ``build``) the current generation; the previous one is freed once unpinned.
+        Nothing here can fail before the swap."""
         with self._cond:
             old, self._current = self._current, gen
-            self.unloaded = False
+            self.unloaded, self.broken = False, None
             self.last_used = time.monotonic()
             if old is not None:
                 old.retired = True

@@ -32,6 +32,7 @@ from ..revisions.state import StateStore
 from .adapters import apply_live, live_adapter_diff
 from .held import inventory_freed
 from .canary import AbortSignal, CanaryProgress, GatedPlan, GatedRollout, refuse_thin_golden
+from .commit import serve_applied
 from .pool import Generation, GenerationPool
 
 log = logging.getLogger(__name__)
@@ -127,28 +128,34 @@ class Rollout:
         return self._recreate(loaded, how)
 
     def _blue_green(self, loaded: LoadedManifest, beside: Inventory, how: _How) -> RolloutResult:
-        outcome = apply(loaded, store=self.store, options=ApplyOptions(inventory=beside, keep_model=True,
-                                                                       force=how.force),
-                        progress=how.progress, on_step=how.on_step, change=how.change)
-        if outcome.status == "unchanged" or outcome.loaded is None:
-            return RolloutResult(False, "none", outcome)
-        self.pool.install(outcome.loaded, outcome.plan, outcome.revision or 0, "blue-green", serving_of(loaded))
-        outcome.loaded = None  # the pool owns the model now: a kept outcome must not pin it
+        with self.store.rollout_lock(loaded.name):  # Progressing from its apply until it serves
+            outcome = apply(loaded, store=self.store, options=ApplyOptions(inventory=beside, keep_model=True,
+                                                                           force=how.force, gated=True),
+                            progress=how.progress, on_step=how.on_step, change=how.change)
+            if outcome.status == "unchanged" or outcome.loaded is None:
+                return RolloutResult(False, "none", outcome)
+            serve_applied(self.pool, self.store, loaded, outcome, "blue-green", serving_of(loaded))
         return RolloutResult(True, "blue-green", outcome)
 
     def _gated(self, loaded: LoadedManifest, beside: Inventory, how: _How, gated: GatedPlan) -> RolloutResult:
         """Load and check beside the serving generation, leave the revision Progressing, and let the gates
         (and a canary's steps) decide (``canary.GatedRollout``)."""
         refuse_thin_golden(loaded, gated.gates, self.pool.current)  # before anything loads or is recorded
-        with self.store.rollout_lock(loaded.name):  # its revision stays Progressing without the apply lock
-            outcome = apply(loaded, store=self.store, options=ApplyOptions(inventory=beside, keep_model=True,
-                                                                           force=how.force, gated=True),
-                            progress=how.progress, on_step=how.on_step, change=how.change)
-            if outcome.status == "unchanged" or outcome.loaded is None:
-                return RolloutResult(False, "none", outcome)
-            model, outcome.loaded = outcome.loaded, None  # the pool owns the model now
-            run = GatedRollout(self.pool, self.store, loaded, gated, abort=self.abort, publish=self.publish)
-            run.run(model, outcome.plan, outcome.revision or 0, serving_of(loaded))
+        # armed before the load: a rollback or a newer change while the candidate is laid out or loads ends
+        # this rollout (before its weights load, or as soon as they have), never the revision before it
+        self.abort.arm(loaded.digest)
+        try:
+            with self.store.rollout_lock(loaded.name):  # its revision stays Progressing without the apply lock
+                outcome = apply(loaded, store=self.store, options=ApplyOptions(
+                    inventory=beside, keep_model=True, force=how.force, gated=True, interrupted=self.abort.check),
+                                progress=how.progress, on_step=how.on_step, change=how.change)
+                if outcome.status == "unchanged" or outcome.loaded is None:
+                    return RolloutResult(False, "none", outcome)
+                model, outcome.loaded = outcome.loaded, None  # the pool owns the model now
+                run = GatedRollout(self.pool, self.store, loaded, gated, abort=self.abort, publish=self.publish)
+                run.run(model, outcome.plan, outcome.revision or 0, serving_of(loaded))
+        finally:
+            self.abort.disarm()
         return RolloutResult(True, str(Strategy.CANARY if gated.canary else Strategy.BLUE_GREEN), outcome)
 
     def _recreate(self, loaded: LoadedManifest, how: _How) -> RolloutResult:
@@ -160,32 +167,38 @@ class Rollout:
             drained = True
 
         freed = inventory_freed(how.change.inventory(), self.pool.current)  # planned as if the old one were gone
-        options = ApplyOptions(inventory=freed, keep_model=True, before_load=before_load, force=how.force)
+        options = ApplyOptions(inventory=freed, keep_model=True, before_load=before_load, force=how.force,
+                               gated=True)
         try:
-            outcome = apply(loaded, store=self.store, options=options, progress=how.progress, on_step=how.on_step,
-                            change=how.change)
-        except Exception:  # any failure after the drain: serve the last Ready revision again
-            if drained:
-                self._restore_after_failure()
+            with self.store.rollout_lock(loaded.name):  # Progressing from its apply until it serves
+                outcome = apply(loaded, store=self.store, options=options, progress=how.progress,
+                                on_step=how.on_step, change=how.change)
+                if outcome.status == "unchanged" or outcome.loaded is None:
+                    return RolloutResult(False, "none", outcome)
+                serve_applied(self.pool, self.store, loaded, outcome, "recreate", serving_of(loaded))
+        except BaseException as exc:  # any failure after the drain (the runtime's build too): serve the last
+            if drained:               # Ready revision again; the new one was never recorded Ready
+                self._restore_after_failure(exc)
             raise
-        if outcome.status == "unchanged" or outcome.loaded is None:
-            return RolloutResult(False, "none", outcome)
-        self.pool.install(outcome.loaded, outcome.plan, outcome.revision or 0, "recreate", serving_of(loaded))
-        outcome.loaded = None
         return RolloutResult(True, "recreate", outcome)
 
-    def _restore_after_failure(self) -> None:
-        """``restore``, never masking the rollout's own error: a failed restore is logged (nothing serves
-        then, and the deployment's phase says Failed)."""
+    def _restore_after_failure(self, cause: BaseException) -> None:
+        """``restore``, never masking the rollout's own error: a failed restore is logged, and the pool
+        answers every waiting and new request at once with why nothing serves (``pool.mark_broken``)."""
         try:
             self.restore()
-        except Exception:
+        except Exception as exc:
             log.exception("%s: restoring the last Ready revision after a failed recreate failed", self.pool.name)
+            self.pool.mark_broken(f"deployment {self.pool.name!r} serves nothing: its recreate failed ({cause}) "
+                                  f"and loading its last Ready revision again failed too ({exc}); apply a "
+                                  "manifest that loads")
 
     def restore(self) -> None:
         """After a failed recreate: load the last Ready revision again (verified, health-checked)."""
         current = self.store.current(self.pool.name)
         if current is None or current.plan is None:
+            self.pool.mark_broken(f"deployment {self.pool.name!r} serves nothing: its recreate failed and no "
+                                  "revision was ever Ready to load again; apply a manifest that loads")
             return
         model = load_revision(current)
         self.pool.install(model, current.plan, current.revision, "restore",

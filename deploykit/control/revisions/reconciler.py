@@ -8,6 +8,10 @@ files live and how they are made (the GGUF import, the shards, their collection)
              recorded yet) -> record the revision as Progressing -> reshard (only if the layout on disk
              differs) -> load -> health check -> Ready
 
+A process that serves the model (``ApplyOptions(gated=True)``) records Ready itself, at the one point after
+which nothing can fail: once the generation's runtime is built and just before it becomes current
+(``live.commit``, a canary's promotion); a CLI apply, which serves nothing, records it here.
+
 A GGUF file as ``spec.model.path`` is identified by ``artifacts.gguf.source_fingerprint`` (metadata only)
 for deciding, and converted into a checkpoint directory under ``<state>/imports/`` (``imports_root``)
 only once a new revision needs its weights; from there on that directory is the checkpoint, exactly as
@@ -66,7 +70,9 @@ class ApplyOptions:
     keep_model: bool = False  # return the loaded model (a runtime serves it)
     load_if_unchanged: bool = False  # also load the current revision when nothing changed
     before_load: Callable[[], None] | None = None  # runs just before loading (recreate frees the old model)
-    gated: bool = False  # loaded and checked, left Progressing: the caller's gates finish it (``finish_gated``)
+    interrupted: Callable[[], None] | None = None  # raises to stop before the load (a gated rollout's abort)
+    gated: bool = False  # loaded and checked, left Progressing: the caller records it Ready once it serves
+    # (``live.commit.serve_applied``, a canary's promotion) or Failed (``finish_gated``)
 
 
 @dataclass
@@ -198,6 +204,8 @@ def _act(change: Change, store: StateStore, checkpoint: Checkpoint | None, finge
             shards, result, sums = _files(loaded, store, checkpoint, plan, progress)
         store.set_plan(loaded.name, revision, plan_json=json.dumps(plan.to_dict()), plan_digest=plan.digest,
                        shards_path=str(shards), checksums=sums)
+        if options.interrupted is not None:
+            options.interrupted()  # an abort while it laid out: no load for nothing
         if options.before_load is not None:
             with timer.step("drain"):
                 options.before_load()
@@ -227,8 +235,9 @@ def _files(loaded: LoadedManifest, store: StateStore, checkpoint: Checkpoint | N
 
 
 def finish_gated(loaded: LoadedManifest, store: StateStore, revision: int, *, ready: bool, reason: str | None,
-                 timings: dict[str, float] | None = None) -> None:
-    """Record a revision's outcome; a Ready one becomes current and the shards no revision needs go."""
+                 timings: dict[str, float] | None = None, collect: bool = True) -> None:
+    """Record a revision's outcome; a Ready one becomes current and (``collect``) the shards no revision
+    needs go. Ready is recorded once the revision serves (``live.commit``), never before."""
     store.finish_revision(loaded.name, revision, ready=ready, reason=reason, timings=timings)
-    if ready:
+    if ready and collect:
         collect_old_shards(loaded, store)

@@ -183,13 +183,15 @@ class StateStore(NameLocks):
         """A process starts holding ``name`` (``deploykit serve`` started again, a ``Deployment`` created):
         record every Progressing revision that no process applies or rolls out any more as Failed,
         "interrupted by a restart at step k" (what the last gated rollout recorded of itself). Returns them."""
-        if self.change_running(name):
+        try:  # both locks held while it looks and writes: no change can begin in between
+            with self.deployment_lock(name, wait=False), self.rollout_lock(name, wait=False):
+                with self._write() as db:
+                    rows = db.execute("SELECT revision, progress_json FROM revisions WHERE name=? AND "
+                                      "phase='Progressing'", (name,)).fetchall()
+                    for revision, progress in rows:
+                        self._fail(db, name, revision, "interrupted by a restart " + _where(progress))
+        except ApplyError:  # some process applies it or rolls it out now: its revision is on its way
             return []
-        with self._write() as db:
-            rows = db.execute("SELECT revision, progress_json FROM revisions WHERE name=? AND phase='Progressing'",
-                              (name,)).fetchall()
-            for revision, progress in rows:
-                self._fail(db, name, revision, "interrupted by a restart " + _where(progress))
         return [r for r, _ in rows]
 
     def record_event(self, name: str, kind: str, message: str, revision: int | None = None) -> None:
