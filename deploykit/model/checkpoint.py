@@ -23,6 +23,7 @@ from pathlib import Path
 from typing import Literal
 
 from ..errors import CheckpointError
+from ..files import MAX_INDEX_BYTES, read_regular_file
 from ..names import FROM_TORCH
 from .safetensors_io import MAX_HEADER, TensorEntry, read_header
 
@@ -76,10 +77,12 @@ def _other_files(root: Path) -> list[Path]:
 
 def _read_index(path: Path) -> dict[str, str]:
     try:
-        data = json.loads(path.read_text(encoding="utf-8"))
+        data = json.loads(read_regular_file(path, MAX_INDEX_BYTES).decode("utf-8"))
         weight_map = data["weight_map"]
         if not isinstance(weight_map, dict):
             raise TypeError
+    except OSError as exc:
+        raise CheckpointError(f"{path}: cannot read the index: {exc}") from None
     except (ValueError, KeyError, TypeError, UnicodeDecodeError):
         raise CheckpointError(f"{path}: not a valid index (expected JSON with a 'weight_map')") from None
     return {str(k): str(v) for k, v in weight_map.items()}

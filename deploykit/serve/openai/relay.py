@@ -72,12 +72,17 @@ class _Ticket:
             held.release()
             raise APIError(429, "too many requests are waiting for this model; retry shortly", code="queue_full",
                            headers={"Retry-After": str(RETRY_AFTER_SECONDS)}) from None
-        self._held = True
+        self._held, self._turned = True, False
+
+    async def turn(self) -> None:
+        """Wait in deploykit's queue until a llama-server slot is free for this request."""
+        await self.slots.turn()
+        self._turned = True
 
     def cancel(self) -> None:
         if self._held:
             self._held = False
-            self.slots.leave()
+            self.slots.leave(turned=self._turned)
             if self.upstream is not None:
                 _closing.add(task := asyncio.ensure_future(self.upstream.aclose()))
                 task.add_done_callback(_closing.discard)
@@ -183,6 +188,7 @@ async def _relay(path: str, upstream: dict[str, Any], body: ChatCompletionReques
     our_id = new_id(prefix)
     ticket = _Ticket(held)
     try:
+        await ticket.turn()
         if body.stream:
             client, opened = await _sent(held, request, name, lambda c: c.open_stream(path, upstream))
             ticket.upstream = opened

@@ -1,0 +1,226 @@
+"""Every input deploykit takes has a bound (docs/control.md#security-model): files a manifest names, the
+manifest's numbers, device specs, response_format schemas, request bodies, the CLI's way to its server,
+the engine's environment, and what cleanup may remove. Each test sends past a bound and expects a clear,
+located refusal, quickly."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+from deploykit.errors import ManifestError
+from deploykit.files import FileRefused, read_regular_file
+from deploykit.spec.golden import GoldenError, read_golden
+from deploykit.spec.manifest import check_on_host, parse_manifests
+from deploykit.units import format_duration, parse_duration, parse_size
+
+HEAD = "apiVersion: deploykit/v1\nkind: ModelDeployment\nmetadata: {name: bounded}\nspec:\n  model: {path: model}\n"
+
+
+def issues(extra: str, base: Path = Path("/base")) -> list:
+    with pytest.raises(ManifestError) as info:
+        parse_manifests((HEAD + extra).encode(), source="m.yaml", base_dir=base)
+    return info.value.issues
+
+
+def parsed(extra: str, base: Path = Path("/base")):
+    return parse_manifests((HEAD + extra).encode(), source="m.yaml", base_dir=base)[0]
+
+
+# ---- 1. files a manifest names: regular files only, bounded ---------------------------------------------
+
+def test_a_golden_file_that_is_a_device_is_refused_without_reading_it():
+    start = time.monotonic()
+    with pytest.raises(GoldenError, match="not a regular file .a character device"):
+        read_golden(Path("/dev/zero"))
+    assert time.monotonic() - start < 1
+
+
+def test_a_golden_file_that_is_a_fifo_is_refused_without_waiting_for_a_writer(tmp_path):
+    fifo = tmp_path / "golden.jsonl"
+    os.mkfifo(fifo)
+    outcome: list[BaseException | None] = []
+
+    def read() -> None:
+        try:
+            read_golden(fifo)
+            outcome.append(None)
+        except BaseException as exc:  # noqa: BLE001 - handed to the test's thread
+            outcome.append(exc)
+
+    reader = threading.Thread(target=read, daemon=True)
+    reader.start()
+    reader.join(10)
+    if reader.is_alive():  # a blocked open(): give it a writer, so the thread ends, then fail
+        os.close(os.open(fifo, os.O_WRONLY | os.O_NONBLOCK))
+        reader.join(10)
+        pytest.fail("reading a FIFO named as a golden file blocked")
+    assert isinstance(outcome[0], GoldenError) and "a FIFO" in str(outcome[0])
+
+
+def test_a_file_over_its_limit_is_refused(tmp_path):
+    big = tmp_path / "big"
+    big.write_bytes(b"x" * 1001)
+    with pytest.raises(FileRefused, match="1001 bytes; at most 1000"):
+        read_regular_file(big, 1000)
+    assert read_regular_file(big, 1001) == b"x" * 1001
+    with pytest.raises(FileRefused, match="a directory"):
+        read_regular_file(tmp_path, 1000)
+
+
+def test_the_host_check_refuses_a_device_as_golden_even_when_the_model_path_is_wrong(tmp_path):
+    loaded = parsed("  rollout:\n    strategy: blue-green\n    gates: {golden: /dev/zero, max_nll_increase: 0.1}\n",
+                    base=tmp_path)
+    start = time.monotonic()
+    found = check_on_host(loaded)
+    assert time.monotonic() - start < 1
+    golden = [i for i in found if i.field == "spec.rollout.gates.golden"]
+    assert golden and "not a regular file" in golden[0].message, found
+
+
+def test_a_huge_config_json_is_a_located_issue_not_read(tmp_path):
+    model = tmp_path / "model"
+    model.mkdir()
+    with open(model / "config.json", "wb") as fh:
+        fh.truncate(1 << 30)  # sparse: a gigabyte that costs nothing to make
+    loaded = parsed("  placement: {tensor_parallel: 2}\n", base=tmp_path)
+    found = check_on_host(loaded)
+    assert [(i.field, "1073741824 bytes; at most" in i.message) for i in found] == [("spec.model.path", True)], found
+
+
+# ---- 2. every number of the schema has an upper bound -------------------------------------------------
+
+@pytest.mark.parametrize("extra, field", [
+    ("  serving: {max_queued: 2000000}\n", "spec.serving.max_queued"),
+    ("  serving: {max_tokens: 100000000}\n", "spec.serving.max_tokens"),
+    ("  serving: {max_input_items: 100000}\n", "spec.serving.max_input_items"),
+    ("  serving: {context_length: 100000000}\n", "spec.serving.context_length"),
+    ("  replicas: 100000\n", "spec.replicas"),
+    ("  placement: {nodes: 100000}\n", "spec.placement.nodes"),
+    ("  placement: {gpus: [100000]}\n", "spec.placement.gpus.0"),
+    ("  placement: {kv_cache: {tokens: 100000000000}}\n", "spec.placement.kv_cache.tokens"),
+    ("  lifecycle: {priority: 100000000000}\n", "spec.lifecycle.priority"),
+    ("  lifecycle: {priority: -100000000000}\n", "spec.lifecycle.priority"),
+    ("  rollout: {strategy: canary, canary: {min_requests: 100000000000}}\n", "spec.rollout.canary.min_requests"),
+    ("  sharding: {max_shard_size: 1000000000000000000000}\n", "spec.sharding.max_shard_size"),
+    ("  sharding: {max_shard_size: 999999999999TiB}\n", "spec.sharding.max_shard_size"),
+])
+def test_a_number_past_its_bound_is_a_located_error(extra, field):
+    found = issues(extra)
+    assert field in [i.field for i in found], found
+    assert {i.line for i in found} == {6}, found
+
+
+def test_every_number_in_the_schema_has_an_upper_bound():
+    from deploykit.spec.manifest import json_schema
+
+    unbounded = []
+
+    def walk(node: object, where: str) -> None:
+        if isinstance(node, dict):
+            if node.get("type") in ("integer", "number") and "maximum" not in node and "exclusiveMaximum" not in node:
+                unbounded.append(where)
+            for key, value in node.items():
+                walk(value, f"{where}/{key}")
+        elif isinstance(node, list):
+            for i, value in enumerate(node):
+                walk(value, f"{where}/{i}")
+
+    walk(json_schema(), "#")
+    assert unbounded == []
+
+
+def test_the_engine_gets_a_thread_per_slot_whatever_the_queue(tmp_path):
+    from deploykit.engine.llamacpp.process import ServerOptions
+    from deploykit.engine.llamacpp.runtime import HTTP_SPARE_THREADS, LlamaOptions, engine_options
+
+    options = engine_options(LlamaOptions(ServerOptions(binary=tmp_path / "llama-server", model=tmp_path / "m.gguf",
+                                                        slots=4)))
+    flags = options.server.flags()
+    assert flags[flags.index("--threads-http") + 1] == str(4 + HTTP_SPARE_THREADS)
+
+
+def test_requests_past_the_slots_wait_in_deploykit_for_a_turn():
+    from deploykit.engine.llamacpp.runtime import Slots
+
+    async def scenario() -> None:
+        slots = Slots(1, max_queued=3)
+        for _ in range(3):
+            slots.enter()
+        await slots.turn()  # the first is sent at once
+        second = asyncio.ensure_future(slots.turn())
+        third = asyncio.ensure_future(slots.turn())
+        await asyncio.sleep(0)
+        assert not second.done() and not third.done()
+        assert slots.stats() == {"running": 1, "waiting": 2}
+        second.cancel()  # a client gone while waiting leaves the queue
+        with pytest.raises(asyncio.CancelledError):
+            await second
+        slots.leave()
+        slots.leave(turned=True)  # the first ends: its turn goes to the next waiter
+        await asyncio.wait_for(third, 5)
+        assert slots.stats() == {"running": 1, "waiting": 0}
+        slots.leave(turned=True)
+        assert slots.stats() == {"running": 0, "waiting": 0}
+
+    asyncio.run(scenario())
+
+
+# ---- 4. YAML numbers: YAML 1.2 core forms, bounded digits, finite --------------------------------------
+
+def test_a_base_60_number_is_not_read_as_one_and_costs_nothing():
+    text = "1:" + ":".join(["59"] * 100_000)
+    start = time.monotonic()
+    found = issues(f"  serving: {{max_queued: {text}}}\n")
+    assert time.monotonic() - start < 1
+    assert [i.field for i in found] == ["spec.serving.max_queued"], found
+
+
+@pytest.mark.parametrize("value, fragment", [
+    ("9" * 5000, "a number of 5000 digits; at most 30"),
+    ("0x" + "f" * 5000, "a number of 5000 digits"),
+    (".inf", ".inf is not a finite number"),
+    ("-.inf", "not a finite number"),
+    (".nan", ".nan is not a finite number"),
+    ("1e400", "too large for a number"),
+    ("!!int 1:30", "is not a YAML 1.2 integer"),
+])
+def test_a_number_deploykit_does_not_read_is_a_located_error(value, fragment):
+    found = issues(f"  lifecycle: {{keep_alive: {value}}}\n")
+    assert len(found) == 1 and fragment in found[0].message, found
+    assert (found[0].line, found[0].column, found[0].field) == (6, 27, "spec.lifecycle.keep_alive")
+
+
+@pytest.mark.parametrize("value", ["1_000", "0b1010", "1:30"])
+def test_yaml_1_1_number_forms_are_strings_and_refused_as_counts(value):
+    assert [i.field for i in issues(f"  serving: {{max_queued: {value}}}\n")] == ["spec.serving.max_queued"]
+
+
+def test_yaml_1_2_core_numbers_are_read():
+    loaded = parsed("  serving: {max_queued: 0x10, max_input_items: 0o17}\n  lifecycle: {keep_alive: 1.5e2}\n")
+    serving = loaded.manifest.spec.serving
+    assert (serving.max_queued, serving.max_input_items) == (16, 15)
+    assert loaded.manifest.spec.lifecycle.keep_alive == 150.0
+
+
+@pytest.mark.parametrize("value", [float("inf"), float("nan"), 10**400, 0x10000000000000000000000000000,
+                                   "99999999999999999999999999h", 0.0001])
+def test_durations_are_finite_and_bounded(value):
+    with pytest.raises(ValueError):
+        parse_duration(value)
+
+
+@pytest.mark.parametrize("value", [2**60 + 1, 10**400, "9999999999999999999999TiB"])
+def test_sizes_are_bounded(value):
+    with pytest.raises(ValueError, match="at most"):
+        parse_size(value)
+
+
+@pytest.mark.parametrize("seconds", [0.001, 0.5, 1.5, 119.0, 3600.0, 366 * 86400.0])
+def test_every_duration_read_is_written_back_readable(seconds):
+    assert parse_duration(format_duration(seconds)) == pytest.approx(seconds, rel=1e-5)
