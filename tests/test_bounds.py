@@ -224,3 +224,30 @@ def test_sizes_are_bounded(value):
 @pytest.mark.parametrize("seconds", [0.001, 0.5, 1.5, 119.0, 3600.0, 366 * 86400.0])
 def test_every_duration_read_is_written_back_readable(seconds):
     assert parse_duration(format_duration(seconds)) == pytest.approx(seconds, rel=1e-5)
+
+
+# ---- 3. a device spec names at most 4096 GPUs and 1024 nodes --------------------------------------------
+
+@pytest.mark.parametrize("spec, fragment", [
+    ("3000000x1GiB", "a device count of 7 digits"),
+    ("4097x1GiB", "more than 4096 GPUs"),
+    ("2000x1GiB,2097x1GiB", "more than 4096 GPUs"),
+    ("1025x(1GiB)", "more than 1024 nodes"),
+    ("2x(2049x1GiB)", "more than 4096 GPUs in all"),
+    ("9" * 5000 + "x(1GiB)", "at most 4096 characters"),
+])
+def test_a_device_spec_past_its_bounds_is_refused_before_anything_is_built(spec, fragment):
+    from deploykit.errors import InventoryError
+    from deploykit.placement.inventory import parse_devices
+
+    start = time.monotonic()
+    with pytest.raises(InventoryError, match=fragment):
+        parse_devices(spec)
+    assert time.monotonic() - start < 0.5
+
+
+def test_a_device_spec_at_its_bounds_is_read():
+    from deploykit.placement.inventory import parse_devices
+
+    assert len(parse_devices("4096x1GiB").gpus) == 4096
+    assert len(parse_devices("1024x(4x1GiB)").nodes) == 1024

@@ -27,6 +27,7 @@ from pydantic import (
 from pydantic_core import PydanticCustomError
 
 from .adapters import Adapter, duplicate_problem
+from .limits import MAX_GPUS, MAX_NODES, MAX_REPLICAS
 from .rollout import Canary, Gates, HealthCheck, Rollout
 from .serving import Engine, Lifecycle, PrefixCache, Serving
 from .values import Duration, KeepAlive, Size, Strict
@@ -39,9 +40,6 @@ API_VERSION = "deploykit/v1"
 KIND = "ModelDeployment"
 # Upper bounds of the manifest's numbers: each far above any real deployment, low enough that nothing
 # sized from them (a device list, a thread pool, a queue) can exhaust the host (docs/control.md).
-MAX_GPUS = 4096  # GPUs in a plan, and tensor-parallel ranks
-MAX_NODES = 1024  # pipeline stages (machines)
-MAX_REPLICAS = 1024
 MAX_RATIO = 1e6  # a relative share per GPU
 MAX_KV_TOKENS = 1 << 24  # KV-cache tokens planned per layer (batch x sequence)
 _NAME_RE = re.compile(r"[a-z0-9]([a-z0-9-]{0,61}[a-z0-9])?")  # fullmatch: "$" would take a trailing newline

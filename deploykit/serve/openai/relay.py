@@ -33,6 +33,7 @@ from starlette.requests import Request
 from starlette.responses import Response
 
 from ...engine.admission import QueueFull
+from ...engine.grammar import check_cost
 from ...engine.llamacpp.client import EngineBusy, EngineGone, EngineRefused, RelayClient, Upstream, UpstreamError
 from ...engine.llamacpp.sampling import sampling_fields
 from ...engine.llamacpp.schema import unenforced_by_llamacpp
@@ -156,12 +157,14 @@ def _check_structured(body: ChatCompletionRequest) -> None:
     plan = plan_of(body)
     if plan.constraint is None:
         return
-    bad = unenforced_by_llamacpp(json.loads(plan.constraint.schema))
+    schema = json.loads(plan.constraint.schema)
+    bad = unenforced_by_llamacpp(schema)
     if bad is not None:
         keyword, where = bad
         raise RequestError(f"{plan.constraint.param}: the schema keyword {keyword!r} (at {where}) cannot be "
                            "enforced by the llama.cpp engine; remove it", param=plan.constraint.param,
                            code="unsupported_schema")
+    check_cost(schema, plan.constraint.param)  # llama-server compiles it too, on its HTTP thread
 
 
 async def completions(body: CompletionRequest, request: Request, held: Lease, name: str) -> Any:
