@@ -251,3 +251,162 @@ def test_a_device_spec_at_its_bounds_is_read():
 
     assert len(parse_devices("4096x1GiB").gpus) == 4096
     assert len(parse_devices("1024x(4x1GiB)").nodes) == 1024
+
+
+# ---- 6. a refused body is read away within the body timeout and a byte cap, else the connection closes ---
+
+def _guarded(receive, content_length: int) -> list[dict]:
+    """What ``Guard`` sends for a request declaring ``content_length`` whose body ``receive`` delivers."""
+    from deploykit.serve.auth import Guard
+
+    sent: list[dict] = []
+
+    async def app(scope, receive, send) -> None:
+        raise AssertionError("a refused body reached the app")
+
+    async def send(message: dict) -> None:
+        sent.append(message)
+
+    scope = {"type": "http", "path": "/v1/completions", "method": "POST",
+             "headers": [(b"host", b"127.0.0.1"), (b"content-length", str(content_length).encode())]}
+    guard = Guard(app, api_key=None, body_timeout=0.3)
+    asyncio.run(asyncio.wait_for(guard(scope, receive, send), 10))
+    return sent
+
+
+def test_a_declared_body_that_never_arrives_gets_its_413_at_the_body_timeout_and_the_connection_closes():
+    async def never() -> dict:
+        await asyncio.Event().wait()
+        raise AssertionError
+
+    start = time.monotonic()
+    sent = _guarded(never, 8 << 20)  # over the 4 MiB limit, under the drain factor's 64 MiB
+    assert time.monotonic() - start < 5
+    assert sent[0]["status"] == 413 and (b"connection", b"close") in sent[0]["headers"]
+
+
+def test_a_body_larger_than_declared_is_read_away_no_further_than_the_cap():
+    received = 0
+
+    async def endless() -> dict:
+        nonlocal received
+        received += 1 << 20
+        await asyncio.sleep(0)
+        return {"type": "http.request", "body": b"x" * (1 << 20), "more_body": True}
+
+    sent = _guarded(endless, 8 << 20)
+    assert sent[0]["status"] == 413 and (b"connection", b"close") in sent[0]["headers"]
+    assert received <= (64 << 20) + (1 << 20)
+
+
+def test_a_body_read_away_in_time_keeps_the_connection():
+    chunks = iter([{"type": "http.request", "body": b"x" * (8 << 20), "more_body": True},
+                   {"type": "http.request", "body": b"", "more_body": False}])
+
+    async def quick() -> dict:
+        return next(chunks)
+
+    sent = _guarded(quick, 8 << 20)
+    assert sent[0]["status"] == 413 and (b"connection", b"close") not in sent[0]["headers"]
+
+
+# ---- 7. the control token never goes through a proxy to a local server ---------------------------------
+
+class _Recorder:
+    """A TCP listener that counts the connections it gets (a proxy that must never be used)."""
+
+    def __init__(self) -> None:
+        import socket
+
+        self.sock = socket.socket()
+        self.sock.bind(("127.0.0.1", 0))
+        self.sock.listen(8)
+        self.port = self.sock.getsockname()[1]
+        self.connections = 0
+        self.thread = threading.Thread(target=self._accept, daemon=True)
+        self.thread.start()
+
+    def _accept(self) -> None:
+        while True:
+            try:
+                conn, _ = self.sock.accept()
+            except OSError:
+                return
+            self.connections += 1
+            conn.close()
+
+    def close(self) -> None:
+        self.sock.close()
+        self.thread.join(10)
+
+
+@pytest.mark.parametrize("bound, connect", [("0.0.0.0", "0.0.0.0"), ("127.0.0.1", "127.0.0.1"),
+                                            ("0.0.0.0", "localhost")])
+def test_a_local_server_is_reached_without_the_proxy_of_the_environment(monkeypatch, bound, connect):
+    import http.server
+
+    from deploykit.cli.remote import opener_for
+
+    class Answer(http.server.BaseHTTPRequestHandler):
+        def do_GET(self) -> None:  # noqa: N802 - http.server's name
+            self.send_response(200)
+            self.send_header("Content-Length", "2")
+            self.end_headers()
+            self.wfile.write(b"{}")
+
+        def log_message(self, *args: object) -> None:
+            pass
+
+    proxy = _Recorder()
+    target = http.server.ThreadingHTTPServer((bound, 0), Answer)
+    serving = threading.Thread(target=target.serve_forever, daemon=True)
+    serving.start()
+    try:
+        for variable in ("HTTP_PROXY", "http_proxy", "HTTPS_PROXY", "https_proxy", "ALL_PROXY"):
+            monkeypatch.setenv(variable, f"http://127.0.0.1:{proxy.port}")
+        for variable in ("NO_PROXY", "no_proxy"):
+            monkeypatch.delenv(variable, raising=False)
+        url = f"http://{connect}:{target.server_address[1]}/control/v1/status"
+        with opener_for(url, None).open(url, timeout=10) as answer:
+            assert answer.status == 200
+        assert proxy.connections == 0
+    finally:
+        target.shutdown()
+        serving.join(10)
+        target.server_close()
+        proxy.close()
+
+
+def test_serve_on_every_interface_writes_a_loopback_url_to_server_json(tmp_path):
+    import json
+    import signal
+    import subprocess
+    import sys
+
+    from helpers import wait_until
+    from servers import free_port
+
+    port, state = free_port(), tmp_path / "state"
+    process = subprocess.Popen([sys.executable, "-m", "deploykit.cli", "serve", "--host", "0.0.0.0", "--port", str(port)],
+                               env={**os.environ, "DEPLOYKIT_STATE": str(state),
+                                    "DEPLOYKIT_API_KEY": "sk-bounds-tests-api-key"},
+                               stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    try:
+        wait_until(lambda: (state / "server.json").exists() or process.poll() is not None, 120, "server.json")
+        written = json.loads((state / "server.json").read_text())
+        assert written["url"] == f"http://127.0.0.1:{port}"
+    finally:
+        process.send_signal(signal.SIGTERM)
+        process.communicate(timeout=60)
+
+
+def test_a_control_token_equal_to_the_api_key_is_refused_at_start(tmp_path):
+    import subprocess
+    import sys
+
+    secret = "the-same-secret-for-both"
+    done = subprocess.run([sys.executable, "-m", "deploykit.cli", "serve", "--api-key", secret, "--control-token",
+                           secret, "--port", "0"], env={**os.environ, "DEPLOYKIT_STATE": str(tmp_path / "state")},
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode != 0
+    assert "the control token is the API key" in done.stderr
