@@ -410,3 +410,59 @@ def test_a_control_token_equal_to_the_api_key_is_refused_at_start(tmp_path):
                           capture_output=True, text=True, timeout=120)
     assert done.returncode != 0
     assert "the control token is the API key" in done.stderr
+
+
+# ---- 8. the llama-server --version check sees the engine's scrubbed environment -------------------------
+
+def test_the_version_check_of_a_binary_sees_no_credential(tmp_path, monkeypatch):
+    import stat
+
+    from deploykit.engine.llamacpp.binary import find_binary
+
+    script = tmp_path / "llama-server"
+    script.write_text('#!/bin/sh\necho "version: 1 ($HF_TOKEN$AWS_SECRET_ACCESS_KEY$DEPLOYKIT_TOKEN/$PATH)"\n')
+    script.chmod(script.stat().st_mode | stat.S_IXUSR)
+    monkeypatch.setenv("HF_TOKEN", "hf-secret")
+    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "aws-secret")
+    monkeypatch.setenv("DEPLOYKIT_TOKEN", "control-secret")
+    version = find_binary(script).version
+    assert "secret" not in version and "/bin" in version, version  # PATH is the engine's too
+
+
+# ---- 9. what deploykit leaves on disk: stale socket directories, a state directory open to others -------
+
+def _dead_pid() -> int:
+    import subprocess
+
+    child = subprocess.Popen(["/bin/true"])
+    child.wait()
+    return child.pid
+
+
+def test_socket_directories_of_a_killed_deploykit_are_cleared_and_no_others(tmp_path):
+    from deploykit.engine.llamacpp.process import clear_stale_socket_dirs
+
+    dead, alive = _dead_pid(), os.getpid()
+    stale = tmp_path / f"deploykit-llama-{dead}-abc123"
+    live = tmp_path / f"deploykit-llama-{alive}-def456"
+    foreign = [tmp_path / "deploykit-llama-xyz", tmp_path / f"other-{dead}-abc", tmp_path / "deploykit-llama-old_1"]
+    for directory in (stale, live, *foreign):
+        directory.mkdir()
+        (directory / "server.sock").write_text("")
+    (tmp_path / f"deploykit-llama-{dead}-link").symlink_to(live)
+    assert clear_stale_socket_dirs(tmp_path) == [stale]
+    assert not stale.exists() and live.exists() and all(d.exists() for d in foreign)
+
+
+def test_an_existing_state_directory_is_made_private_when_opened(tmp_path):
+    import stat
+
+    from deploykit.control.revisions.state import StateStore
+
+    directory = tmp_path / "state"
+    (directory / "locks").mkdir(parents=True)
+    directory.chmod(0o755)
+    (directory / "locks").chmod(0o755)
+    StateStore(directory)
+    assert stat.S_IMODE(directory.stat().st_mode) == 0o700
+    assert stat.S_IMODE((directory / "locks").stat().st_mode) == 0o700
