@@ -466,3 +466,29 @@ def test_an_existing_state_directory_is_made_private_when_opened(tmp_path):
     StateStore(directory)
     assert stat.S_IMODE(directory.stat().st_mode) == 0o700
     assert stat.S_IMODE((directory / "locks").stat().st_mode) == 0o700
+
+
+# ---- 10. cleanup removes only what this state directory laid out ----------------------------------------
+
+def test_old_shards_are_collected_but_not_another_state_directorys_nor_a_reshard_output(model, tmp_path):
+    from deploykit.artifacts.reshard import reshard
+    from deploykit.artifacts.verify import read_lock
+    from deploykit.control.revisions.reconciler import apply
+    from deploykit.control.revisions.state import StateStore
+    from deploykit.spec.manifest import load_manifests
+    from manifests import write_manifest
+
+    mine, other = StateStore(tmp_path / "state"), StateStore(tmp_path / "other-state")
+    root = tmp_path / "shards" / "tiny"
+    [theirs] = load_manifests(write_manifest(tmp_path, model, shard="120KiB"))
+    their_shards = apply(theirs, store=other).shards
+    by_hand = root / "by-hand"
+    reshard(model, by_hand, max_shard_size=100 * 1024)  # `deploykit reshard` beside, with its lock file
+    assert read_lock(by_hand) is not None
+    laid_out = []
+    for shard in ("150KiB", "200KiB", "250KiB", "300KiB"):
+        [loaded] = load_manifests(write_manifest(tmp_path, model, shard=shard))
+        laid_out.append(apply(loaded, store=mine).shards)
+    assert len(set(laid_out)) == 4 and all(p.parent == root for p in laid_out)
+    assert [p.exists() for p in laid_out] == [False, False, True, True]  # the current and previous Ready kept
+    assert their_shards.exists() and by_hand.exists()

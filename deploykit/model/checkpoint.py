@@ -30,9 +30,10 @@ from .safetensors_io import MAX_HEADER, TensorEntry, read_header
 INDEX = "model.safetensors.index.json"
 PICKLE_INDEX = "pytorch_model.bin.index.json"
 LOCK = "deploykit.lock.json"
+LAID_OUT = "deploykit.laid-out.json"  # which state directory laid shards out: only it collects them
 GGUF_RECORD = "deploykit.gguf.json"  # what ``artifacts.gguf`` converted a directory from: not model content
 PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt", ".pkl")
-_NOT_COPIED = {INDEX, PICKLE_INDEX, LOCK, GGUF_RECORD}
+_NOT_COPIED = {INDEX, PICKLE_INDEX, LOCK, GGUF_RECORD, LAID_OUT}
 
 
 @dataclass(frozen=True)
