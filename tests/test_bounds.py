@@ -492,3 +492,44 @@ def test_old_shards_are_collected_but_not_another_state_directorys_nor_a_reshard
     assert len(set(laid_out)) == 4 and all(p.parent == root for p in laid_out)
     assert [p.exists() for p in laid_out] == [False, False, True, True]  # the current and previous Ready kept
     assert their_shards.exists() and by_hand.exists()
+
+
+# ---- 11. what a relayed llama-server stream tells the client -------------------------------------------
+
+def _upstream_event(model: str, content: str, **extra: object) -> bytes:
+    """One event as llama-server writes it: compact JSON, non-ASCII as raw UTF-8."""
+    import json
+
+    event = {"choices": [{"finish_reason": None, "index": 0, "delta": {"content": content}}], "created": 1,
+             "id": "chatcmpl-upstream", "model": model, "system_fingerprint": "b0-unknown",
+             "object": "chat.completion.chunk", **extra}
+    return b"data: " + json.dumps(event, separators=(",", ":"), ensure_ascii=False).encode() + b"\n\n"
+
+
+@pytest.mark.parametrize("gguf", ["/models/tiny.gguf", "/modèles/ünïcode-模型.gguf"])
+def test_a_relayed_stream_names_neither_the_gguf_path_nor_the_engine_build(gguf):
+    import json
+
+    from deploykit.serve.openai.relay import _Rewriter
+
+    rewrite = _Rewriter("chatcmpl-ours", "tiny-chat", wants_usage=False)
+    upstream = (_upstream_event(gguf, "Hé") + _upstream_event(gguf, " there") + _upstream_event(gguf, "!")
+                + b"data: [DONE]\n\n")
+    out = b"".join(rewrite.feed(upstream[i:i + 7]) for i in range(0, len(upstream), 7))  # split anywhere
+    assert gguf.encode() not in out and b"b0-unknown" not in out and b"upstream" not in out, out
+    events = [json.loads(line[6:]) for line in out.split(b"\n\n") if line and line != b"data: [DONE]"]
+    assert [e["choices"][0]["delta"]["content"] for e in events] == ["Hé", " there", "!"]
+    assert all(e["id"] == "chatcmpl-ours" and e["model"] == "tiny-chat" and "system_fingerprint" not in e
+               for e in events), events
+    assert rewrite.ended
+
+
+def test_an_engine_event_that_never_ends_fails_the_stream_instead_of_growing():
+    from deploykit.engine.llamacpp.client import UpstreamError
+    from deploykit.serve.openai.relay import MAX_EVENT_BYTES, _Rewriter
+
+    rewrite = _Rewriter("chatcmpl-ours", "tiny-chat", wants_usage=False)
+    rewrite.feed(_upstream_event("/m.gguf", "a"))
+    with pytest.raises(UpstreamError, match="more than"):
+        for _ in range(MAX_EVENT_BYTES // (1 << 20) + 2):
+            rewrite.feed(b"data: {" + b"x" * (1 << 20))

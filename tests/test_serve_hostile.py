@@ -175,6 +175,11 @@ def test_a_schema_whose_patterns_together_would_compile_for_seconds_is_refused(s
     assert time.monotonic() - started < 5
 
 
+def test_answers_do_not_name_the_web_server_behind(server):
+    for path in ("/healthz", "/v1/models", "/nowhere"):
+        assert "server" not in httpx.get(f"{server.url}{path}", timeout=10).headers, path
+
+
 # ---- the control API --------------------------------------------------------------------------------
 
 @pytest.mark.parametrize("text, where, fragment", [

@@ -50,6 +50,8 @@ if TYPE_CHECKING:
     from ..metrics import ServingMetrics
 
 DISCONNECT_POLL_SECONDS = 0.5
+MAX_EVENT_BYTES = 4 << 20  # one upstream SSE event (a token, its logprobs, usage): more is a broken engine
+_NOT_RELAYED = ("timings", "system_fingerprint")  # llama.cpp's build ("b0-unknown") and timings
 _NOT_FORWARDED = set(IGNORED) | {"model", "max_completion_tokens", "stream_options", "temperature", "top_p", "seed"}
 ENGINE_RETRY_AFTER_SECONDS = 5
 T = TypeVar("T")
@@ -206,7 +208,8 @@ async def _relay(path: str, upstream: dict[str, Any], body: ChatCompletionReques
     try:
         answer = json.loads(raw)
         done.finished(answer.get("usage"), ttft=None)
-        answer.pop("timings", None)
+        for key in _NOT_RELAYED:
+            answer.pop(key, None)
         answer.update(id=our_id, created=now(), model=name)
         return Response(json.dumps(answer, separators=(",", ":")), media_type="application/json")
     finally:
@@ -274,9 +277,12 @@ class _Done:
 
 class _Rewriter:
     """llama-server's SSE bytes, with deploykit's id and model name. The first event is parsed once to learn
-    the upstream id and model; later events are rewritten by a bytes replace. An event with ``usage``,
-    ``timings`` or ``error`` (keys: inside JSON strings their quotes would be escaped) is parsed: usage is
-    counted and passed on only if the client asked for it, timings dropped, an error raised."""
+    the upstream id, model and fingerprint, as the bytes llama-server wrote them (raw UTF-8: a model named
+    after a GGUF path with non-ASCII characters is not the ``json.dumps`` escape of it); later events are
+    rewritten by a bytes replace. An event with ``usage``, ``timings`` or ``error`` (keys: inside JSON
+    strings their quotes would be escaped) is parsed: usage is counted and passed on only if the client
+    asked for it, timings and the fingerprint dropped, an error raised. An event is at most
+    ``MAX_EVENT_BYTES``: an engine that never ends one fails the stream instead of growing it."""
 
     def __init__(self, our_id: str, model: str, wants_usage: bool) -> None:
         self.our_id, self.model, self.wants_usage = our_id, model, wants_usage
@@ -289,6 +295,9 @@ class _Rewriter:
         """The bytes to send for ``chunk`` (whole events only; a partial one waits for the next chunk)."""
         events = (self._pending + chunk).split(b"\n\n")
         self._pending = events.pop()
+        if len(self._pending) > MAX_EVENT_BYTES:
+            self._pending = b""
+            raise UpstreamError(502, f"the engine sent an event of more than {MAX_EVENT_BYTES} bytes")
         return b"".join(self._event(e) for e in events if e.strip())
 
     def _event(self, event: bytes) -> bytes:
@@ -299,19 +308,20 @@ class _Rewriter:
             self.ended = True
             return b"data: [DONE]\n\n"
         if self._swaps is None or b'"usage"' in data or b'"timings"' in data or b'"error"' in data:
-            return self._parsed(json.loads(data))
+            return self._parsed(data)
         for old, new in self._swaps:
             data = data.replace(old, new)
         return b"data: " + data + b"\n\n"
 
-    def _parsed(self, event: dict[str, Any]) -> bytes:
+    def _parsed(self, data: bytes) -> bytes:
+        event = json.loads(data)
         if "error" in event:
             error = event["error"]
             raise UpstreamError(int(error.get("code", 500)), str(error.get("message", error)))
         if self._swaps is None:
-            self._swaps = [(_quoted(k, event[k]), _quoted(k, v)) for k, v in (("id", self.our_id), ("model", self.model))
-                           if isinstance(event.get(k), str)]
-        event.pop("timings", None)
+            self._swaps = _swaps(data, event, {"id": self.our_id, "model": self.model})
+        for key in _NOT_RELAYED:
+            event.pop(key, None)
         usage = event.get("usage") if not event.get("choices") else None
         if usage is not None:
             self.usage = usage
@@ -321,6 +331,27 @@ class _Rewriter:
             event.pop("usage", None)
         event.update(id=self.our_id, model=self.model)
         return b"data: " + json.dumps(event, separators=(",", ":")).encode() + b"\n\n"
+
+
+def _swaps(raw: bytes, event: dict[str, Any], ours: dict[str, str]) -> list[tuple[bytes, bytes]]:
+    """The byte replacements that turn later events of this stream into deploykit's: each of ``ours``'
+    keys given its value, the fingerprint removed. Each upstream pair is looked for in ``raw`` as written,
+    escaped (``json.dumps``'s default) or not (llama-server's)."""
+    swaps = []
+    for key, value in ours.items():
+        if isinstance(event.get(key), str):
+            swaps.extend((old, _quoted(key, value)) for old in _forms(key, event[key]) if old in raw)
+    fingerprint = event.get("system_fingerprint")
+    if isinstance(fingerprint, str):
+        for old in _forms("system_fingerprint", fingerprint):
+            swaps.extend((pair, b"") for pair in (b"," + old, old + b",") if pair in raw)
+    return swaps
+
+
+def _forms(key: str, value: str) -> list[bytes]:
+    """``"key":"value"`` as JSON writers write it: raw UTF-8 first, then with non-ASCII escaped."""
+    forms = [f"{json.dumps(key)}:{json.dumps(value, ensure_ascii=False)}".encode(), _quoted(key, value)]
+    return forms[:1] if forms[0] == forms[1] else forms
 
 
 def _quoted(key: str, value: str) -> bytes:
