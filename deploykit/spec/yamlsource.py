@@ -143,7 +143,7 @@ class _Builder:
             return self._mapping(node, path, doc, depth)
         if isinstance(node, yaml.SequenceNode):
             return [self.build(item, path + (i,), doc, depth + 1) for i, item in enumerate(node.value)]
-        if node.tag in (_INT_TAG, _FLOAT_TAG):
+        if isinstance(node, yaml.ScalarNode) and node.tag in (_INT_TAG, _FLOAT_TAG):
             return self._number(node, path)
         return self.loader.construct_object(node, deep=True)
 

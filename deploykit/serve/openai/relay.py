@@ -337,7 +337,7 @@ def _swaps(raw: bytes, event: dict[str, Any], ours: dict[str, str]) -> list[tupl
     """The byte replacements that turn later events of this stream into deploykit's: each of ``ours``'
     keys given its value, the fingerprint removed. Each upstream pair is looked for in ``raw`` as written,
     escaped (``json.dumps``'s default) or not (llama-server's)."""
-    swaps = []
+    swaps: list[tuple[bytes, bytes]] = []
     for key, value in ours.items():
         if isinstance(event.get(key), str):
             swaps.extend((old, _quoted(key, value)) for old in _forms(key, event[key]) if old in raw)
