@@ -92,12 +92,18 @@ class Slots:
             raise
 
     def _pass_turn(self) -> None:
-        with self._lock:
-            if not self._waiters:
-                self._sending -= 1
+        """Give a turn that ends to the first waiter whose event loop still runs, else free it."""
+        while True:
+            with self._lock:
+                if not self._waiters:
+                    self._sending -= 1
+                    return
+                loop, future = self._waiters.popleft()
+            try:
+                loop.call_soon_threadsafe(_grant, future)
                 return
-            loop, future = self._waiters.popleft()
-        loop.call_soon_threadsafe(_grant, future)
+            except RuntimeError:  # its loop is closed: nobody waits there any more
+                continue
 
     def leave(self, *, turned: bool = False) -> None:
         with self._lock:
