@@ -6,6 +6,7 @@ Every size in a manifest, on the command line or in a table goes through ``parse
 
 from __future__ import annotations
 
+import math
 import re
 
 _SIZE_UNITS = {
@@ -20,6 +21,9 @@ _SIZE_RE = re.compile(r"(\d+(?:\.\d+)?)\s*([A-Za-z]*)")
 _DURATION_UNITS = {"ms": 0.001, "s": 1.0, "m": 60.0, "h": 3600.0}
 _DURATION_RE = re.compile(r"(\d+(?:\.\d+)?)\s*(ms|s|m|h)?")
 MAX_UNIT_TEXT = 64  # "1.5 GiB" is 7 characters; longer text is refused before any regex sees it
+MAX_SIZE = 1 << 60  # 1 EiB: more than any device or disk; larger sizes are typing mistakes or attacks
+MIN_DURATION = 0.001  # 1 ms: a duration is recorded in whole milliseconds below a second ('500ms')
+MAX_DURATION = 366 * 86400.0  # a year: a longer wait is a mistake ('forever' says so where it is meant)
 
 SIZE_UNITS_TEXT = "B, KB, MB, GB, TB, KiB, MiB, GiB, TiB, or a plain integer of bytes"
 
@@ -31,7 +35,7 @@ def parse_size(value: object) -> int:
     if isinstance(value, int):
         if value < 0:
             raise ValueError(f"a size cannot be negative, got {value}")
-        return value
+        return _size_within(value, value)
     if not isinstance(value, str):
         raise ValueError(f"expected a size such as '2GiB', got {value!r}")
     match = _SIZE_RE.fullmatch(_bounded(value, "size"))
@@ -43,7 +47,18 @@ def parse_size(value: object) -> int:
         raise ValueError(f"unknown size unit {unit!r} in {value!r}; use {SIZE_UNITS_TEXT}")
     if not unit and "." in number:
         raise ValueError(f"a size in bytes must be a whole number, got {value!r}")
-    return int(round(float(number) * factor))
+    return _size_within(int(round(float(number) * factor)), value)
+
+
+def _size_within(size: int, value: object) -> int:
+    if size > MAX_SIZE:
+        raise ValueError(f"a size is at most {MAX_SIZE} bytes (1 EiB), got {_short(value)}")
+    return size
+
+
+def _short(value: object) -> str:
+    text = repr(value)
+    return text if len(text) <= MAX_UNIT_TEXT else f"{text[:MAX_UNIT_TEXT]}... ({len(text)} characters)"
 
 
 def _bounded(value: str, what: str) -> str:
@@ -69,17 +84,20 @@ def parse_duration(value: object) -> float:
     if isinstance(value, bool):
         raise ValueError(f"expected a duration such as '120s', got {value!r}")
     if isinstance(value, (int, float)):
-        seconds = float(value)
+        seconds = float(value) if isinstance(value, float) or abs(value) <= MAX_DURATION else math.inf
     elif isinstance(value, str) and (match := _DURATION_RE.fullmatch(_bounded(value, "duration"))):
         seconds = float(match.group(1)) * _DURATION_UNITS[match.group(2) or "s"]
     else:
         raise ValueError(f"cannot read {value!r} as a duration; use e.g. '500ms', '120s', '2m', '1h'")
-    if seconds <= 0:
-        raise ValueError(f"a duration must be positive, got {value!r}")
+    if not math.isfinite(seconds) or seconds > MAX_DURATION:  # .inf, .nan, 10**400
+        raise ValueError(f"a duration is at most {MAX_DURATION / 86400:g} days, got {_short(value)}")
+    if seconds < MIN_DURATION:
+        raise ValueError(f"a duration must be at least 1ms, got {_short(value)}")
     return seconds
 
 
 def format_duration(seconds: float) -> str:
+    """A duration as ``parse_duration`` reads it back: '500ms', '90s', '5m'."""
     if seconds < 1:
         return f"{seconds * 1000:.0f}ms"
     if seconds < 120:

@@ -160,6 +160,26 @@ def test_a_pattern_with_large_repetition_counts_is_refused_before_it_compiles(se
     assert time.monotonic() - started < 10
 
 
+def test_a_schema_whose_patterns_together_would_compile_for_seconds_is_refused(server):
+    """200 patterns each under the per-pattern bound took 7.8 s of CPU to compile: the schema's whole cost
+    is budgeted."""
+    schema = {"type": "object", "properties": {f"p{i}": {"type": "string", "pattern": "^[a-z]{0,990}N$"}
+                                               for i in range(200)}}
+    body = {"model": "tiny-chat", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 8,
+            "response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": schema}}}
+    started = time.monotonic()
+    status, answer = post(server, "/v1/chat/completions", body, within=10)
+    assert status == 400, answer
+    error = answer["error"]
+    assert error["param"] == "response_format" and error["code"] == "schema_too_complex", error
+    assert time.monotonic() - started < 5
+
+
+def test_answers_do_not_name_the_web_server_behind(server):
+    for path in ("/healthz", "/v1/models", "/nowhere"):
+        assert "server" not in httpx.get(f"{server.url}{path}", timeout=10).headers, path
+
+
 # ---- the control API --------------------------------------------------------------------------------
 
 @pytest.mark.parametrize("text, where, fragment", [
@@ -207,6 +227,25 @@ def test_a_manifest_that_would_stall_the_server_is_refused_at_once(server, tmp_p
     [issue] = event["issues"]
     assert issue.startswith(source + where) and fragment in issue, issue
     assert len(issue) < 400
+
+
+HEAD = "apiVersion: deploykit/v1\nkind: ModelDeployment\nmetadata: {name: bounded}\nspec:\n"
+
+
+@pytest.mark.parametrize("spec, where, fragment", [
+    ("  model: {path: /nowhere}\n  rollout:\n    strategy: blue-green\n    gates: {golden: /dev/zero, "
+     "max_nll_increase: 0.1}\n", ":8:21: spec.rollout.gates.golden:", "not a regular file"),
+    ("  model: {path: /nowhere}\n  serving: {max_queued: " + "9" * 5000 + "}\n", ":6:25: spec.serving.max_queued:",
+     "a number of 5000 digits"),
+    ("  model: {path: /nowhere}\n  lifecycle: {keep_alive: 0x" + "f" * 20 + "}\n", ":6:27: spec.lifecycle.keep_alive:",
+     "a duration is at most 366 days"),
+], ids=["golden-device", "long-integer", "hex-duration"])
+def test_a_dry_run_of_a_manifest_past_its_bounds_is_a_located_error(server, tmp_path, spec, where, fragment):
+    source = str(tmp_path / "bounded.yaml")
+    status, event = post(server, "/control/v1/apply", {"manifest": HEAD + spec, "source": source, "name": "bounded",
+                                                       "dry_run": True}, TOKEN, within=10)
+    assert status in (200, 422) and event["event"] == "error" and event["kind"] == "manifest", event
+    assert any(issue.startswith(source + where) and fragment in issue for issue in event["issues"]), event
 
 
 @pytest.mark.parametrize("path, body, param", [

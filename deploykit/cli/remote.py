@@ -49,14 +49,29 @@ def given_cacert() -> str | None:
     return ctx.meta.get(_CACERT_KEY) if ctx is not None else os.environ.get("DEPLOYKIT_CACERT")
 
 
+def is_local(host: str) -> bool:
+    """Whether ``host`` is this machine: a loopback name or address, or the unspecified address a server
+    listening on every interface is reached at here (``0.0.0.0``, ``::``)."""
+    import ipaddress
+
+    if host.lower() == "localhost":
+        return True
+    try:
+        address = ipaddress.ip_address(host)
+    except ValueError:
+        return False
+    return address.is_loopback or address.is_unspecified
+
+
 def opener_for(url: str, cacert: str | None) -> urllib.request.OpenerDirector:
-    """A stdlib opener for ``url``: no proxy for loopback (the token stays on this machine), and for
-    https a context that verifies the server against ``cacert`` (else the system's CA store)."""
+    """A stdlib opener for ``url``: no proxy for a local server (``HTTP(S)_PROXY`` would otherwise carry
+    the control token off this machine), and for https a context that verifies the server against
+    ``cacert`` (else the system's CA store)."""
     import ssl
 
     host = urllib.parse.urlsplit(url).hostname or ""
     handlers: list[urllib.request.BaseHandler] = []
-    if host in ("127.0.0.1", "localhost", "::1"):
+    if is_local(host):
         handlers.append(urllib.request.ProxyHandler({}))
     if url.startswith("https:"):
         handlers.append(urllib.request.HTTPSHandler(context=ssl.create_default_context(cafile=cacert)))

@@ -10,6 +10,7 @@ from pathlib import Path
 import click
 
 from ..errors import DeploykitError
+from ..files import read_regular_file
 from .console import STATE_OPTION, err, handle_errors, store
 
 
@@ -94,6 +95,7 @@ def serve(path: str | None, host: str, port: int, api_key: str | None, api_key_f
 
     api_key = _secret("--api-key", api_key, api_key_file)
     control_token = _secret("--control-token", control_token, control_token_file)
+    _distinct_secrets(api_key, control_token)
     for variable in ("DEPLOYKIT_API_KEY", "DEPLOYKIT_TOKEN"):  # read: no child process inherits them
         os.environ.pop(variable, None)
     check_bind(host, api_key)
@@ -113,13 +115,14 @@ def serve(path: str | None, host: str, port: int, api_key: str | None, api_key_f
                             debounce=debounce, host=budgeted)
     sock = bind(host, port)
     scheme = "https" if tls_cert else "http"
-    url = f"{scheme}://{host if ':' not in host else f'[{host}]'}:{sock.getsockname()[1]}"
+    url = _url(scheme, host, sock.getsockname()[1])
+    local_url = _url(scheme, _connectable(host), sock.getsockname()[1])  # server.json's: one the CLI can reach
     written = False
     owned = ThreadGroup()  # the thread that loads the deployments once the server listens
 
     def start() -> None:
         nonlocal written
-        write_server_file(states.directory, server_info(url, token, cacert=tls_cert))
+        write_server_file(states.directory, server_info(local_url, token, cacert=tls_cert))
         written = True
         supervisor.start()
         names = ", ".join(n for n, _ in supervisor.items()) or "none"
@@ -154,6 +157,7 @@ def serve(path: str | None, host: str, port: int, api_key: str | None, api_key_f
 
 
 MIN_SECRET = 16  # characters of an API key or control token: guessing one online must be hopeless
+MAX_SECRET_FILE = 64 << 10  # a key file holds one line; a device or a huge file is refused, not read
 
 
 def _secret(flag: str, given: str | None, file: str | None) -> str | None:
@@ -163,7 +167,7 @@ def _secret(flag: str, given: str | None, file: str | None) -> str | None:
         if given is not None and _from_command_line(flag):
             raise DeploykitError(f"give {flag} or {flag}-file, not both")
         try:
-            lines = Path(file).read_text(encoding="utf-8").splitlines()
+            lines = read_regular_file(file, MAX_SECRET_FILE).decode("utf-8").splitlines()
         except (OSError, UnicodeDecodeError) as exc:
             raise DeploykitError(f"cannot read {flag}-file {file}: {exc}") from None
         given = lines[0].strip() if lines else ""
@@ -174,6 +178,36 @@ def _secret(flag: str, given: str | None, file: str | None) -> str | None:
         raise DeploykitError(f"{flag} must be at least {MIN_SECRET} characters (got {len(given)}); "
                              "e.g. python -c 'import secrets; print(secrets.token_urlsafe(32))'")
     return given
+
+
+def _distinct_secrets(api_key: str | None, control_token: str | None) -> None:
+    """The control token changes deployments; the API key only uses them: one secret for both would give
+    every API client the operator's power."""
+    import hmac
+
+    if api_key and control_token and hmac.compare_digest(api_key.encode(), control_token.encode()):
+        raise DeploykitError("the control token is the API key: every API client could then change deployments; "
+                             "give --control-token (or DEPLOYKIT_TOKEN) a secret of its own, or leave it unset "
+                             "(a new one is made and written to <state dir>/server.json)")
+
+
+def _url(scheme: str, host: str, port: int) -> str:
+    return f"{scheme}://{host if ':' not in host else f'[{host}]'}:{port}"
+
+
+def _connectable(host: str) -> str:
+    """Where a client on this machine reaches a server bound to ``host``: the loopback address for an
+    unspecified one (``0.0.0.0``, ``::``), which is no address to connect to (and, through a proxy, would
+    send the control token off this machine)."""
+    import ipaddress
+
+    try:
+        address = ipaddress.ip_address(host)
+    except ValueError:
+        return host
+    if address.is_unspecified:
+        return "127.0.0.1" if address.version == 4 else "::1"
+    return host
 
 
 def _from_command_line(flag: str) -> bool:

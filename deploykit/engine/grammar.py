@@ -48,6 +48,12 @@ _BOUNDS = ("minLength", "maxLength", "minItems", "maxItems")
 # refused before xgrammar sees them: its compile time grows with their square (measured on a 259-token
 # vocabulary: {0,1000} 0.18 s, {0,2000} 0.67 s, {0,20000} tens of seconds, on the request's thread).
 MAX_PATTERN_COST = 1000
+# The whole schema's compile cost (``schema_cost``): each pattern's cost, plus one per subschema, plus an
+# object's properties squared over 64 (xgrammar's grammar for optional properties grows with their square:
+# 256 took 0.06 s, 500 0.26 s, 1000 3.3 s). 200 patterns of cost 990 each took 7.8 s of CPU when only
+# each pattern was bounded; this budget keeps a schema under about 0.3 s. xgrammar's compiler takes no
+# deadline, so the estimate is the bound.
+MAX_SCHEMA_COST = 4000
 _COUNT = re.compile(r"\{(\d{1,9})(?:,(\d{0,9}))?\}")
 _LOG_PREFIX = re.compile(r"^\[[\d:]+\] \S+: ")  # xgrammar's "[18:56:13] /project/cpp/file.cc:123: "
 
@@ -88,6 +94,32 @@ def unenforced(schema: Any, path: str = "") -> tuple[str, str] | None:
         if lengths and ("pattern" in node or "format" in node):  # xgrammar then follows the pattern alone
             return f"{lengths[0]} with {'pattern' if 'pattern' in node else 'format'}", where
     return None
+
+
+def schema_cost(schema: Any) -> int:
+    """An estimate of what compiling ``schema`` costs (``MAX_SCHEMA_COST``): summed over its subschemas,
+    stopping once past the budget."""
+    total = 0
+    for _, node in subschemas(schema, "#"):
+        total += 1
+        pattern = node.get("pattern")
+        if isinstance(pattern, str):
+            total += pattern_cost(pattern)
+        properties = node.get("properties")
+        if isinstance(properties, dict):
+            total += len(properties) ** 2 // 64
+        if total > MAX_SCHEMA_COST:
+            break
+    return total
+
+
+def check_cost(schema: Any, param: str) -> None:
+    """A RequestError (400 naming ``param``) when ``schema`` costs more than ``MAX_SCHEMA_COST`` to compile."""
+    cost = schema_cost(schema)
+    if cost > MAX_SCHEMA_COST:
+        raise RequestError(f"{param}: the schema would take too long to compile (its patterns, subschemas and "
+                           f"properties cost {cost}, at most {MAX_SCHEMA_COST}): use fewer or shorter patterns, "
+                           "or fewer properties", param=param, code="schema_too_complex")
 
 
 def pattern_cost(pattern: str) -> int:
@@ -214,6 +246,7 @@ class Grammars:
             raise RequestError(f"{constraint.param}: the schema keyword {keyword!r} (at {where}) cannot be "
                                f"enforced by this model's engine; remove it", param=constraint.param,
                                code="unsupported_schema")
+        check_cost(schema, constraint.param)
         try:
             return self._compiler_now().compile_json_schema(
                 constraint.schema, any_whitespace=False, separators=SEPARATORS, strict_mode=constraint.strict)

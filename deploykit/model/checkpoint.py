@@ -23,15 +23,17 @@ from pathlib import Path
 from typing import Literal
 
 from ..errors import CheckpointError
+from ..files import MAX_INDEX_BYTES, read_regular_file
 from ..names import FROM_TORCH
 from .safetensors_io import MAX_HEADER, TensorEntry, read_header
 
 INDEX = "model.safetensors.index.json"
 PICKLE_INDEX = "pytorch_model.bin.index.json"
 LOCK = "deploykit.lock.json"
+LAID_OUT = "deploykit.laid-out.json"  # which state directory laid shards out: only it collects them
 GGUF_RECORD = "deploykit.gguf.json"  # what ``artifacts.gguf`` converted a directory from: not model content
 PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt", ".pkl")
-_NOT_COPIED = {INDEX, PICKLE_INDEX, LOCK, GGUF_RECORD}
+_NOT_COPIED = {INDEX, PICKLE_INDEX, LOCK, GGUF_RECORD, LAID_OUT}
 
 
 @dataclass(frozen=True)
@@ -76,10 +78,12 @@ def _other_files(root: Path) -> list[Path]:
 
 def _read_index(path: Path) -> dict[str, str]:
     try:
-        data = json.loads(path.read_text(encoding="utf-8"))
+        data = json.loads(read_regular_file(path, MAX_INDEX_BYTES).decode("utf-8"))
         weight_map = data["weight_map"]
         if not isinstance(weight_map, dict):
             raise TypeError
+    except OSError as exc:
+        raise CheckpointError(f"{path}: cannot read the index: {exc}") from None
     except (ValueError, KeyError, TypeError, UnicodeDecodeError):
         raise CheckpointError(f"{path}: not a valid index (expected JSON with a 'weight_map')") from None
     return {str(k): str(v) for k, v in weight_map.items()}

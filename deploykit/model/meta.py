@@ -9,6 +9,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from ..errors import CheckpointError
+from ..files import MAX_CONFIG_BYTES, read_regular_file
 from .hf import BUILD_LOCK, auto_class, quiet_transformers
 
 if TYPE_CHECKING:
@@ -21,9 +22,11 @@ def read_config_json(model_dir: Path) -> bytes:
     if not config_file.is_file():
         raise CheckpointError(f"{model_dir}: no config.json; point spec.model.path at a Hugging Face "
                               "checkpoint directory")
-    data = config_file.read_bytes()
     try:
+        data = read_regular_file(config_file, MAX_CONFIG_BYTES)
         json.loads(data.decode("utf-8"))
+    except OSError as exc:
+        raise CheckpointError(f"{config_file}: cannot read: {exc}") from None
     except (ValueError, UnicodeDecodeError) as exc:
         raise CheckpointError(f"{config_file}: not valid JSON: {exc}") from None
     return data

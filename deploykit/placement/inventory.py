@@ -14,9 +14,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from ..errors import InventoryError
+from ..spec.limits import MAX_GPUS, MAX_NODES
 from ..units import format_size, parse_size
 
 ENV_VAR = "DEPLOYKIT_DEVICES"
+MAX_SPEC_TEXT = 4096  # characters of a --devices spec: "2x(8x80GiB,cpu=2TiB)" is 20
+_MAX_COUNT_DIGITS = 6
 _GPU_RE = re.compile(r"^(?:(\d+)\s*[xX*]\s*)?(\d+(?:\.\d+)?\s*[A-Za-z]*)$")
 
 
@@ -136,6 +139,8 @@ def parse_devices(spec: str) -> Inventory:
     outside the parentheses applies to every node that names none. Nodes are named node0, node1...
     and each numbers its GPUs from 0.
     """
+    if len(spec) > MAX_SPEC_TEXT:
+        raise InventoryError(f"a device spec is at most {MAX_SPEC_TEXT} characters, got {len(spec)}")
     items = _split_top(spec)
     if any(_NODES_RE.match(i) for i in items):
         return _parse_nodes(spec, items)
@@ -153,18 +158,37 @@ def _parse_nodes(spec: str, items: list[str]) -> Inventory:
                                      "parentheses; write each machine as (GPUs), e.g. 2x(8x80GiB)")
             shared.append(item)
             continue
-        count = int(match.group(1) or 1)
+        count = _count(match.group(1))
         if count < 1:
             raise InventoryError(f"cannot read device spec {spec!r} at {item!r}: node count must be positive")
         inner = _split_top(match.group(2))
         if any(_NODES_RE.match(i) for i in inner):
             raise InventoryError(f"cannot read device spec {spec!r} at {item!r}: nodes cannot be nested")
         host = _parse_host(spec, inner)
+        if len(hosts) + count > MAX_NODES:
+            raise InventoryError(f"device spec {_short(spec)!r} names more than {MAX_NODES} nodes")
+        if sum(len(h.gpus) for h in hosts) + count * len(host.gpus) > MAX_GPUS:
+            raise InventoryError(f"device spec {_short(spec)!r} names more than {MAX_GPUS} GPUs in all")
         hosts.extend([host] * count)
     defaults = _parse_host(spec, shared)
     nodes = tuple(Node(f"node{i}", h.gpus, h.cpu if h.cpu is not None else defaults.cpu,
                        h.disk if h.disk is not None else defaults.disk) for i, h in enumerate(hosts))
     return Inventory.of_nodes(nodes, simulated=True)
+
+
+def _count(digits: str | None) -> int:
+    """A count of a device spec (``4`` of ``4x80GiB``); 1 when absent. Never ``int()`` of a long run of
+    digits: past any bound anyway, and Python refuses more than 4300 of them."""
+    if digits is None:
+        return 1
+    if len(digits) > _MAX_COUNT_DIGITS:
+        raise InventoryError(f"a device count of {len(digits)} digits; at most {MAX_GPUS} GPUs and {MAX_NODES} "
+                             "nodes are planned")
+    return int(digits)
+
+
+def _short(spec: str) -> str:
+    return spec if len(spec) <= 80 else f"{spec[:80]}..."
 
 
 def _parse_host(spec: str, items: list[str]) -> Inventory:
@@ -188,14 +212,16 @@ def _parse_host(spec: str, items: list[str]) -> Inventory:
             match = _GPU_RE.match(item)
             if not match:
                 raise ValueError("expected COUNTxSIZE such as 4x80GiB")
-            count = int(match.group(1) or 1)
+            count = _count(match.group(1))
             memory = parse_size(match.group(2).replace(" ", ""))
             if count < 1 or memory <= 0:
                 raise ValueError("count and size must be positive")
+            if len(gpus) + count > MAX_GPUS:
+                raise ValueError(f"more than {MAX_GPUS} GPUs")
             first = len(gpus)
             gpus.extend(Gpu(first + i, memory) for i in range(count))
         except ValueError as exc:
-            raise InventoryError(f"cannot read device spec {spec!r} at {item!r}: {exc}") from None
+            raise InventoryError(f"cannot read device spec {_short(spec)!r} at {_short(item)!r}: {exc}") from None
     return Inventory(gpus=tuple(gpus), cpu=cpu, disk=disk, simulated=True)
 
 

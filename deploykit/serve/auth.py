@@ -6,7 +6,8 @@ compared in constant time. The control API (``/control/...``) is separate: it ne
 it answers 401 to everyone. With a key, ``/status`` (paths, process ids, plans, commits) is the
 operator's: it needs the control token too. Bodies larger than the limit are refused with 413 before
 they are read whole (by Content-Length, or by counting a chunked body as it arrives), and a body must
-arrive within ``body_timeout`` seconds (408).
+arrive within ``body_timeout`` seconds (408); a refused body is read away (to give the client its 413) only
+within that time and up to ``DRAIN_FACTOR`` times the limit, else the connection is closed.
 
 ``allowed_hosts`` (set by ``deploykit serve`` when it listens on loopback without a key): a request whose
 ``Host`` header names anything else is refused with 421 before any route runs. A web page the browser
@@ -65,11 +66,31 @@ async def _reply(send: Send, status: int, message: str, code: str, headers: list
     await send({"type": "http.response.body", "body": body})
 
 
-async def _drain(receive: Receive) -> None:
+async def _drain(receive: Receive, *, limit: int, timeout: float) -> bool:
+    """Read a refused body away, at most ``limit`` bytes within ``timeout`` seconds: True when it ended in
+    time, False when the client was slower or sent more (its connection is then closed, not read on: a
+    declared body that never arrives would otherwise hold the connection, and 1024 of them every route)."""
+    loop = asyncio.get_running_loop()
+    deadline, seen = loop.time() + timeout, 0
     while True:
-        message = await receive()
+        try:
+            message = await asyncio.wait_for(receive(), max(0.0, deadline - loop.time()))
+        except asyncio.TimeoutError:
+            return False
         if message["type"] != "http.request" or not message.get("more_body", False):
-            return
+            return True
+        seen += len(message.get("body", b""))
+        if seen > limit:
+            return False
+
+
+def _declared_length(scope: Scope) -> int | None:
+    """The body length the request declares (``Content-Length``), at most 10**18 (never ``int()`` of a long
+    run of digits); None without one."""
+    length = dict(scope.get("headers", [])).get(b"content-length")
+    if length is None or not length.isdigit():
+        return None
+    return int(length) if len(length) <= 18 else 10**18
 
 
 def _host_name(scope: Scope) -> str | None:
@@ -133,12 +154,14 @@ class Guard:
             await _reply(send, 401, message, "invalid_control_token" if control else "invalid_api_key",
                          [(b"www-authenticate", b"Bearer")])
             return
-        length = dict(scope.get("headers", [])).get(b"content-length")
-        if length is not None and length.isdigit() and int(length) > self.max_body:
-            if int(length) <= DRAIN_FACTOR * self.max_body:  # read it away: the client then sees the 413,
-                await _drain(receive)                         # not a connection reset mid-upload
-            await _reply(send, 413, f"the request body is {int(length)} bytes; the limit is {self.max_body}",
-                         "request_too_large")
+        declared = _declared_length(scope)
+        if declared is not None and declared > self.max_body:
+            limit = DRAIN_FACTOR * self.max_body
+            # read it away (bounded, within the body timeout): the client then sees the 413, not a
+            # connection reset mid-upload; one too slow or too large gets the 413 and a closed connection
+            drained = declared <= limit and await _drain(receive, limit=limit, timeout=self.body_timeout)
+            await _reply(send, 413, f"the request body is {declared} bytes; the limit is {self.max_body}",
+                         "request_too_large", [] if drained else [(b"connection", b"close")])
             return
         await self._counted(scope, receive, send)
 

@@ -91,7 +91,8 @@ def run(app: Any, sock: socket.socket, *, on_started: Callable[[], None], thread
                             timeout_graceful_shutdown=int(listening.drain_timeout), access_log=False,
                             http=bounded_h11(listening.header_timeout), h11_max_incomplete_event_size=MAX_HEADER_BYTES,
                             ssl_certfile=listening.tls_cert, ssl_keyfile=listening.tls_key,
-                            limit_concurrency=listening.max_connections)
+                            limit_concurrency=listening.max_connections,
+                            server_header=False)  # no "server: uvicorn": what runs behind is not the client's
     server = _Server(config, on_started, threads, on_stopping)
     # uvicorn handles SIGTERM/SIGINT while it runs, then raises them again for the handler it found:
     # make that one a no-op, so the caller goes on to free the models and exits 0.

@@ -12,7 +12,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from ..files import read_regular_file
+
 MAX_GOLDEN_CASES = 1000  # bounded: every case is one forward of each generation before any traffic
+MAX_GOLDEN_BYTES = 8 << 20  # read at most this much: a manifest may name /dev/zero or a huge file
 
 
 class GoldenError(ValueError):
@@ -83,9 +86,10 @@ def parse_golden(text: str) -> list[GoldenCase]:
 
 
 def read_golden(path: Path) -> list[GoldenCase]:
-    """The cases of the golden file at ``path``. Raises ``GoldenError`` (missing, unreadable, empty, malformed)."""
+    """The cases of the golden file at ``path``: a regular file of at most ``MAX_GOLDEN_BYTES``. Raises
+    ``GoldenError`` (missing, unreadable, not a regular file, too large, empty, malformed)."""
     try:
-        text = path.read_text(encoding="utf-8")
+        text = read_regular_file(path, MAX_GOLDEN_BYTES).decode("utf-8")
     except FileNotFoundError:
         raise GoldenError(f"golden file {str(path)!r} does not exist") from None
     except (OSError, UnicodeDecodeError) as exc:

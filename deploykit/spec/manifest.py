@@ -104,6 +104,7 @@ def parse_manifests(data: bytes, *, source: str, base_dir: Path) -> list[LoadedM
     """Validate every document in ``data``. Raises ManifestError listing all issues of the file."""
     documents, issues = load_documents(data, source)
     documents = [d for d in documents if d.data is not None]
+    read_spots = {(i.line, i.column) for i in issues}  # a value the reader refused (a number): said once
     loaded: list[LoadedManifest] = []
     names: dict[str, int] = {}
     for doc in documents:
@@ -114,7 +115,7 @@ def parse_manifests(data: bytes, *, source: str, base_dir: Path) -> list[LoadedM
         try:
             manifest = ModelDeployment.model_validate(doc.data)
         except ValidationError as exc:
-            issues.extend(validation_issues(exc, doc, source))
+            issues.extend(i for i in validation_issues(exc, doc, source) if (i.line, i.column) not in read_spots)
             continue
         if manifest.metadata.name in names:
             line, column = doc.locate(("metadata", "name"))

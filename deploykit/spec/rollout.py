@@ -19,6 +19,10 @@ from pydantic_core import PydanticCustomError
 from .values import Duration, Strict
 
 DEFAULT_MIN_GOLDEN_TOKENS = 256  # reference tokens below which golden gates would decide on too little
+MAX_MIN_REQUESTS = 1_000_000  # requests a canary step waits for
+MAX_NLL_INCREASE = 100.0  # nats per token: far past any model worth comparing
+MAX_TTFT_RATIO = 1000.0
+MAX_MIN_GOLDEN_TOKENS = 10_000_000
 TRAFFIC_GATES = ("max_error_rate", "max_ttft_p95", "max_error_rate_increase", "max_ttft_p95_ratio")
 
 
@@ -32,14 +36,15 @@ class HealthCheck(Strict):
 class Canary(Strict):
     """How a canary moves new requests to the new generation, step by step (docs/rollout.md)."""
 
-    steps: list[Annotated[int, Field(ge=1, le=100)]] = Field(
+    steps: list[Annotated[int, Field(ge=1, le=100, strict=True)]] = Field(
         default=[10, 50, 100], description="Percent of new requests sent to the new generation, one step after "
                                            "another: increasing, ending at 100 (the new generation alone).")
     step_seconds: Duration = Field(30.0, description="How long each step lasts at least: its traffic gates are "
                                                      "checked on the new generation's requests of that step.")
-    min_requests: int = Field(10, ge=0, description="Requests the new generation must finish in each step before "
-                                                    "the step may pass: a step extends until it has them (up to "
-                                                    "max_step_seconds), then fails. 0: a step passes on its time.")
+    min_requests: int = Field(
+        10, ge=0, le=MAX_MIN_REQUESTS, strict=True,
+        description="Requests the new generation must finish in each step before the step may pass: a step extends "
+                    "until it has them (up to max_step_seconds), then fails. 0: a step passes on its time.")
     max_step_seconds: Duration | None = Field(None, description="Longest a step may extend waiting for "
                                                                 "min_requests before the rollout fails (default: "
                                                                 "10 times step_seconds).")
@@ -77,29 +82,33 @@ class Gates(Strict):
                                                   "[...]} or {\"prompt\": \"...\"}, and \"completion\" (relative "
                                                   "to the manifest). Scored by both generations before any traffic.")
     max_nll_increase: float | None = Field(
-        None, ge=0, description="Most the mean per-token negative log-likelihood of the golden completions may "
-                                "rise, new generation minus serving one, in nats. Needs golden.")
+        None, ge=0, le=MAX_NLL_INCREASE, strict=True,
+        description="Most the mean per-token negative log-likelihood of the golden completions may rise, new "
+                    "generation minus serving one, in nats. Needs golden.")
     min_top1_agreement: float | None = Field(
-        None, ge=0, le=1, description="Least share of golden completion positions where both generations' "
+        None, ge=0, le=1, strict=True, description="Least share of golden completion positions where both generations' "
                                       "most likely next token agree. Needs golden.")
     max_error_rate: float | None = Field(
-        None, ge=0, le=1, description="Most share of the new generation's requests in a canary step that may "
-                                      "fail (5xx). Needs strategy canary.")
+        None, ge=0, le=1, strict=True,
+        description="Most share of the new generation's requests in a canary step that may fail (5xx). Needs "
+                    "strategy canary.")
     max_ttft_p95: Duration | None = Field(
         None, description="Longest time to first token, 95th percentile, of the new generation's requests in "
                           "a canary step. Needs strategy canary.")
     max_error_rate_increase: float | None = Field(
-        None, ge=0, le=1, description="Most the new generation's error rate (share of 5xx) in a canary step may "
-                                      "exceed the serving generation's over the same window (0.02: two points "
-                                      "more). Needs strategy canary.")
+        None, ge=0, le=1, strict=True,
+        description="Most the new generation's error rate (share of 5xx) in a canary step may exceed the serving "
+                    "generation's over the same window (0.02: two points more). Needs strategy canary.")
     max_ttft_p95_ratio: float | None = Field(
-        None, gt=0, description="Most the new generation's time to first token, 95th percentile, in a canary "
-                                "step may be, as a multiple of the serving generation's over the same window "
-                                "(1.5: half as slow again). Needs strategy canary.")
+        None, gt=0, le=MAX_TTFT_RATIO, strict=True,
+        description="Most the new generation's time to first token, 95th percentile, in a canary step may be, as a "
+                    "multiple of the serving generation's over the same window (1.5: half as slow again). Needs "
+                    "strategy canary.")
     min_golden_tokens: int | None = Field(
-        None, ge=1, description=f"Least number of completion tokens the golden references must hold, counted "
-                                f"with the serving model's tokenizer, for the golden gates to decide on them; "
-                                f"fewer is refused at apply (default {DEFAULT_MIN_GOLDEN_TOKENS}). Needs golden.")
+        None, ge=1, le=MAX_MIN_GOLDEN_TOKENS, strict=True,
+        description="Least number of completion tokens the golden references must hold, counted with the serving "
+                    "model's tokenizer, for the golden gates to decide on them; fewer is refused at apply (default "
+                    f"{DEFAULT_MIN_GOLDEN_TOKENS}). Needs golden.")
 
     @model_validator(mode="after")
     def _golden_and_its_gates(self) -> Gates:

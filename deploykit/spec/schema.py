@@ -27,6 +27,7 @@ from pydantic import (
 from pydantic_core import PydanticCustomError
 
 from .adapters import Adapter, duplicate_problem
+from .limits import MAX_GPUS, MAX_NODES, MAX_REPLICAS
 from .rollout import Canary, Gates, HealthCheck, Rollout
 from .serving import Engine, Lifecycle, PrefixCache, Serving
 from .values import Duration, KeepAlive, Size, Strict
@@ -37,6 +38,10 @@ __all__ = ["API_VERSION", "KIND", "Adapter", "Canary", "Cluster", "CpuOffload", 
 
 API_VERSION = "deploykit/v1"
 KIND = "ModelDeployment"
+# Upper bounds of the manifest's numbers: each far above any real deployment, low enough that nothing
+# sized from them (a device list, a thread pool, a queue) can exhaust the host (docs/control.md).
+MAX_RATIO = 1e6  # a relative share per GPU
+MAX_KV_TOKENS = 1 << 24  # KV-cache tokens planned per layer (batch x sequence)
 _NAME_RE = re.compile(r"[a-z0-9]([a-z0-9-]{0,61}[a-z0-9])?")  # fullmatch: "$" would take a trailing newline
 
 
@@ -70,16 +75,19 @@ class ModelSpec(Strict):
 class KVCache(Strict):
     """Room reserved for the KV cache of each decoder layer, on the device holding that layer."""
 
-    tokens: int = Field(ge=1, description="Cached tokens to plan for (batch x sequence length).")
+    tokens: int = Field(
+        ge=1, le=MAX_KV_TOKENS, strict=True,
+        description="Cached tokens to plan for (batch x sequence length).")
 
 
 class Placement(Strict):
     """Which GPUs hold the model, and in what proportion."""
 
-    gpus: list[Annotated[int, Field(ge=0)]] | Literal["all"] = Field(
-        default=[], description='CUDA device indices, "all", or [] for no GPU.')
-    ratios: list[Annotated[float, Field(ge=0)]] | None = Field(
-        None, description="Relative share of the model per GPU, same length as gpus; default equal.")
+    gpus: list[Annotated[int, Field(ge=0, lt=MAX_GPUS, strict=True)]] | Literal["all"] = Field(
+        default=[], max_length=MAX_GPUS, description='CUDA device indices, "all", or [] for no GPU.')
+    ratios: list[Annotated[float, Field(ge=0, le=MAX_RATIO, strict=True)]] | None = Field(
+        None, max_length=MAX_GPUS,
+        description="Relative share of the model per GPU, same length as gpus; default equal.")
     reserve: Size = Field(2 * 2**30, description="Per-GPU headroom kept free: CUDA context, "
                                                  "activations, KV cache not planned with kv_cache.")
     embeddings: Literal["first"] = Field(
@@ -87,15 +95,16 @@ class Placement(Strict):
     balance: Literal["memory", "compute"] = Field(
         "memory", description="Balance bytes per GPU (memory) or estimated FLOPs per token (compute).")
     kv_cache: KVCache | None = Field(None, description="Plan KV-cache and logits memory per layer.")
-    nodes: int = Field(1, ge=1, description="Pipeline stages, one per node of spec.cluster: layers are split "
-                                            "node-major (contiguous runs per node, then per GPU within a node; "
-                                            "embeddings on the first node's first GPU). 1: one host. "
-                                            "Deploying more than 1 needs spec.cluster; `deploykit plan "
-                                            "--devices` does not.")
-    tensor_parallel: int = Field(1, ge=1, description="Ranks every attention and MLP layer is split across "
-                                                      "(transformers' tp_plan): one per listed GPU, or that many "
-                                                      "worker processes on a CPU-only host. Must divide the "
-                                                      "attention and key-value heads. 1: no split.")
+    nodes: int = Field(
+        1, ge=1, le=MAX_NODES, strict=True,
+        description="Pipeline stages, one per node of spec.cluster: layers are split node-major (contiguous runs "
+                    "per node, then per GPU within a node; embeddings on the first node's first GPU). 1: one host. "
+                    "Deploying more than 1 needs spec.cluster; `deploykit plan --devices` does not.")
+    tensor_parallel: int = Field(
+        1, ge=1, le=MAX_GPUS, strict=True,
+        description="Ranks every attention and MLP layer is split across (transformers' tp_plan): one per listed "
+                    "GPU, or that many worker processes on a CPU-only host. Must divide the attention and key-value "
+                    "heads. 1: no split.")
 
     @model_serializer(mode="wrap")
     def _omit_default_nodes(self, handler: SerializerFunctionWrapHandler) -> dict[str, Any]:
@@ -210,9 +219,10 @@ class Spec(Strict):
     model: ModelSpec = Field(description="The checkpoint.")
     cluster: Cluster | None = Field(None, description="Ray cluster for replicas and pipeline stages; "
                                                       "absent: in-process on this host.")
-    replicas: int = Field(1, ge=1, description="Copies of the model serving behind one endpoint: Ray Serve "
-                                               "replicas, each with its own pipeline stages when "
-                                               "placement.nodes > 1. More than 1 needs spec.cluster.")
+    replicas: int = Field(
+        1, ge=1, le=MAX_REPLICAS, strict=True,
+        description="Copies of the model serving behind one endpoint: Ray Serve replicas, each with its own "
+                    "pipeline stages when placement.nodes > 1. More than 1 needs spec.cluster.")
     placement: Placement = Field(default_factory=Placement, description="GPUs and their shares.")
     sharding: Sharding = Field(default_factory=Sharding, description="Checkpoint file layout.")
     offload: Offload = Field(default_factory=Offload, description="CPU and disk tiers after the GPUs.")

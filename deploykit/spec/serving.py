@@ -18,6 +18,11 @@ from pydantic_core import PydanticCustomError
 
 from .values import KeepAlive, Size, Strict
 
+MAX_CONTEXT = 1 << 20  # tokens of context, and of one answer
+MAX_QUEUED = 4096  # requests waiting beyond the running ones, per deployment
+MAX_INPUT_ITEMS = 4096  # prompts or embedding inputs in one request
+MAX_PRIORITY = 1_000_000
+
 
 class PrefixCache(Strict):
     """The KV cache of finished requests' token sequences, kept to serve later requests that share their
@@ -41,16 +46,23 @@ class Serving(Strict):
     """Limits of the inference API for this model (``deploykit serve``, ``Deployment.generate``)."""
 
     context_length: int | None = Field(
-        None, ge=8, description="Longest prompt plus generated tokens; default: the model's "
-                                "max_position_embeddings, at most 8192.")
-    max_tokens: int = Field(512, ge=1, description="Most tokens one request may generate; a request "
-                                                  "asking for more is refused (400).")
-    default_max_tokens: int = Field(256, ge=1, description="Tokens generated when a request names no "
-                                                          "max_tokens (capped by max_tokens).")
-    max_concurrent: int = Field(16, ge=1, le=1024, description="Requests decoded together in one batch.")
-    max_queued: int = Field(64, ge=0, description="Requests waiting for a batch slot beyond "
-                                                  "max_concurrent; more are refused (429 with Retry-After).")
-    max_input_items: int = Field(256, ge=1, description="Most prompts or embedding inputs in one request.")
+        None, ge=8, le=MAX_CONTEXT, strict=True,
+        description="Longest prompt plus generated tokens; default: the model's max_position_embeddings, at most "
+                    "8192.")
+    max_tokens: int = Field(
+        512, ge=1, le=MAX_CONTEXT, strict=True,
+        description="Most tokens one request may generate; a request asking for more is refused (400).")
+    default_max_tokens: int = Field(
+        256, ge=1, le=MAX_CONTEXT, strict=True,
+        description="Tokens generated when a request names no max_tokens (capped by max_tokens).")
+    max_concurrent: int = Field(16, ge=1, le=1024, strict=True, description="Requests decoded together in one batch.")
+    max_queued: int = Field(
+        64, ge=0, le=MAX_QUEUED, strict=True,
+        description=f"Requests waiting for a batch slot beyond max_concurrent (at most {MAX_QUEUED}); more are "
+                    "refused (429 with Retry-After). They wait in deploykit, never in an engine's threads.")
+    max_input_items: int = Field(
+        256, ge=1, le=MAX_INPUT_ITEMS, strict=True,
+        description="Most prompts or embedding inputs in one request.")
     batching: Literal["padded", "continuous"] = Field(
         "padded", description="padded: deploykit's batch loop (per-request sampling); continuous: "
                               "transformers' continuous batching (greedy requests only).")
@@ -60,7 +72,7 @@ class Serving(Strict):
                           "refused (400) and only forced calls (required, a named function) are served.")
     prefix_cache: PrefixCache = Field(default_factory=PrefixCache,
                                       description="Reuse of prompt prefixes across requests (padded batching).")
-    prefill_chunk: int = Field(256, ge=16, le=65536,
+    prefill_chunk: int = Field(256, ge=16, le=65536, strict=True,
                                description="The most prompt tokens read in one step (padded batching): a "
                                            "longer prompt is read in chunks between the decode steps of the "
                                            "running requests, each sized to take about 1.5 of their steps "
@@ -104,8 +116,10 @@ class Lifecycle(Strict):
                                                     "of the last request); 'forever' never unloads when idle.")
     load: Literal["eager", "on-demand"] = Field(
         "eager", description="eager: loaded when served or applied; on-demand: loaded at its first request.")
-    priority: int = Field(0, description="Making room for a deployment unloads idle ones of this priority or "
-                                         "lower (lowest first, then least recently used).")
+    priority: int = Field(
+        0, ge=-MAX_PRIORITY, le=MAX_PRIORITY, strict=True,
+        description="Making room for a deployment unloads idle ones of this priority or lower (lowest first, then "
+                    "least recently used).")
 
 
 class Engine(Strict):
@@ -120,15 +134,18 @@ class Engine(Strict):
         None, description="llama.cpp: the llama-server executable (relative to the manifest). Default: "
                           "$DEPLOYKIT_LLAMA_SERVER, else the one the deploykit[llamacpp] extra installed, else "
                           "llama-server on PATH.")
-    slots: int = Field(4, ge=1, le=256, description="llama.cpp: requests decoded together (llama-server "
+    slots: int = Field(4, ge=1, le=256, strict=True, description="llama.cpp: requests decoded together (llama-server "
                                                     "--parallel); more wait in deploykit's queue "
                                                     "(spec.serving.max_queued).")
-    context: int = Field(4096, ge=64, le=1 << 20, description="llama.cpp: tokens of context per slot (prompt plus "
-                                                              "generated); the KV cache holds slots x context.")
-    threads: int | None = Field(None, ge=1, le=1024, description="llama.cpp: CPU threads for generation "
+    context: int = Field(
+        4096, ge=64, le=MAX_CONTEXT, strict=True,
+        description="llama.cpp: tokens of context per slot (prompt plus generated); the KV cache holds slots x "
+                    "context.")
+    threads: int | None = Field(None, ge=1, le=1024, strict=True, description="llama.cpp: CPU threads for generation "
                                                                  "(--threads); default: llama-server's choice.")
-    batch_size: int = Field(512, ge=1, le=1 << 16, description="llama.cpp: prompt tokens evaluated per step "
-                                                                "(--batch-size and --ubatch-size).")
+    batch_size: int = Field(
+        512, ge=1, le=1 << 16, strict=True,
+        description="llama.cpp: prompt tokens evaluated per step (--batch-size and --ubatch-size).")
 
     @model_validator(mode="after")
     def _llama_fields_need_llama(self) -> Engine:

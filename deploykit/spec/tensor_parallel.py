@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Any, Protocol
 
 from ..errors import Issue
+from ..files import MAX_CONFIG_BYTES, read_regular_file
 
 
 class _Located(Protocol):
@@ -84,8 +85,8 @@ def heads_issues(loaded: _Located) -> list[Issue]:
                                     f"(to read the heads); {str(loaded.model_path)!r} has none",
                              hint="import a GGUF file to a directory first, or set tensor_parallel to 1")]
     try:
-        config = json.loads(config_file.read_text(encoding="utf-8"))
-    except (OSError, ValueError) as exc:
+        config = json.loads(read_regular_file(config_file, MAX_CONFIG_BYTES).decode("utf-8"))
+    except (OSError, ValueError) as exc:  # UnicodeDecodeError is a ValueError
         return [loaded.issue("spec.model.path", f"{config_file}: not readable JSON: {exc}")]
     heads, kv = heads_of(config)
     if heads is None:

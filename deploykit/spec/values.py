@@ -15,7 +15,7 @@ from pydantic import (
 )
 from pydantic_core import PydanticCustomError
 
-from ..units import SIZE_UNITS_TEXT, format_duration, parse_duration, parse_size
+from ..units import MAX_DURATION, MAX_SIZE, SIZE_UNITS_TEXT, format_duration, parse_duration, parse_size
 
 
 def _size(value: object) -> int:
@@ -37,7 +37,7 @@ Size = Annotated[
     BeforeValidator(_size),
     WithJsonSchema({
         "anyOf": [
-            {"type": "integer", "minimum": 0},
+            {"type": "integer", "minimum": 0, "maximum": MAX_SIZE},
             {"type": "string", "pattern": r"^\s*\d+(\.\d+)?\s*([KMGT]i?B|[kK]i?B|B)?\s*$"},
         ],
         "description": f"A size: {SIZE_UNITS_TEXT}.",
@@ -48,7 +48,7 @@ Duration = Annotated[
     BeforeValidator(_duration),
     PlainSerializer(format_duration, return_type=str),
     WithJsonSchema({
-        "anyOf": [{"type": "number", "exclusiveMinimum": 0},
+        "anyOf": [{"type": "number", "exclusiveMinimum": 0, "maximum": MAX_DURATION},
                   {"type": "string", "pattern": r"^\s*\d+(\.\d+)?\s*(ms|s|m|h)?\s*$"}],
         "description": "A duration: '500ms', '120s', '2m', '1h', or a number of seconds.",
     }),
@@ -69,7 +69,7 @@ KeepAlive = Annotated[
     BeforeValidator(_keep_alive),
     PlainSerializer(lambda v: "forever" if v is None else format_duration(v), return_type=str),
     WithJsonSchema({
-        "anyOf": [{"type": "number", "exclusiveMinimum": 0},
+        "anyOf": [{"type": "number", "exclusiveMinimum": 0, "maximum": MAX_DURATION},
                   {"type": "string", "pattern": r"^\s*(forever|\d+(\.\d+)?\s*(ms|s|m|h)?)\s*$"}],
         "description": "A duration ('30s', '5m', '1h', or a number of seconds), or 'forever'.",
     }),

@@ -8,7 +8,10 @@ and builds plain Python values itself, so that:
 - duplicate keys, merge keys and runaway alias expansion ("billion laughs") are errors, not surprises:
   aliases are counted in values and in bytes, so a few large values repeated by aliases cannot grow
   past what a file of ``MAX_BYTES`` could hold;
-- booleans are YAML 1.2's ``true``/``false`` only;
+- booleans are YAML 1.2's ``true``/``false`` only; numbers are YAML 1.2's core forms only (``12``, ``-3``,
+  ``0x1f``, ``0o17``, ``1.5``, ``2e3``: no base 60 ``1:30``, no ``0b1``, no ``1_000``), of at most
+  ``MAX_DIGITS`` digits, and finite (``.inf`` and ``.nan`` are refused where they are written): PyYAML's
+  base-60 reading is quadratic in the digits, and ``int()`` refuses more than 4300 of them;
 - input that is empty, binary, not UTF-8 or too large is refused before parsing.
 
 This module never imports torch and never touches the filesystem beyond reading the bytes it is given.
@@ -16,6 +19,7 @@ This module never imports torch and never touches the filesystem beyond reading 
 
 from __future__ import annotations
 
+import math
 import re
 from dataclasses import dataclass, field
 from typing import Any
@@ -28,6 +32,7 @@ MAX_BYTES = 1 << 20  # a manifest is a page of text; 1 MiB is generous
 MAX_NODES = 20_000  # values built after alias expansion; a real manifest has a few dozen
 MAX_EXPANDED_BYTES = MAX_BYTES  # text of keys and values after alias expansion: what the file could hold
 MAX_DEPTH = 64
+MAX_DIGITS = 30  # digits of a number: every bound in the schema has fewer than 20
 
 Path_ = tuple[str | int, ...]
 
@@ -50,13 +55,42 @@ class _Loader(yaml.SafeLoader):
             self._depth -= 1
 
 
+_INT_TAG, _FLOAT_TAG = "tag:yaml.org,2002:int", "tag:yaml.org,2002:float"
 _Loader.yaml_implicit_resolvers = {
-    key: [(tag, rx) for tag, rx in resolvers if tag != "tag:yaml.org,2002:bool"]
+    key: [(tag, rx) for tag, rx in resolvers if tag not in ("tag:yaml.org,2002:bool", _INT_TAG, _FLOAT_TAG)]
     for key, resolvers in yaml.SafeLoader.yaml_implicit_resolvers.items()
 }
 _Loader.add_implicit_resolver(
     "tag:yaml.org,2002:bool", re.compile(r"^(?:true|True|TRUE|false|False|FALSE)$"), list("tTfF")
 )
+# YAML 1.2's core schema (https://yaml.org/spec/1.2.2/#1032-tag-resolution), matched with ``fullmatch``
+_CORE_INT = re.compile(r"[-+]?[0-9]+|0o[0-7]+|0x[0-9a-fA-F]+")
+_CORE_FLOAT = re.compile(r"[-+]?(?:\.[0-9]+|[0-9]+(?:\.[0-9]*)?)(?:[eE][-+]?[0-9]+)?")
+_CORE_SPECIAL = re.compile(r"[-+]?\.(?:inf|Inf|INF)|\.(?:nan|NaN|NAN)")
+_Loader.add_implicit_resolver(_INT_TAG, re.compile(r"^(?:[-+]?[0-9]+|0o[0-7]+|0x[0-9a-fA-F]+)$"),
+                              list("-+0123456789"))
+_Loader.add_implicit_resolver(
+    _FLOAT_TAG, re.compile(r"^(?:[-+]?(?:\.[0-9]+|[0-9]+(?:\.[0-9]*)?)(?:[eE][-+]?[0-9]+)?|[-+]?\.(?:inf|Inf|INF)"
+                           r"|\.(?:nan|NaN|NAN))$"), list("-+.0123456789"))
+
+
+def core_number(text: str, tag: str) -> int | float:
+    """The number a YAML 1.2 core int or float scalar stands for; ValueError (saying why) for any other
+    form, more than ``MAX_DIGITS`` digits, or a float that is not finite."""
+    digits = sum(c.isalnum() for c in text) - (2 if text[:2] in ("0x", "0o") else 0)
+    if digits > MAX_DIGITS:
+        raise ValueError(f"a number of {digits} digits; at most {MAX_DIGITS} are read")
+    if tag == _INT_TAG and _CORE_INT.fullmatch(text):
+        return int(text, 16 if text.startswith("0x") else 8 if text.startswith("0o") else 10)
+    if tag == _FLOAT_TAG and _CORE_FLOAT.fullmatch(text):
+        value = float(text)
+        if math.isfinite(value):
+            return value
+        raise ValueError(f"{text} is too large for a number")
+    if tag == _FLOAT_TAG and _CORE_SPECIAL.fullmatch(text):
+        raise ValueError(f"{text} is not a finite number")
+    raise ValueError(f"{text!r} is not a YAML 1.2 {'integer' if tag == _INT_TAG else 'number'} (base 60, binary "
+                     "and underscores are not read)")
 
 
 @dataclass
@@ -109,7 +143,18 @@ class _Builder:
             return self._mapping(node, path, doc, depth)
         if isinstance(node, yaml.SequenceNode):
             return [self.build(item, path + (i,), doc, depth + 1) for i, item in enumerate(node.value)]
+        if isinstance(node, yaml.ScalarNode) and node.tag in (_INT_TAG, _FLOAT_TAG):
+            return self._number(node, path)
         return self.loader.construct_object(node, deep=True)
+
+    def _number(self, node: yaml.ScalarNode, path: Path_) -> int | float | str:
+        """The node's number; its text, and an issue where it is, when it is not one deploykit reads."""
+        try:
+            return core_number(node.value, node.tag)
+        except ValueError as exc:
+            self.issue(str(exc), node.start_mark, path, hint="write a plain decimal number such as 30 or 1.5, "
+                                                             "or quote the value to make it a string")
+            return node.value
 
     def _count(self, node: yaml.ScalarNode) -> None:
         self.bytes += len(node.value)

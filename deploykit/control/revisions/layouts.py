@@ -9,12 +9,13 @@ shards intact, and ``collect_old_shards`` removes old ones only after a new revi
 from __future__ import annotations
 
 import hashlib
+import json
 import logging
 import shutil
 from dataclasses import replace
 from pathlib import Path
 
-from ...artifacts.fsutil import discard_dir
+from ...artifacts.fsutil import discard_dir, write_atomic
 from ...artifacts.gguf import (
     import_dir,
     import_gguf,
@@ -26,7 +27,8 @@ from ...artifacts.quantize import quantize_for
 from ...artifacts.reshard import ProgressSink, ReshardResult, reshard
 from ...artifacts.verify import checksums, read_lock, shard_problem
 from ...errors import CheckpointError
-from ...model.checkpoint import Checkpoint, open_checkpoint
+from ...files import read_regular_file
+from ...model.checkpoint import LAID_OUT, Checkpoint, open_checkpoint
 from ...model.gguf import is_gguf
 from ...names import Phase
 from ...placement.plan import Plan
@@ -136,7 +138,11 @@ def lay_out(loaded: LoadedManifest, store: StateStore, checkpoint: Checkpoint, p
         return checkpoint.path, None
     layout = plan_layout(checkpoint, **layout_args)  # type: ignore[arg-type]
     shards = _layout_dir(loaded, store, checkpoint, layout.digest, what="shards")
-    return shards, reshard(checkpoint, shards, progress=progress, **layout_args)  # type: ignore[arg-type]
+    fresh = read_lock(shards) is None
+    result = reshard(checkpoint, shards, progress=progress, **layout_args)  # type: ignore[arg-type]
+    if fresh:
+        mark_laid_out(shards, store)
+    return shards, result
 
 
 def _layout_dir(loaded: LoadedManifest, store: StateStore, checkpoint: Checkpoint, digest: str, *, what: str) -> Path:
@@ -158,8 +164,12 @@ def _lay_out_ranks(loaded: LoadedManifest, store: StateStore, checkpoint: Checkp
     model = loaded.manifest.spec.model
     layout = rank_layout(checkpoint, ranks=loaded.manifest.spec.placement.tensor_parallel, dtype=model.dtype,
                          task=model.task, trust_remote_code=model.trust_remote_code)
-    return write_rank_shards(checkpoint, _layout_dir(loaded, store, checkpoint, layout.digest, what="rank shards"),
-                             layout)
+    directory = _layout_dir(loaded, store, checkpoint, layout.digest, what="rank shards")
+    fresh = read_lock(directory) is None
+    written = write_rank_shards(checkpoint, directory, layout)
+    if fresh:
+        mark_laid_out(written, store)
+    return written
 
 
 def in_place_checksums(checkpoint: Checkpoint) -> dict[str, dict]:
@@ -167,14 +177,37 @@ def in_place_checksums(checkpoint: Checkpoint) -> dict[str, dict]:
     return checksums(checkpoint.path, sorted({str(t.file.relative_to(checkpoint.path)) for t in checkpoint.tensors}))
 
 
+def _identity(store: StateStore) -> str:
+    return str(store.directory.resolve())
+
+
+def mark_laid_out(directory: Path, store: StateStore) -> None:
+    """Record in ``directory`` that this state directory laid it out (``LAID_OUT``): only this state
+    directory's collection may then remove it."""
+    write_atomic(directory / LAID_OUT, json.dumps({"state_dir": _identity(store)}).encode())
+
+
+def laid_out_by(directory: Path, store: StateStore) -> bool:
+    """Whether this state directory laid ``directory`` out (its ``LAID_OUT`` record names it). A shards
+    directory of another state directory, a `deploykit reshard` output or a checkpoint has no such record
+    naming this one, whatever lock file it holds."""
+    try:
+        record = json.loads(read_regular_file(directory / LAID_OUT, 4096))
+    except (OSError, ValueError):
+        return False
+    return isinstance(record, dict) and record.get("state_dir") == _identity(store)
+
+
 def collect_old_shards(loaded: LoadedManifest, store: StateStore) -> None:
-    """Keep the shards of the current and the previous Ready revision (for rollback); remove the rest."""
+    """Keep the shards of the current and the previous Ready revision (for rollback); remove the rest of
+    what this state directory laid out under the deployment's shards root, and nothing else there."""
     root = shards_root(loaded, store)
-    keep = [Path(r.shards_path) for r in store.history(loaded.name)
+    keep = [Path(r.shards_path).resolve() for r in store.history(loaded.name)
             if r.phase == Phase.READY and r.shards_path][-2:]
     if not root.is_dir():
         return
     for child in root.iterdir():
-        if child.is_dir() and child not in keep and read_lock(child) is not None:
+        if (child.is_dir() and not child.is_symlink() and child.resolve() not in keep
+                and read_lock(child) is not None and laid_out_by(child, store)):
             shutil.rmtree(child, ignore_errors=True)
             log.info("removed old shards %s", child)

@@ -40,7 +40,7 @@ class NameLocks:
     def deployment_lock(self, name: str, *, wait: bool = True) -> Iterator[None]:
         """Serialise applies of ``name`` across threads and processes."""
         locks = self.directory / "locks"
-        locks.mkdir(exist_ok=True)
+        locks.mkdir(mode=0o700, exist_ok=True)
         with file_lock(locks / f"{name}.lock", busy=None if wait else f"another apply of {name!r} is running"):
             yield
 
@@ -50,7 +50,7 @@ class NameLocks:
         it is held, the rollout's Progressing revision is alive (``change_running``); it dies with its
         process, so a ``kill -9`` in a canary's step leaves it free for ``interrupt_restarted``."""
         locks = self.directory / "locks"
-        locks.mkdir(exist_ok=True)
+        locks.mkdir(mode=0o700, exist_ok=True)
         with file_lock(locks / f"{name}.rollout.lock",
                         busy=None if wait else f"a rollout of {name!r} is running"):
             yield

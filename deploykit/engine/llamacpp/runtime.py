@@ -17,6 +17,8 @@ holding a worker thread. ``close`` ends the process: unloading a llama.cpp gener
 
 from __future__ import annotations
 
+import asyncio
+import collections
 import dataclasses
 import logging
 import threading
@@ -35,6 +37,7 @@ from .supervisor import EngineReport, EngineUnavailable, Supervisor
 log = logging.getLogger(__name__)
 HEALTH_TOKENS = 4
 REQUEST_TIMEOUT_SECONDS = 600.0
+HTTP_SPARE_THREADS = 4  # llama-server HTTP threads beside one per slot: /health, /props, a health probe
 ENGINE_WAIT_SECONDS = 15.0  # how long a request waits for a starting or restarting engine before a 503
 
 
@@ -46,12 +49,16 @@ class LlamaOptions:
 
 
 class Slots:
-    """deploykit's admission in front of llama-server: ``slots`` requests run there at once, up to
-    ``max_queued`` more wait (in llama-server's own queue), beyond that a request is refused (429)."""
+    """deploykit's admission in front of llama-server: ``slots`` requests are sent to it at once, up to
+    ``max_queued`` more wait here, in deploykit (``turn``), beyond that a request is refused (429). Waiting
+    requests hold no llama-server HTTP thread: its pool is ``slots`` plus a few (``HTTP_SPARE_THREADS``),
+    whatever ``max_queued`` is (2000 queued requests once gave it 2009 threads)."""
 
     def __init__(self, slots: int, max_queued: int) -> None:
         self.slots, self.max_queued = slots, max_queued
-        self._in_flight = 0
+        self._in_flight = 0  # admitted: sent, or waiting for a turn
+        self._sending = 0  # holding a turn: sent to llama-server
+        self._waiters: collections.deque[tuple[asyncio.AbstractEventLoop, asyncio.Future[None]]] = collections.deque()
         self._lock = threading.Lock()
         self._closed = False
 
@@ -65,18 +72,67 @@ class Slots:
                 raise QueueFull(f"{self._in_flight} requests in flight")
             self._in_flight += count
 
-    def leave(self, count: int = 1) -> None:
+    async def turn(self) -> None:
+        """Wait (on the event loop, first come first served) until one of the ``slots`` is free, and take it;
+        ``leave(turned=True)`` gives it back."""
+        loop = asyncio.get_running_loop()
+        with self._lock:
+            if self._sending < self.slots and not self._waiters:
+                self._sending += 1
+                return
+            waiter = (loop, loop.create_future())
+            self._waiters.append(waiter)
+        try:
+            await waiter[1]
+        except asyncio.CancelledError:
+            with self._lock:
+                handed = waiter not in self._waiters
+                if not handed:
+                    self._waiters.remove(waiter)
+            if handed:  # the turn was given to it as it was cancelled: pass it on
+                self._pass_turn()
+            raise
+
+    def _pass_turn(self) -> None:
+        """Give a turn that ends to the first waiter whose event loop still runs, else free it."""
+        while True:
+            with self._lock:
+                if not self._waiters:
+                    self._sending -= 1
+                    return
+                loop, future = self._waiters.popleft()
+            try:
+                loop.call_soon_threadsafe(_grant, future)
+                return
+            except RuntimeError:  # its loop is closed: nobody waits there any more
+                continue
+
+    def leave(self, count: int = 1, *, turned: bool = False) -> None:
         with self._lock:
             self._in_flight = max(0, self._in_flight - count)
+        if turned:
+            self._pass_turn()
 
     def stats(self) -> dict[str, int]:
         with self._lock:
-            n = self._in_flight
-        return {"running": min(n, self.slots), "waiting": max(0, n - self.slots)}
+            n, sending = self._in_flight, self._sending
+        return {"running": sending, "waiting": max(0, n - sending)}
 
     def close(self, timeout: float | None = None) -> None:
         with self._lock:
             self._closed = True
+
+
+def _grant(future: asyncio.Future[None]) -> None:
+    if not future.done():
+        future.set_result(None)
+
+
+def engine_options(options: LlamaOptions) -> LlamaOptions:
+    """``options`` with llama-server's HTTP threads set: one per slot and a few for the watchdog's /health
+    and probes, never one per queued request (the queue is deploykit's: ``Slots``)."""
+    server = dataclasses.replace(options.server, http_threads=options.server.slots + HTTP_SPARE_THREADS)
+    return dataclasses.replace(options, server=server)
 
 
 class LlamaRuntime:
@@ -88,9 +144,7 @@ class LlamaRuntime:
     tokenizer = None  # llama-server tokenises
 
     def __init__(self, options: LlamaOptions, limits: Limits) -> None:
-        # enough HTTP threads for every request deploykit admits, plus the watchdog's /health
-        server = dataclasses.replace(options.server, http_threads=options.server.slots + limits.max_queued + 2)
-        self.options = dataclasses.replace(options, server=server)
+        self.options = engine_options(options)
         self.limits = limits
         self.context_length = options.server.context
         self.engine = Slots(options.server.slots, limits.max_queued)

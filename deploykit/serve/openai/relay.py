@@ -33,6 +33,7 @@ from starlette.requests import Request
 from starlette.responses import Response
 
 from ...engine.admission import QueueFull
+from ...engine.grammar import check_cost
 from ...engine.llamacpp.client import EngineBusy, EngineGone, EngineRefused, RelayClient, Upstream, UpstreamError
 from ...engine.llamacpp.sampling import sampling_fields
 from ...engine.llamacpp.schema import unenforced_by_llamacpp
@@ -49,6 +50,8 @@ if TYPE_CHECKING:
     from ..metrics import ServingMetrics
 
 DISCONNECT_POLL_SECONDS = 0.5
+MAX_EVENT_BYTES = 4 << 20  # one upstream SSE event (a token, its logprobs, usage): more is a broken engine
+_NOT_RELAYED = ("timings", "system_fingerprint")  # llama.cpp's build ("b0-unknown") and timings
 _NOT_FORWARDED = set(IGNORED) | {"model", "max_completion_tokens", "stream_options", "temperature", "top_p", "seed"}
 ENGINE_RETRY_AFTER_SECONDS = 5
 T = TypeVar("T")
@@ -77,12 +80,17 @@ class _Ticket:
             held.release()
             raise APIError(429, "too many requests are waiting for this model; retry shortly", code="queue_full",
                            headers={"Retry-After": str(RETRY_AFTER_SECONDS)}) from None
-        self._held = True
+        self._held, self._turned = True, False
+
+    async def turn(self) -> None:
+        """Wait in deploykit's queue until a llama-server slot is free for this request."""
+        await self.slots.turn()
+        self._turned = True
 
     def cancel(self) -> None:
         if self._held:
             self._held = False
-            self.slots.leave(self.items)
+            self.slots.leave(self.items, turned=self._turned)
             if self.upstream is not None:
                 _closing.add(task := asyncio.ensure_future(self.upstream.aclose()))
                 task.add_done_callback(_closing.discard)
@@ -157,12 +165,14 @@ def _check_structured(body: ChatCompletionRequest) -> None:
     plan = plan_of(body)
     if plan.constraint is None:
         return
-    bad = unenforced_by_llamacpp(json.loads(plan.constraint.schema))
+    schema = json.loads(plan.constraint.schema)
+    bad = unenforced_by_llamacpp(schema)
     if bad is not None:
         keyword, where = bad
         raise RequestError(f"{plan.constraint.param}: the schema keyword {keyword!r} (at {where}) cannot be "
                            "enforced by the llama.cpp engine; remove it", param=plan.constraint.param,
                            code="unsupported_schema")
+    check_cost(schema, plan.constraint.param)  # llama-server compiles it too, on its HTTP thread
 
 
 async def completions(body: CompletionRequest, request: Request, held: Lease, name: str) -> Any:
@@ -191,6 +201,7 @@ async def _relay(path: str, upstream: dict[str, Any], body: ChatCompletionReques
     our_id = new_id(prefix)
     ticket = _Ticket(held, items)
     try:
+        await ticket.turn()
         if body.stream:
             client, opened = await _sent(held, request, name, lambda c: c.open_stream(path, upstream))
             ticket.upstream = opened
@@ -205,7 +216,8 @@ async def _relay(path: str, upstream: dict[str, Any], body: ChatCompletionReques
     try:
         answer = json.loads(raw)
         done.finished(answer.get("usage"), ttft=None)
-        answer.pop("timings", None)
+        for key in _NOT_RELAYED:
+            answer.pop(key, None)
         answer.update(id=our_id, created=now(), model=name)
         return Response(json.dumps(answer, separators=(",", ":")), media_type="application/json")
     finally:
@@ -273,9 +285,12 @@ class _Done:
 
 class _Rewriter:
     """llama-server's SSE bytes, with deploykit's id and model name. The first event is parsed once to learn
-    the upstream id and model; later events are rewritten by a bytes replace. An event with ``usage``,
-    ``timings`` or ``error`` (keys: inside JSON strings their quotes would be escaped) is parsed: usage is
-    counted and passed on only if the client asked for it, timings dropped, an error raised."""
+    the upstream id, model and fingerprint, as the bytes llama-server wrote them (raw UTF-8: a model named
+    after a GGUF path with non-ASCII characters is not the ``json.dumps`` escape of it); later events are
+    rewritten by a bytes replace. An event with ``usage``, ``timings`` or ``error`` (keys: inside JSON
+    strings their quotes would be escaped) is parsed: usage is counted and passed on only if the client
+    asked for it, timings and the fingerprint dropped, an error raised. An event is at most
+    ``MAX_EVENT_BYTES``: an engine that never ends one fails the stream instead of growing it."""
 
     def __init__(self, our_id: str, model: str, wants_usage: bool) -> None:
         self.our_id, self.model, self.wants_usage = our_id, model, wants_usage
@@ -288,6 +303,9 @@ class _Rewriter:
         """The bytes to send for ``chunk`` (whole events only; a partial one waits for the next chunk)."""
         events = (self._pending + chunk).split(b"\n\n")
         self._pending = events.pop()
+        if len(self._pending) > MAX_EVENT_BYTES:
+            self._pending = b""
+            raise UpstreamError(502, f"the engine sent an event of more than {MAX_EVENT_BYTES} bytes")
         return b"".join(self._event(e) for e in events if e.strip())
 
     def _event(self, event: bytes) -> bytes:
@@ -300,19 +318,20 @@ class _Rewriter:
         if data.strip() == b"null":  # llama-server's separator between the prompts of one request: no event
             return b""
         if self._swaps is None or b'"usage"' in data or b'"timings"' in data or b'"error"' in data:
-            return self._parsed(json.loads(data))
+            return self._parsed(data)
         for old, new in self._swaps:
             data = data.replace(old, new)
         return b"data: " + data + b"\n\n"
 
-    def _parsed(self, event: dict[str, Any]) -> bytes:
+    def _parsed(self, data: bytes) -> bytes:
+        event = json.loads(data)
         if "error" in event:
             error = event["error"]
             raise UpstreamError(int(error.get("code", 500)), str(error.get("message", error)))
         if self._swaps is None:
-            self._swaps = [(_quoted(k, event[k]), _quoted(k, v)) for k, v in (("id", self.our_id), ("model", self.model))
-                           if isinstance(event.get(k), str)]
-        event.pop("timings", None)
+            self._swaps = _swaps(data, event, {"id": self.our_id, "model": self.model})
+        for key in _NOT_RELAYED:
+            event.pop(key, None)
         usage = event.get("usage") if not event.get("choices") else None
         if usage is not None:
             self.usage = usage
@@ -322,6 +341,27 @@ class _Rewriter:
             event.pop("usage", None)
         event.update(id=self.our_id, model=self.model)
         return b"data: " + json.dumps(event, separators=(",", ":")).encode() + b"\n\n"
+
+
+def _swaps(raw: bytes, event: dict[str, Any], ours: dict[str, str]) -> list[tuple[bytes, bytes]]:
+    """The byte replacements that turn later events of this stream into deploykit's: each of ``ours``'
+    keys given its value, the fingerprint removed. Each upstream pair is looked for in ``raw`` as written,
+    escaped (``json.dumps``'s default) or not (llama-server's)."""
+    swaps: list[tuple[bytes, bytes]] = []
+    for key, value in ours.items():
+        if isinstance(event.get(key), str):
+            swaps.extend((old, _quoted(key, value)) for old in _forms(key, event[key]) if old in raw)
+    fingerprint = event.get("system_fingerprint")
+    if isinstance(fingerprint, str):
+        for old in _forms("system_fingerprint", fingerprint):
+            swaps.extend((pair, b"") for pair in (b"," + old, old + b",") if pair in raw)
+    return swaps
+
+
+def _forms(key: str, value: str) -> list[bytes]:
+    """``"key":"value"`` as JSON writers write it: raw UTF-8 first, then with non-ASCII escaped."""
+    forms = [f"{json.dumps(key)}:{json.dumps(value, ensure_ascii=False)}".encode(), _quoted(key, value)]
+    return forms[:1] if forms[0] == forms[1] else forms
 
 
 def _quoted(key: str, value: str) -> bytes:
