@@ -71,7 +71,8 @@ def create_app(registry: Registry, *, api_key: str | None = None, max_body: int 
     ``control_token``: serve the control API (``/control/v1``, docs/control.md) behind this bearer token;
     the registry must then be a ``Supervisor``, whose policy (``control/admission.py``) every manifest it
     takes is admitted under. Without it, ``/control/...`` answers 401. ``openapi``: serve ``/openapi.json``
-    (behind the API key, if any; off by default: it maps every route for whoever asks). ``allowed_hosts``/``body_timeout``: ``auth.Guard``'s.
+    (behind the API key, if any; off by default: it maps every route for whoever asks).
+    ``allowed_hosts``/``body_timeout``: ``auth.Guard``'s.
     ``stream_send_timeout``: seconds a stream waits for its client to take a chunk (``openai.stream``)."""
     from .. import __version__
 
