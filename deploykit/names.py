@@ -30,6 +30,7 @@ class Phase(_Name):
     PROGRESSING = "Progressing"
     READY = "Ready"
     FAILED = "Failed"
+    DEGRADED = "Degraded"  # a generation is held but cannot answer (its llama.cpp engine failed and is retried)
     CLOSED = "Closed"
 
 

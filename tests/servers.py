@@ -35,10 +35,11 @@ def get(url: str, headers: dict[str, str] | None = None, cafile: str | None = No
 
 class Server:
     """``deploykit serve PATH`` as a subprocess; ``with Server(...) as s: s.url``. ``path`` None: no PATH
-    (the recorded deployments). ``cafile``: the server serves https (pass --tls-cert/--tls-key in ``args``)."""
+    (the recorded deployments). ``cafile``: the server serves https (pass --tls-cert/--tls-key in ``args``).
+    ``expect_ready`` False: a deployment that cannot serve is expected (its reason in ``/readyz``)."""
 
     def __init__(self, path: Path | None, state: Path, *args: str, env: dict[str, str] | None = None,
-                 ready_timeout: float = 180.0, cafile: str | None = None) -> None:
+                 ready_timeout: float = 180.0, cafile: str | None = None, expect_ready: bool = True) -> None:
         self.port = free_port()
         self.cafile = cafile
         self.url = f"{'https' if cafile else 'http'}://127.0.0.1:{self.port}"
@@ -46,6 +47,7 @@ class Server:
                         str(self.port), "--debounce", "0.1", *args]
         self.env = {**os.environ, "DEPLOYKIT_STATE": str(state), **(env or {})}
         self.ready_timeout = ready_timeout
+        self.expect_ready = expect_ready  # False: started once nothing loads any more, ready or not
         token = args[args.index("--control-token") + 1] if "--control-token" in args else None
         # /readyz says what is not ready to the control token's holder only
         self.readyz_headers = {"Authorization": f"Bearer {token}"} if token else {}
@@ -63,7 +65,11 @@ class Server:
                 status, body = get(f"{self.url}/readyz", self.readyz_headers, cafile=self.cafile)
                 if status == 200:
                     return self
-                if isinstance(body, dict) and any("loading" not in str(m) for m in body.get("not_ready", [])):
+                if not self.expect_ready and isinstance(body, dict) and not any(
+                        "loading" in str(m) for m in body.get("not_ready", [])):
+                    return self
+                if self.expect_ready and isinstance(body, dict) and any(
+                        "loading" not in str(m) for m in body.get("not_ready", [])):
                     self.stop()  # a deployment failed: say why now rather than at the timeout
                     raise AssertionError(f"deploykit serve could not deploy: {body['not_ready']}\n{self.stderr}")
             except OSError:

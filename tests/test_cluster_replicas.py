@@ -154,7 +154,7 @@ def test_pipeline_replicas_scale_one_to_two_without_failures(cluster, model, tmp
         with urllib.request.urlopen(f"{server.url}/status", timeout=30) as r:
             return int(json.loads(r.read())[0]["generation"])
 
-    with Server(manifests, tmp_path / "state", ready_timeout=300) as server:
+    with Server(manifests, tmp_path / "state", "--allow-cluster", ready_timeout=300) as server:
         client = openai.OpenAI(base_url=f"{server.url}/v1", api_key="none", max_retries=0, timeout=120)
         asker = Asker(server.url, "piped")
         texts, failures = asker.texts, asker.failures

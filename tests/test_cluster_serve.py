@@ -44,7 +44,7 @@ def test_pipeline_through_the_completions_api_equals_transformers(cluster, tmp_p
     tokenizer = AutoTokenizer.from_pretrained(model)
     prompts = ["The quick brown fox", "a", "Once upon a time in a land"]
     expected = [reference_text(model, tokenizer(p)["input_ids"], 12)[0] for p in prompts]
-    with Server(tmp_path / "piped.yaml", tmp_path / "state", ready_timeout=240) as server:
+    with Server(tmp_path / "piped.yaml", tmp_path / "state", "--allow-cluster", ready_timeout=240) as server:
         client = openai.OpenAI(base_url=f"{server.url}/v1", api_key="none", max_retries=0, timeout=120)
         for prompt, want in zip(prompts, expected):
             got = client.completions.create(model="piped", prompt=prompt, max_tokens=12, temperature=0)
@@ -92,7 +92,7 @@ def test_replicas_scale_and_a_broken_revision_keeps_the_old_ones_serving(cluster
         with urllib.request.urlopen(f"{server.url}/status", timeout=30) as r:
             return int(json.loads(r.read())[0]["generation"])
 
-    with Server(manifests, tmp_path / "state", ready_timeout=240) as server:
+    with Server(manifests, tmp_path / "state", "--allow-cluster", ready_timeout=240) as server:
         asker = Asker(server.url, "rep")
         texts, failures = asker.texts, asker.failures
         with asker:
@@ -141,7 +141,8 @@ def test_a_pipeline_asked_while_it_loads_is_answered(cluster, tmp_path):
     want = reference_text(model, tokenizer("Once upon a time")["input_ids"], 8)[0]
     port = free_port()
     url = f"http://127.0.0.1:{port}"
-    process = subprocess.Popen([sys.executable, "-m", "deploykit.cli", "serve", str(served), "--port", str(port)],
+    process = subprocess.Popen([sys.executable, "-m", "deploykit.cli", "serve", str(served), "--port", str(port),
+                                "--allow-cluster"],
                                env={**__import__("os").environ, "DEPLOYKIT_STATE": str(tmp_path / "state")},
                                stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     texts: list[str] = []

@@ -2,8 +2,10 @@
 requests release their generation (a reload then leaves one llama-server, SIGTERM none); a hung engine
 (SIGSTOP) is found by its watchdog, killed and replaced, and its requests are answered within a bound; a
 killed one (SIGKILL) is replaced without waiting for a request; restarts that fail back off, hold no request
-thread, answer 503 with Retry-After and end `failed` with the reason in /status; the engine's environment
-holds none of deploykit's secrets and its log is bounded.
+thread, answer 503 with Retry-After and end `failed` with the reason in /status, which then says Degraded (not
+ready, /readyz 503) while the engine is tried again until it starts; a decode loop that stalls while /health
+still answers is found and replaced; a health probe ends when its stop event is set; a reaped engine's process
+group is never signalled; the engine's environment holds none of deploykit's secrets and its log is bounded.
 """
 
 from __future__ import annotations
@@ -11,20 +13,29 @@ from __future__ import annotations
 import os
 import signal
 import stat
+import subprocess
 import threading
 import time
+import urllib.request
 from pathlib import Path
 from typing import Any
 
 import openai
 import pytest
 from helpers import smollm2_file, wait_until
-from llamacpp import alive, engine_pids, llama_server, manifest
+from llamacpp import FrozenLoop, alive, engine_pids, llama_server, manifest
 from servers import Server, get
 
+from deploykit.engine.llamacpp.client import ProbeStopped, greedy_probe
 from deploykit.engine.llamacpp.logring import LogRing
+from deploykit.engine.llamacpp.process import LlamaServer, ServerOptions, _end_group
 from deploykit.engine.llamacpp.runtime import ENGINE_WAIT_SECONDS
-from deploykit.engine.llamacpp.supervisor import HUNG_AFTER_SECONDS, RESTART_ATTEMPTS, WATCH_INTERVAL_SECONDS
+from deploykit.engine.llamacpp.supervisor import (
+    FAILED_RETRY_SECONDS,
+    HUNG_AFTER_SECONDS,
+    RESTART_ATTEMPTS,
+    WATCH_INTERVAL_SECONDS,
+)
 
 KEY = "test-api-key-0123"
 TOKEN = "test-control-token-0123"  # with an API key set, /status answers the control token's holder only
@@ -201,8 +212,115 @@ def test_failing_restarts_back_off_hold_no_request_thread_and_end_failed(gguf, t
             _chat(server.url)
         assert err.value.status_code == 503 and "failed" in str(err.value) and time.monotonic() - started < 5
         assert len(starts.read_text().split()) == 1 + RESTART_ATTEMPTS  # a request starts nothing
+
+        # failed is not ready: Degraded with the reason, /readyz 503, a metric; and it is tried again
+        dep = _engine(server.url)
+        assert dep["phase"] == "Degraded" and not dep["serving"], dep
+        assert "restarts failed" in dep["last_error"] and "retrying every" in dep["last_error"], dep
+        status, body = get(f"{server.url}/readyz", STATUS_HEADERS)
+        assert status == 503 and body["not_ready"] == ["smol"], body
+        assert _metric(server.url, "deploykit_engine_ready", deployment="smol") == 0
+        fail.unlink()  # the next retry starts it: ready again, no reapply needed
+        wait_until(lambda: _engine(server.url)["engine_process"]["state"] == "ready", FAILED_RETRY_SECONDS + 90,
+                   "the failed engine started again by its retries")
+        assert _engine(server.url)["phase"] == "Ready" and get(f"{server.url}/readyz", STATUS_HEADERS)[0] == 200
+        assert _metric(server.url, "deploykit_engine_ready", deployment="smol") == 1
+        assert _chat(server.url)
     assert server.process.returncode == 0, server.stderr
     assert not engine_pids(pid)
+
+
+def _metric(url: str, name: str, **labels: str) -> float:
+    """One sample of ``/metrics`` (behind the API key); 0 when absent."""
+    request = urllib.request.Request(f"{url}/metrics", headers={"Authorization": f"Bearer {KEY}"})
+    with urllib.request.urlopen(request, timeout=30) as r:
+        text = r.read().decode()
+    for line in text.splitlines():
+        if line.startswith(name + "{") and all(f'{k}="{v}"' in line for k, v in labels.items()):
+            return float(line.rsplit(" ", 1)[1])
+    return 0.0
+
+
+STALL = 4.0  # DEPLOYKIT_LLAMA_STALLED_AFTER in the stall test's server
+
+
+def _ask(url: str, out: list[tuple[str, float]]) -> None:
+    """One chat request; what it ended with (an answer, or the error a client sees) and when."""
+    started = time.monotonic()
+    try:
+        _client(url, timeout=300).chat.completions.create(
+            model="smol", messages=[{"role": "user", "content": "Count to twenty."}], max_tokens=32, temperature=0)
+        out.append(("answered", time.monotonic() - started))
+    except openai.APIError as exc:
+        out.append((type(exc).__name__, time.monotonic() - started))
+
+
+def test_a_stalled_decode_loop_is_found_and_the_engine_replaced(gguf, tmp_path):
+    """/health answers from llama-server's HTTP threads, so a stuck decode looked alive: its requests waited
+    600 s per read. With requests in flight and no answer from the loop for STALL s, it is killed and replaced."""
+    (tmp_path / "smol.yaml").write_text(manifest(gguf))
+    env = {**KEYS, "DEPLOYKIT_LLAMA_STALLED_AFTER": str(STALL)}
+    with Server(tmp_path / "smol.yaml", tmp_path / "state", env=env) as server:
+        assert server.process is not None
+        [stuck] = engine_pids(server.process.pid)
+        asked: list[tuple[str, float]] = []
+        with FrozenLoop(stuck):
+            in_flight = threading.Thread(target=_ask, args=(server.url, asked))
+            in_flight.start()
+            process = wait_until(lambda: (e := _engine(server.url)["engine_process"])["state"] == "ready"
+                                 and e["pid"] != stuck and e, STALL + 120, "a fresh llama-server after the stall")
+            in_flight.join(120)
+        assert "stalled" in process["last_crash"] and str(stuck) in process["last_crash"], process
+        assert process["crashes"] == 1 and not alive(stuck)
+        assert len(asked) == 1 and asked[0][1] < STALL + 120, asked  # ended with its engine, not at 600 s
+        assert _chat(server.url)  # the fresh process answers
+
+
+def test_the_health_probe_ends_when_its_stop_event_is_set(gguf):
+    """A restart's health probe on an engine whose decode loop is stuck waited its whole timeout (120 s), and
+    SIGTERM waited for it: it now ends within a poll of the stop event."""
+    server = LlamaServer(ServerOptions(binary=llama_server().path, model=gguf, slots=1, context=512))
+    server.start()
+    try:
+        server.wait_ready(120)
+        assert server.pid is not None
+        with FrozenLoop(server.pid):
+            assert server.healthy() and not server.loop_answers()  # alive to /health, stuck to its loop
+            stop, ended = threading.Event(), []
+
+            def probe() -> None:
+                try:
+                    greedy_probe(server.socket, server.api_key, "Hello", max_tokens=4, timeout=60, stop=stop)
+                    ended.append("answered")
+                except ProbeStopped:
+                    ended.append("stopped")
+
+            waiting = threading.Thread(target=probe)
+            waiting.start()
+            waiting.join(2)
+            assert waiting.is_alive()  # the stuck loop does not answer it
+            stop.set()
+            started = time.monotonic()
+            waiting.join(10)
+            assert ended == ["stopped"] and time.monotonic() - started < 2
+    finally:
+        server.stop(grace=0)
+
+
+def test_a_reaped_engine_s_group_is_never_signalled():
+    """Once the engine is reaped its pid, and so its process group id, may name someone else's group: stop
+    must not signal it. Here the group lives on (a child) after its leader was reaped, and must survive."""
+    leader = subprocess.Popen(["/bin/sh", "-c", "sleep 60 & echo $!"], stdout=subprocess.PIPE,
+                              start_new_session=True, text=True)
+    assert leader.stdout is not None
+    other = int(leader.stdout.readline())
+    leader.wait()
+    leader.stdout.close()
+    try:
+        _end_group(leader, 0, threading.Lock())
+        assert alive(other)
+    finally:
+        os.kill(other, signal.SIGKILL)
 
 
 def test_the_engine_gets_no_secret_and_listens_on_a_private_unix_socket(gguf, tmp_path):

@@ -3,7 +3,8 @@
 The control token changes deployments within the policy the operator set when starting the server: a
 manifest sent to /control/v1 that names an engine binary, remote code, a Ray cluster or a path outside
 the allowed roots is a 403 naming the field, before anything runs (no `--version` of the binary, even for a
-dry run or a diff); a server started allowing them lets them through; a watched file is the operator's own.
+dry run or a diff); a server started allowing them lets them through; a watched file is held to the same
+policy (tests/test_admission_gate.py: every path a manifest takes to become live).
 The server speaks TLS when given a certificate: the official `openai` client and the `deploykit` CLI
 verify it (a self-signed one made here).
 """
@@ -179,7 +180,9 @@ def test_a_server_started_allowing_them_lets_them_through(permissive, root, tmp_
         assert status == 200 and answer["event"] == "result", answer
 
 
-def test_a_watched_file_is_the_operator_s_own(strict, root, tmp_path):
+def test_a_watched_file_is_held_to_the_same_policy(strict, root, tmp_path):
+    """The watched file's text passes because it names only allowed paths, not because it is watched: the same
+    file with a path outside the roots is refused (tests/test_admission_gate.py sends one down every path)."""
     watched = root / "manifests" / "chat.yaml"
     body = {"manifest": watched.read_text(), "source": str(watched), "name": "tiny-chat", "dry_run": True}
     sharded = watched.read_text().replace("max_shard_size: 2GiB", f"max_shard_size: 2GiB, path: {tmp_path}")

@@ -45,13 +45,14 @@ from .console import STATE_OPTION, err, handle_errors, store
 @click.option("--header-timeout", type=click.FloatRange(min=0, min_open=True), default=10.0, show_default=True,
               help="Seconds a client has to send a request's headers; then 408 and the connection is closed.")
 @click.option("--allow-path", "allow_paths", multiple=True, type=click.Path(file_okay=False), metavar="DIR",
-              help="A directory the control API's manifests may name paths in (model, shards, offload, golden "
-                   "file); repeatable. Default: any path. docs/control.md#security-model.")
+              help="A directory the manifests this server makes live (watched, applied, rolled back, restored) may "
+                   "name paths in (every path field, links followed); repeatable. Default: any path. "
+                   "docs/control.md#the-admission-gate.")
 @click.option("--allow-engine-binary", is_flag=True,
-              help="Let the control API name spec.engine.binary (a program this server runs).")
+              help="Let manifests name spec.engine.binary (a program this server runs).")
 @click.option("--allow-remote-code", is_flag=True,
-              help="Let the control API set spec.model.trust_remote_code (Python from the checkpoint).")
-@click.option("--allow-cluster", is_flag=True, help="Let the control API name spec.cluster (a Ray cluster to join).")
+              help="Let manifests set spec.model.trust_remote_code (Python from the checkpoint).")
+@click.option("--allow-cluster", is_flag=True, help="Let manifests name spec.cluster (a Ray cluster to join).")
 @click.option("--tls-cert", type=click.Path(exists=True, dir_okay=False), default=None,
               help="Serve HTTPS with this certificate (PEM; with --tls-key). The CLI trusts it through "
                    "server.json, other clients through their CA store.")
@@ -83,13 +84,13 @@ def serve(path: str | None, host: str, port: int, api_key: str | None, api_key_f
     """
     from ..cluster.ray_env import disconnect
     from ..control.budget import serve_budget
+    from ..control.admission import Policy
     from ..control.budget.host import Host
     from ..control.revisions.state import open_store
     from ..control.live.supervisor import Supervisor
     from ..serve.app import create_app
     from ..serve.auth import check_bind, loopback_hosts
     from ..serve.discovery import find_server, new_token, remove_server_file, server_info, write_server_file
-    from ..serve.policy import ControlPolicy
     from ..serve.server import Listening, bind, run
     from ..threads import ThreadGroup
 
@@ -100,7 +101,7 @@ def serve(path: str | None, host: str, port: int, api_key: str | None, api_key_f
         os.environ.pop(variable, None)
     check_bind(host, api_key)
     _check_tls(tls_cert, tls_key)
-    policy = ControlPolicy.of(path_roots=allow_paths, engine_binary=allow_engine_binary,
+    policy = Policy.of(path_roots=allow_paths, engine_binary=allow_engine_binary,
                               remote_code=allow_remote_code, cluster=allow_cluster)
     _log_to_stderr(log_level)
     states = open_store(store(state_dir).directory)
@@ -112,7 +113,7 @@ def serve(path: str | None, host: str, port: int, api_key: str | None, api_key_f
     budget_source = "--budget" if budget is None or os.environ.get("DEPLOYKIT_BUDGET") != budget else "DEPLOYKIT_BUDGET"
     budgeted = Host(serve_budget(budget, devices, source=budget_source), wait_timeout=budget_timeout)
     supervisor = Supervisor(Path(path) if path else None, store=states, devices=devices, prune=prune,
-                            debounce=debounce, host=budgeted)
+                            debounce=debounce, host=budgeted, policy=policy)
     sock = bind(host, port)
     scheme = "https" if tls_cert else "http"
     url = _url(scheme, host, sock.getsockname()[1])
@@ -137,7 +138,7 @@ def serve(path: str | None, host: str, port: int, api_key: str | None, api_key_f
     listening = Listening(drain_timeout=drain_timeout, header_timeout=header_timeout, tls_cert=tls_cert,
                           tls_key=tls_key)
     try:
-        app = create_app(supervisor, api_key=api_key, control_token=token, policy=policy, openapi=openapi,
+        app = create_app(supervisor, api_key=api_key, control_token=token, openapi=openapi,
                          allowed_hosts=loopback_hosts(host, api_key), body_timeout=body_timeout,
                          stream_send_timeout=stream_send_timeout)
         run(app, sock, on_started=start, threads=owned, listening=listening, on_stopping=supervisor.interrupt)

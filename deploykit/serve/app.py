@@ -26,7 +26,6 @@ from .metrics import new_registry
 from .openai import chat, completions, embeddings, models
 from .openai.common import Registry
 from .openai.stream import SEND_TIMEOUT
-from .policy import ControlPolicy
 from .served_by import ServedBy
 
 if TYPE_CHECKING:
@@ -65,22 +64,21 @@ class Deployments:
 
 
 def create_app(registry: Registry, *, api_key: str | None = None, max_body: int = DEFAULT_MAX_BODY,
-               control_token: str | None = None, policy: ControlPolicy | None = None, openapi: bool = False,
+               control_token: str | None = None, openapi: bool = False,
                allowed_hosts: frozenset[str] | None = None, body_timeout: float = BODY_TIMEOUT,
                stream_send_timeout: float = SEND_TIMEOUT) -> Guard:
     """The API over ``registry`` (a ``Supervisor`` or ``Deployments``). ``api_key``: required bearer key.
     ``control_token``: serve the control API (``/control/v1``, docs/control.md) behind this bearer token;
-    the registry must then be a ``Supervisor``. Without it, ``/control/...`` answers 401. ``policy``: what
-    a manifest sent to the control API may ask for (default ``ControlPolicy()``: no engine binary, remote
-    code or cluster). ``openapi``: serve ``/openapi.json`` (behind the API key, if any; off by default: it
-    maps every route for whoever asks). ``allowed_hosts``/``body_timeout``: ``auth.Guard``'s.
+    the registry must then be a ``Supervisor``, whose policy (``control/admission.py``) every manifest it
+    takes is admitted under. Without it, ``/control/...`` answers 401. ``openapi``: serve ``/openapi.json``
+    (behind the API key, if any; off by default: it maps every route for whoever asks).
+    ``allowed_hosts``/``body_timeout``: ``auth.Guard``'s.
     ``stream_send_timeout``: seconds a stream waits for its client to take a chunk (``openai.stream``)."""
     from .. import __version__
 
     app = FastAPI(title="deploykit", version=__version__, docs_url=None, redoc_url=None,
                   openapi_url="/openapi.json" if openapi else None)
     app.state.registry = registry
-    app.state.policy = policy or ControlPolicy()
     app.state.stream_send_timeout = stream_send_timeout
     app.state.prometheus, app.state.metrics = new_registry(registry)
     install_handlers(app)

@@ -13,10 +13,12 @@ Long operations (apply, rollback, delete) answer with newline-delimited JSON eve
     {"event": "error", "kind": "plan" | "error" | "internal", "message": "..."}
 
 A manifest that cannot be read or validated is answered at once, before any stream: HTTP 422 with the
-``manifest`` error event (its located issues). A manifest that asks for what the server's policy refuses
-(``serve/policy.py``: an engine binary, remote code, a cluster, a path outside the allowed roots) is a 403
-naming the field, before anything else runs: ``{"error": {..., "param": FIELD, "code":
-"forbidden_by_policy"}, "event": "error", "kind": "policy", "message": "FILE:LINE:COL: FIELD: ..."}``. A
+``manifest`` error event (its located issues). A manifest that the admission gate refuses
+(``control/admission.py``: an engine binary, remote code, a cluster, a path outside the allowed roots) is a
+403 naming the field, before anything else runs: ``{"error": {..., "param": FIELD, "code":
+"forbidden_by_policy"}, "event": "error", "kind": "policy", "message": "FILE:LINE:COL: FIELD: ..."}``; a
+refusal found once the work runs (a rollback's recorded revision) is the stream's last event,
+``{"event": "error", "kind": "policy", "field": FIELD, "message": ...}``. A
 field of a body that no operation could take (a NUL in a path, a revision beyond SQLite's integers) is a
 400 naming it, as the /v1 API answers.
 
@@ -40,9 +42,9 @@ from fastapi.responses import JSONResponse, StreamingResponse
 from pydantic import AfterValidator, BaseModel, Field
 from starlette.concurrency import run_in_threadpool
 
+from ..control.admission import PolicyError, admit
 from ..errors import DeploykitError, ManifestError, PlanInfeasible
 from .errors import error_body
-from .policy import PolicyError, operator_owned
 
 if TYPE_CHECKING:
     from ..control.live.supervisor import Supervisor
@@ -143,6 +145,8 @@ def error_event(exc: BaseException, loaded: LoadedManifest | None = None) -> dic
     """An error as the CLI prints it in local mode (located where the manifest is to blame)."""
     if isinstance(exc, ManifestError):
         return {"event": "error", "kind": "manifest", "issues": [str(i) for i in exc.issues]}
+    if isinstance(exc, PolicyError):
+        return {"event": "error", "kind": "policy", "field": exc.field, "message": str(exc)}
     if isinstance(exc, PlanInfeasible):
         message = loaded.located(exc.field, str(exc)) if loaded is not None else str(exc)
         return {"event": "error", "kind": "plan", "message": message}
@@ -185,12 +189,10 @@ def _supervisor(request: Request) -> Supervisor:
 
 
 def _checked(request: Request, body: ManifestBody) -> LoadedManifest:
-    """The manifest of ``body``, parsed and held to the server's policy (``PolicyError``) unless it is a
-    watched file's own text. Blocking (it may read that file): run it off the event loop."""
+    """The manifest of ``body``, parsed and admitted under the server's policy (``PolicyError``), whatever
+    file it says it is. Blocking (links are resolved): run it off the event loop."""
     loaded = _parse(body)
-    supervisor = _supervisor(request)
-    if not operator_owned(loaded, body.manifest, supervisor.manifest_files()):
-        request.app.state.policy.check(loaded)
+    admit(loaded, _supervisor(request).policy)
     return loaded
 
 

@@ -73,6 +73,11 @@ class DeploymentCollector:
                                     "rolled out and the last good generation serves", labels=["deployment"])
         device_bytes = GaugeMetricFamily("deploykit_device_bytes", "Bytes placed per device by the serving "
                                          "plan", labels=["deployment", "device"])
+        engine_ready = GaugeMetricFamily("deploykit_engine_ready", "llama.cpp: 1 while the serving generation's "
+                                         "engine process answers, 0 while it starts, restarts or has failed",
+                                         labels=["deployment"])
+        engine_crashes = CounterMetricFamily("deploykit_engine_crashes", "llama.cpp: deaths, hangs and stalls of "
+                                             "the serving generation's engine process", labels=["deployment"])
         prefix = _prefix_families()
         snapshots = [(name, dep, dep.state()) for name, dep in self.registry.items()]  # one per deployment
         for name, dep, snap in snapshots:
@@ -89,10 +94,15 @@ class DeploymentCollector:
             duration.add_metric([name], buckets, sum(r.seconds for r in records))
             generation.add_metric([name], snap.generation)
             in_flight.add_metric([name], snap.in_flight)
-            pending.add_metric([name], 1 if snap.last_error else 0)
+            engine_failed = snap.engine_process is not None and snap.engine_process.state == "failed"
+            pending.add_metric([name], 1 if snap.last_error and not engine_failed else 0)  # the engine's own below
             for device in snap.plan or []:
                 device_bytes.add_metric([name, str(device.device)], device.bytes)
-        yield from (running, waiting, reloads, failed, duration, generation, in_flight, pending, device_bytes)
+            if snap.engine_process is not None:
+                engine_ready.add_metric([name], 1 if snap.engine_process.state == "ready" else 0)
+                engine_crashes.add_metric([name], snap.engine_process.crashes)
+        yield from (running, waiting, reloads, failed, duration, generation, in_flight, pending, device_bytes,
+                    engine_ready, engine_crashes)
         yield from prefix.values()
         yield from rollout_metrics([(name, snap) for name, _, snap in snapshots])
         host = getattr(self.registry, "host", None)

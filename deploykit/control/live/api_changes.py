@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING
 
 from ...errors import DeploykitError
 from ...spec.manifest import LoadedManifest
+from ..admission import admit
 from ..revisions.change import Change
 from ..revisions.loading import recorded_manifest
 from ..revisions.reconciler import ApplyOptions, ApplyOutcome, apply
@@ -64,12 +65,13 @@ class ApiChanges:
                 if current is None:
                     return
                 dep = roster.create(name, self._claim_for_api(name), lambda: Deployment.from_loaded(
-                    recorded_manifest(current), devices=roster.devices, store=roster.store, host=roster.host))
+                    recorded_manifest(current), devices=roster.devices, store=roster.store, host=roster.host,
+                    policy=roster.policy))
                 if dep is not None:
                     log.info("restored %s (revision %s)", name, current.revision)
         except Exception as exc:
             roster.served.set_error(f"revision of {name}", f"{name}: could not be restored: {exc}")
-            log.exception("%s could not be restored", name)
+            log.error("%s could not be restored: %s", name, exc, exc_info=not isinstance(exc, DeploykitError))
         finally:
             roster.served.end_loading(name)
 
@@ -94,6 +96,7 @@ class ApiChanges:
         from ...errors import ManifestError
 
         roster, name = self.roster, loaded.name
+        admit(loaded, roster.policy)  # first: an apply, a dry run, a rollback's recorded manifest alike
         if devices and not dry_run and devices != roster.devices:
             raise DeploykitError("--devices applies only to --dry-run when a server holds the deployments; "
                                  "the server plans with its own inventory (deploykit serve --devices)")
@@ -118,7 +121,7 @@ class ApiChanges:
             try:
                 dep = roster.create(name, self._claim_for_api(name), lambda: Deployment.from_loaded(
                     loaded, devices=roster.devices, store=roster.store, force=force, progress=progress,
-                    on_step=on_step, host=roster.host, change=change))
+                    on_step=on_step, host=roster.host, change=change, policy=roster.policy))
             except BaseException:
                 self._release_if_unserved(name)
                 raise

@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING, Any
 
 from ...errors import ApplyError, DeploykitError
 from ...spec.manifest import LoadedManifest, manifest_named
+from ..admission import admit
 from ..budget import BudgetError
 from ..revisions.change import Change
 from .budgeting import roll_budgeted, start_budgeted
@@ -95,6 +96,7 @@ class ChangeRunner:
         self.cell.move(Event(Trigger.CHANGE_STARTED))
         self.store.interrupt_restarted(loaded.name)  # a rollout a dead process left Progressing: say so
         try:
+            admit(loaded, self.loads.policy)  # before anything looks at it (a restore, a watched file's first load)
             if self.host is None:
                 gated_next = self.loads.start(loaded, force=force, progress=progress, on_step=on_step, change=change)
             else:
@@ -187,6 +189,7 @@ class ChangeRunner:
             if loaded.name != self.name:
                 raise ApplyError(f"the manifest now names {loaded.name!r}, this deployment is "
                                  f"{self.name!r}; a rename is a new deployment")
+            admit(loaded, self.loads.policy)  # a reload, a rollback, an adapter change: each admitted
             if change is None or change.loaded is not loaded:
                 change = Change(loaded, self.devices, budget_cpu=self.budget_cpu)  # parsed once, checked and planned once from here
             result = self._rollout(change, force=force, progress=progress, on_step=on_step)

@@ -37,6 +37,7 @@ from typing import TYPE_CHECKING, Any
 
 from ...errors import ApplyError, DeploykitError
 from ...spec.manifest import LoadedManifest, manifest_named
+from ..admission import Policy
 from ..revisions.change import Change
 from ..revisions.reconciler import ApplyOutcome
 from ..revisions.state import StateStore, open_store
@@ -66,7 +67,7 @@ class Deployment(EmbeddedApi):
 
     def __init__(self, manifest_path: Path, *, name: str | None = None, devices: str | None = None,
                  store: StateStore | None = None, acquire_timeout: float = DEFAULT_ACQUIRE_TIMEOUT,
-                 host: Host | None = None) -> None:
+                 host: Host | None = None, policy: Policy | None = None) -> None:
         self._wanted_name = name
         self.devices = devices
         self.store = store or open_store()
@@ -74,7 +75,8 @@ class Deployment(EmbeddedApi):
         self.host = host  # the budget this deployment loads and unloads under (deploykit serve), if any
         self.name: str = name or ""
         self.pool = GenerationPool(self.name)
-        self.loads = Loads(self.name, self.pool, self.store, devices, host, acquire_timeout)
+        self.loads = Loads(self.name, self.pool, self.store, devices, host, acquire_timeout,
+                           policy=policy or Policy.unrestricted())  # a library's caller is the operator
         self._changes = ChangeRunner(self, self.loads, manifest_path=Path(manifest_path), wanted_name=name,
                                      named=self._named)  # what only the change thread runs and moves
         self._worker = ChangeWorker(name or self.manifest_path.stem)
@@ -90,10 +92,12 @@ class Deployment(EmbeddedApi):
     def from_manifest(cls, path: str | Path, *, watch: bool = False, name: str | None = None,
                       devices: str | None = None, state_dir: str | Path | None = None,
                       store: StateStore | None = None, acquire_timeout: float = DEFAULT_ACQUIRE_TIMEOUT,
-                      debounce: float = 0.3, host: Host | None = None) -> Deployment:
-        """Apply the manifest at ``path`` and hold its model. ``watch=True`` reloads on changes."""
+                      debounce: float = 0.3, host: Host | None = None, policy: Policy | None = None) -> Deployment:
+        """Apply the manifest at ``path`` and hold its model. ``watch=True`` reloads on changes. ``policy``: what
+        each of its manifests is admitted under (``admission.admit``; default: anything)."""
         store = store or open_store(Path(state_dir) if state_dir is not None else None)
-        dep = cls(Path(path), name=name, devices=devices, store=store, acquire_timeout=acquire_timeout, host=host)
+        dep = cls(Path(path), name=name, devices=devices, store=store, acquire_timeout=acquire_timeout, host=host,
+                  policy=policy)
         dep._start_or_close()
         if watch:
             try:
@@ -107,11 +111,12 @@ class Deployment(EmbeddedApi):
     def from_loaded(cls, loaded: LoadedManifest, *, devices: str | None = None, store: StateStore | None = None,
                     acquire_timeout: float = DEFAULT_ACQUIRE_TIMEOUT, force: bool = False,
                     progress: ProgressSink | None = None, on_step: StepSink = None,
-                    host: Host | None = None, change: Change | None = None) -> Deployment:
+                    host: Host | None = None, change: Change | None = None,
+                    policy: Policy | None = None) -> Deployment:
         """Apply an already loaded manifest (one sent over the control API, or a revision's recorded
         manifest after a restart) and hold its model. It has no file to watch: ``roll_to`` changes it."""
         dep = cls(Path(loaded.source), name=loaded.name, devices=devices, store=store,
-                  acquire_timeout=acquire_timeout, host=host)
+                  acquire_timeout=acquire_timeout, host=host, policy=policy)
         dep._changes.given = loaded
         dep._start_or_close(force=force, progress=progress, on_step=on_step, change=change)
         return dep

@@ -118,9 +118,10 @@ class FollowedFiles:
             return found.ok
 
         dep = roster.create(name, claim, lambda: Deployment.from_manifest(
-            file, name=name, devices=roster.devices, store=roster.store, host=roster.host))
+            file, name=name, devices=roster.devices, store=roster.store, host=roster.host, policy=roster.policy))
         if dep is not None and roster.owners.conflict_of(name) is not None:
             roster.show_conflict(name)  # another file declares the name too
+        if dep is not None:
             log.info("%s: serving %s (generation %d)", file, name, dep.generation)
         return dep
 

@@ -16,8 +16,9 @@ from typing import TYPE_CHECKING
 
 from ...names import Strategy
 from ..budget.tiers import fit_prefix_cache
+from ..admission import Policy, admit
 from ..revisions.change import Change
-from ..revisions.loading import checked_current, load_laid_out, serving_of
+from ..revisions.loading import checked_current, load_laid_out, recorded_manifest, serving_of
 from ..revisions.reconciler import ApplyOptions, ApplyOutcome, apply
 from .commit import serve_applied
 
@@ -46,6 +47,7 @@ class Loads:
     devices: str | None
     host: Host | None
     acquire_timeout: float
+    policy: Policy = field(default_factory=Policy.unrestricted)  # every manifest loaded is admitted under it
     pending: LoadedManifest | None = None  # an on-demand manifest to apply at its first load
     last_outcome: ApplyOutcome | None = None
     verified: int | None = field(default=None)  # the revision whose shards this process checked by hash
@@ -103,10 +105,14 @@ class Loads:
         was loaded, or interrupted by a restart): that one loads, and True says the pending change waits to
         be rolled out from it (``take_pending``), gates and all, never loaded unjudged."""
         if self.pending is not None and self.promoted_before_gates(self.pending) is None:
+            admit(self.pending, self.policy)
             self.load_initial(self.pending, change=Change(self.pending, self.devices, budget_cpu=(
                 self.host.cpu_bytes if self.host is not None else None)))
             self.pending = None
             return False
+        current = self.store.current(self.name)
+        if current is not None:  # checked again: a link may point elsewhere now than when it was applied
+            admit(recorded_manifest(current), self.policy)
         current = checked_current(self.store, self.name, verified=self.verified)
         self.verified = current.revision
         model, plan, serving = load_laid_out(current)

@@ -16,6 +16,7 @@ from .served import ServedSet
 from .turns import Turns
 
 if TYPE_CHECKING:
+    from ..admission import Policy
     from ..budget.host import Host
     from ..revisions.state import StateStore
     from .deployment import Deployment
@@ -24,8 +25,9 @@ if TYPE_CHECKING:
 class Roster:
     """Thread-safe (each part behind its own lock)."""
 
-    def __init__(self, *, store: StateStore, devices: str | None, host: Host | None) -> None:
+    def __init__(self, *, store: StateStore, devices: str | None, host: Host | None, policy: Policy) -> None:
         self.store = store
+        self.policy = policy  # what every manifest of these deployments is admitted under (``admission``)
         self.devices = devices
         self.host = host  # the memory budget every deployment loads under (None: each plans alone)
         self.served = ServedSet()  # what serves, what is loading, and why a declared name does not serve

@@ -117,12 +117,15 @@ def live_status(view: PoolView, state: State, *, name: str, host: Host | None, m
     state, read after: it can only be newer), with its budget under ``host`` (if any) and its reloads."""
     gen = view.current
     engine = getattr(gen.runtime, "engine", None) if gen is not None else None
+    process = engine_process(gen)
+    degraded = process is not None and process.state == "failed"  # held, but every request would be a 503
     return LiveStatus(
-        name=name, phase=state.phase, trigger=str(state.trigger), generation=view.number,
-        revision=view.revision, serving=state.phase != Phase.CLOSED and view.serving,
+        name=name, phase=_phase(state, process), trigger=str(state.trigger), generation=view.number,
+        revision=view.revision, serving=state.phase != Phase.CLOSED and view.serving and not degraded,
         loaded=(host.state(name) if host is not None else None) or ("loaded" if gen else "unloaded"),
         budget=host.describe(name) if host is not None else None,
-        in_flight=view.in_flight, last_error=state.message, conflict=state.conflict, staged=view.candidate,
+        in_flight=view.in_flight, last_error=state.message or (_engine_failure(process) if degraded else None),
+        conflict=state.conflict, staged=view.candidate,
         created=gen.created if gen is not None else None,
         requests=engine.stats() if engine is not None else None,
         manifest=str(manifest),
@@ -131,10 +134,21 @@ def live_status(view: PoolView, state: State, *, name: str, host: Host | None, m
         memory={"rss": process_rss(), "baseline_rss": view.baseline_rss},
         plan=[PlacedDevice(d.device, list(d.blocks), d.bytes) for d in gen.plan.devices if d.blocks]
         if gen and gen.plan else None,
-        engine_process=engine_process(gen),
+        engine_process=process,
         rollout=rollout,
         adapters=served_adapters(gen),
     )
+
+
+def _phase(state: State, process: EngineProcess | None) -> Phase:
+    """The state's phase, or Degraded while its engine has failed (and is retried) where it would say Ready."""
+    if process is not None and process.state == "failed" and state.phase == Phase.READY:
+        return Phase.DEGRADED
+    return state.phase
+
+
+def _engine_failure(process: EngineProcess | None) -> str:
+    return f"the llama.cpp engine failed: {process.reason if process is not None else 'unknown'}"
 
 
 def not_ready(snapshots: list[LiveStatus]) -> list[str]:
@@ -154,6 +168,11 @@ def served_status(store: StateStore, name: str, live: LiveStatus | None) -> dict
     if waiting is not None:  # its load waits for the host budget: say so, and why
         report["conditions"].append({"type": "Loaded", "status": False, "reason": "WaitingForRoom",
                                      "message": waiting})
+    if live is not None and live.phase == Phase.DEGRADED:  # held, but its engine cannot answer: not Ready
+        report["phase"], report["last_error"] = Phase.DEGRADED.value, live.last_error
+        report["conditions"] = [{"type": "Ready", "status": False, "reason": "EngineFailed",
+                                 "message": live.last_error or ""} if c["type"] == "Ready" else c
+                                for c in report["conditions"]]
     report["serving"] = bool(live and live.serving)
     report["serving_revision"] = live.revision if live else None
     report["generation"] = live.generation if live else None

@@ -27,6 +27,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from ...threads import ThreadGroup
+from ..admission import Policy
 from ..revisions.state import StateStore
 from .api_changes import ApiChanges
 from .deployment import Deployment
@@ -50,12 +51,13 @@ StepSink = Callable[[str], None]
 
 class Supervisor:
     """Holds the deployments of ``path`` (None: no files; the recorded deployments, restored at
-    start) and follows the files."""
+    start) and follows the files. ``policy``: the operator's (default ``Policy()``: no engine binary, remote
+    code or cluster), which every manifest of every source passes before it becomes live."""
 
     def __init__(self, path: Path | None, *, store: StateStore, devices: str | None = None, prune: bool = False,
-                 debounce: float = 0.3, host: Host | None = None) -> None:
+                 debounce: float = 0.3, host: Host | None = None, policy: Policy | None = None) -> None:
         self.path = Path(path).resolve() if path is not None else None
-        self.roster = Roster(store=store, devices=devices, host=host)
+        self.roster = Roster(store=store, devices=devices, host=host, policy=policy or Policy())
         self.files = (FollowedFiles(self.roster, self.path, prune=prune, debounce=debounce)
                       if self.path is not None else None)
         self.api_changes = ApiChanges(self.roster, self.files)
@@ -67,6 +69,11 @@ class Supervisor:
     @property
     def store(self) -> StateStore:
         return self.roster.store
+
+    @property
+    def policy(self) -> Policy:
+        """What every manifest this supervisor makes live is admitted under (``admission.admit``)."""
+        return self.roster.policy
 
     @property
     def devices(self) -> str | None:

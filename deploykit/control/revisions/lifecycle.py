@@ -22,11 +22,16 @@ log = logging.getLogger(__name__)
 
 
 def rollback_target(store: StateStore, name: str, *, to_revision: int | None = None) -> Revision:
-    """The revision a rollback re-applies: ``to_revision``, else the Ready one before the current."""
+    """The revision a rollback re-applies: ``to_revision``, else the Ready one before the current. Only a
+    revision that served can be brought back: a Failed one never did (Ready is final in the store: a revision
+    is recorded Ready once, and only a Progressing one is ever marked Failed), a Progressing one is still
+    being applied. Its manifest then passes the admission gate like any apply (``control.admission``)."""
     if to_revision is not None:
         found = store.get(name, to_revision)
         if found is None:
             raise DeploykitError(f"{name!r} has no revision {to_revision}")
+        if found.phase != Phase.READY:
+            raise DeploykitError(_not_servable(found))
         return found
     current = store.current(name)
     ready = [r for r in store.history(name)
@@ -34,6 +39,13 @@ def rollback_target(store: StateStore, name: str, *, to_revision: int | None = N
     if not ready:
         raise DeploykitError(f"{name!r} has no Ready revision before the current one to roll back to")
     return ready[-1]
+
+
+def _not_servable(revision: Revision) -> str:
+    what = (f"is {revision.phase}" + (f" ({revision.reason})" if revision.reason else "")
+            if revision.phase == Phase.FAILED else "is still being applied")
+    return (f"revision {revision.revision} of {revision.name!r} {what}: it never served, so it cannot be rolled "
+            "back to; choose a Ready revision (deploykit history " + revision.name + ")")
 
 
 def rollback(store: StateStore, name: str, *, to_revision: int | None = None,

@@ -4,7 +4,8 @@
 Every client is built here, with ``trust_env=False`` (no proxy variable, netrc or certificate setting of
 deploykit's environment applies to engine traffic) and timeouts on every phase: connecting, writing,
 waiting in httpx's pool, and reading (``READ_TIMEOUT_SECONDS``, a backstop: a hung engine is found by the
-watchdog's ``/health`` long before it).
+watchdog's ``/health``, a stalled decode loop by its ``/slots``, long before it, and killed, which ends every
+read at once). The health check's request also ends when its stop event is set (``greedy_probe``).
 
 Errors are typed so the API can answer as OpenAI does, and so that only a real death counts as one:
 ``UpstreamError`` (llama-server refused the request: its status and message); ``EngineBusy`` (no connection
@@ -17,6 +18,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import threading
 import time
 from collections.abc import AsyncIterator
 from pathlib import Path
@@ -26,6 +28,7 @@ import httpx
 
 CONNECT_TIMEOUT = 5.0
 READ_TIMEOUT_SECONDS = 600.0
+STOP_POLL_SECONDS = 0.05  # how often a stoppable request looks at its stop event
 BASE_URL = "http://llama-server"  # the host is not used: every request goes to the unix socket
 
 
@@ -43,6 +46,10 @@ class EngineGone(Exception):
 
 class EngineRefused(EngineGone):
     """The connection was refused (nothing was sent): safe to send again once the engine is ready."""
+
+
+class ProbeStopped(Exception):
+    """A request was given up because its engine is being stopped (the stop event was set)."""
 
 
 class EngineBusy(Exception):
@@ -95,14 +102,42 @@ def _blocking(socket: Path, api_key: str, method: str, path: str, body: dict[str
     return answer
 
 
-def greedy_probe(socket: Path, api_key: str, text: str, *, max_tokens: int, timeout: float) -> tuple[str, int, float]:
-    """(text, completion tokens, seconds) of one greedy completion of ``text``: the health check's request."""
+def greedy_probe(socket: Path, api_key: str, text: str, *, max_tokens: int, timeout: float,
+                 stop: threading.Event | None = None) -> tuple[str, int, float]:
+    """(text, completion tokens, seconds) of one greedy completion of ``text``: the health check's request.
+    ``ProbeStopped`` as soon as ``stop`` is set (checked every ``STOP_POLL_SECONDS``; the request is cancelled,
+    its connection closed), whatever ``timeout`` is left."""
     start = time.monotonic()
-    answer = post_blocking(socket, api_key, "/v1/completions",
-                           {"prompt": text, "max_tokens": max_tokens, "temperature": 0.0, "seed": 0}, timeout=timeout)
+    body = {"prompt": text, "max_tokens": max_tokens, "temperature": 0.0, "seed": 0}
+    answer = asyncio.run(_stoppable_post(socket, api_key, "/v1/completions", body, timeout=timeout, stop=stop))
     choice = answer["choices"][0]
     return str(choice.get("text", "")), int(answer.get("usage", {}).get("completion_tokens", 0)), \
         time.monotonic() - start
+
+
+async def _stoppable_post(socket: Path, api_key: str, path: str, body: dict[str, Any], *, timeout: float,
+                          stop: threading.Event | None) -> dict[str, Any]:
+    """One JSON request on a private event loop, given up (cancelled) once ``stop`` is set."""
+    transport = httpx.AsyncHTTPTransport(uds=str(socket))
+    async with httpx.AsyncClient(transport=transport, base_url=BASE_URL, timeout=_timeout(timeout), trust_env=False,
+                                 headers={"Authorization": f"Bearer {api_key}"}) as client:
+        request = asyncio.ensure_future(client.post(path, json=body))
+        try:
+            while not request.done():
+                if stop is not None and stop.is_set():
+                    raise ProbeStopped("the request was given up: its engine is being stopped")
+                await asyncio.wait({request}, timeout=STOP_POLL_SECONDS)
+        finally:
+            request.cancel()
+            await asyncio.gather(request, return_exceptions=True)
+        try:
+            response = request.result()
+        except httpx.HTTPError as exc:
+            raise _typed(exc) from None
+    if response.status_code != 200:
+        raise UpstreamError(response.status_code, _message(response.status_code, response.content))
+    answer: dict[str, Any] = response.json()
+    return answer
 
 
 def _message(status: int, raw: bytes) -> str:

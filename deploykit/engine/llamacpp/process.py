@@ -58,6 +58,7 @@ log = logging.getLogger(__name__)
 STOP_GRACE_SECONDS = 5.0
 LOG_TAIL_BYTES = 4000
 HEALTH_READ_TIMEOUT = 2.0  # the watchdog's /health poll
+LOOP_READ_TIMEOUT = 2.0  # the watchdog's /slots poll, answered by the decode loop between two steps
 SOCKET_NAME = "server.sock"  # llama-server listens on a unix socket when --host ends in .sock
 SOCKET_DIR_PREFIX = "deploykit-llama-"  # <tmp>/deploykit-llama-<deploykit's pid>-<random>/server.sock
 _SOCKET_DIR = re.compile(re.escape(SOCKET_DIR_PREFIX) + r"(\d{1,10})-[A-Za-z0-9_]+")  # fullmatch
@@ -156,8 +157,11 @@ class LlamaServer:
         self._log: LogRing | None = None
         self._health: httpx.Client | None = None
         self.relay: RelayClient | None = None  # the relay's requests to this process (set by ``start``)
+        self._loop: httpx.Client | None = None  # the watchdog's /slots client (with the key)
         self._stopped_status: int | None = None
-        self._stop_lock = threading.Lock()
+        self._stop_lock = threading.RLock()  # start and stop exclude each other: a stopped server never starts
+        self._stopped = False
+        self._reap_lock = threading.Lock()  # the engine is reaped, and its group signalled, under it
 
     @property
     def pid(self) -> int | None:
@@ -166,34 +170,42 @@ class LlamaServer:
     def exit_status(self) -> int | None:
         """None while it runs; its exit status (negative: the signal) once it has ended (or was stopped)."""
         proc = self._proc
-        return self._stopped_status if proc is None else proc.poll()
+        if proc is None:
+            return self._stopped_status
+        with self._reap_lock:
+            return proc.poll()
 
     def wait_exit(self, timeout: float) -> int | None:
         """The exit status once the process has ended, waiting up to ``timeout`` (None: it still runs). A
         connection broken by a dying process is seen before the process can be reaped."""
-        proc = self._proc
-        if proc is None:
-            return self._stopped_status
-        try:
-            return proc.wait(timeout)
-        except subprocess.TimeoutExpired:
-            return None
+        deadline = time.monotonic() + timeout
+        while True:
+            status = self.exit_status()
+            if status is not None or time.monotonic() >= deadline:
+                return status
+            time.sleep(0.02)
 
     def start(self) -> None:
-        clear_stale_socket_dirs()
-        # mode 0700: only this user may connect; named with deploykit's pid, so a later start can tell the
-        # directory of a deploykit killed with -9 (which leaves it behind) from one still in use
-        self._dir = tempfile.mkdtemp(prefix=f"{SOCKET_DIR_PREFIX}{os.getpid()}-")
-        self.socket = Path(self._dir) / SOCKET_NAME
-        argv = [str(self.options.binary), "--host", str(self.socket), *self.options.flags()]
-        try:
-            self._start_watcher()
-            self._start_engine(argv)
-            self._health = unix_client(self.socket, timeout=HEALTH_READ_TIMEOUT)
-            self.relay = RelayClient(self.socket, self.api_key)
-        except BaseException:
-            self.stop(grace=0)
-            raise
+        """Start the process (not ready yet: ``wait_ready``). A server already stopped (from another thread:
+        its generation closed) is not started."""
+        with self._stop_lock:
+            if self._stopped:
+                raise ApplyError("llama-server was not started: it was stopped first (the generation is closing)")
+            clear_stale_socket_dirs()
+            # mode 0700: only this user may connect; named with deploykit's pid, so a later start can tell the
+            # directory of a deploykit killed with -9 (which leaves it behind) from one still in use
+            self._dir = tempfile.mkdtemp(prefix=f"{SOCKET_DIR_PREFIX}{os.getpid()}-")
+            self.socket = Path(self._dir) / SOCKET_NAME
+            argv = [str(self.options.binary), "--host", str(self.socket), *self.options.flags()]
+            try:
+                self._start_watcher()
+                self._start_engine(argv)
+                self._health = unix_client(self.socket, timeout=HEALTH_READ_TIMEOUT)
+                self._loop = unix_client(self.socket, timeout=LOOP_READ_TIMEOUT, api_key=self.api_key)
+                self.relay = RelayClient(self.socket, self.api_key)
+            except BaseException:
+                self.stop(grace=0)
+                raise
         log.info("started llama-server pid %s on %s: %s", self.pid, self.socket, " ".join(argv[1:]))
 
     def _start_watcher(self) -> None:
@@ -242,6 +254,19 @@ class LlamaServer:
         """Whether ``/health`` answers 200 within ``HEALTH_READ_TIMEOUT`` now (the watchdog's poll)."""
         return self._health is not None and healthy(self._health)
 
+    def loop_answers(self) -> bool:
+        """Whether llama-server's decode loop answers now: ``/slots`` (a task its loop runs between two decode
+        steps, unlike ``/health``) within ``LOOP_READ_TIMEOUT``. An engine without ``/slots`` (an answer other
+        than 200: disabled, older) cannot be judged this way and counts as answering."""
+        client = self._loop
+        if client is None:
+            return True
+        try:
+            client.get("/slots")
+        except (httpx.HTTPError, OSError):
+            return False
+        return True
+
     def log_tail(self) -> str:
         return self._log.tail(LOG_TAIL_BYTES) if self._log is not None else ""
 
@@ -249,14 +274,16 @@ class LlamaServer:
         """End the process group (SIGTERM, then SIGKILL after ``grace``; 0: SIGKILL at once) and reap it.
         Idempotent; safe from any thread."""
         with self._stop_lock:
+            self._stopped = True
             proc, watcher, self._proc, self._watcher = self._proc, self._watcher, None, None
             if self.relay is not None:
                 self.relay.close()
-            if self._health is not None:
-                self._health.close()
-                self._health = None
+            for client in (self._health, self._loop):
+                if client is not None:
+                    client.close()
+            self._health = self._loop = None
             if proc is not None:
-                _end_group(proc, grace)
+                _end_group(proc, grace, self._reap_lock)
             if watcher is not None:  # killed, not told by the pipe's end: the engine's pid may be reused now
                 watcher.kill()
                 watcher.wait()
@@ -281,18 +308,28 @@ def healthy(client: Any) -> bool:
         return False
 
 
-def _end_group(proc: subprocess.Popen[bytes], grace: float) -> None:
-    """SIGTERM the engine's group (it shuts down cleanly), SIGKILL it after ``grace``, reap the engine."""
-    _signal_group(proc.pid, signal.SIGTERM if grace > 0 else signal.SIGKILL)
-    try:
-        proc.wait(grace)
-    except subprocess.TimeoutExpired:
-        _signal_group(proc.pid, signal.SIGKILL)
+def _end_group(proc: subprocess.Popen[bytes], grace: float, reaping: threading.Lock) -> None:
+    """SIGTERM the engine's group (it shuts down cleanly), SIGKILL it after ``grace``, reap the engine. The
+    group is signalled only while its leader is not reaped (every reap of it runs under ``reaping``, held while
+    signalling; a zombie still holds its pid): once reaped, its pid, and so its group id, may name another
+    process's group."""
+    _signal_group(proc, signal.SIGTERM if grace > 0 else signal.SIGKILL, reaping)
+    deadline = time.monotonic() + grace
+    while time.monotonic() < deadline:
+        with reaping:
+            if proc.poll() is not None:
+                return
+        time.sleep(0.02)
+    _signal_group(proc, signal.SIGKILL, reaping)
+    with reaping:
         proc.wait()
 
 
-def _signal_group(pgid: int, sig: int) -> None:
-    try:
-        os.killpg(pgid, sig)  # the engine leads its own session and group (start_new_session)
-    except ProcessLookupError:
-        pass
+def _signal_group(proc: subprocess.Popen[bytes], sig: int, reaping: threading.Lock) -> None:
+    with reaping:
+        if proc.returncode is not None:
+            return  # reaped: its group id is no longer the engine's to signal
+        try:
+            os.killpg(proc.pid, sig)  # the engine leads its own session and group (start_new_session)
+        except ProcessLookupError:
+            pass

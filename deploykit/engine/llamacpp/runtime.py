@@ -30,7 +30,8 @@ from ..admission import QueueFull
 from ..health import HealthResult
 from ..types import Limits
 from ..text import RequestError
-from .client import EngineBusy, EngineGone, RelayClient, UpstreamError, get_blocking, greedy_probe, post_blocking
+from .client import (EngineBusy, EngineGone, ProbeStopped, RelayClient, UpstreamError, get_blocking, greedy_probe,
+                     post_blocking)
 from .process import LlamaServer, ServerOptions
 from .supervisor import EngineReport, EngineUnavailable, Supervisor
 
@@ -113,6 +114,11 @@ class Slots:
         if turned:
             self._pass_turn()
 
+    def busy(self) -> bool:
+        """Whether requests are in flight on the engine now (the watchdog then expects it to progress)."""
+        with self._lock:
+            return self._in_flight > 0
+
     def stats(self) -> dict[str, int]:
         with self._lock:
             n, sending = self._in_flight, self._sending
@@ -149,7 +155,7 @@ class LlamaRuntime:
         self.context_length = options.server.context
         self.engine = Slots(options.server.slots, limits.max_queued)
         self.vocab_size: int | None = None  # llama-server's n_vocab: logit_bias ids are checked against it
-        self._supervisor = Supervisor(self._started, name=options.server.model.stem[:24])
+        self._supervisor = Supervisor(self._started, name=options.server.model.stem[:24], busy=self.engine.busy)
 
     @property
     def pid(self) -> int | None:
@@ -164,23 +170,28 @@ class LlamaRuntime:
         return self._supervisor.report()
 
     def _started(self, stop: threading.Event) -> LlamaServer:
-        """A new process, loaded (``/health``) and answering a greedy request; stopped if either fails."""
+        """A new process, loaded (``/health``) and answering a greedy request; stopped if either fails. Its
+        load and its probe both end as soon as ``stop`` is set (the generation closes): nothing waits for a
+        probe's timeout."""
         server = LlamaServer(self.options.server)
         server.start()
         try:
             server.wait_ready(self.options.health_timeout, stop)
-            self._probe(server)
-            if self.vocab_size is None:
+            self._probe(server, stop)
+            if self.vocab_size is None and not stop.is_set():
                 self.vocab_size = _vocab_size(server)
         except BaseException:
             server.stop(grace=0)
             raise
         return server
 
-    def _probe(self, server: LlamaServer) -> HealthResult:
+    def _probe(self, server: LlamaServer, stop: threading.Event | None = None) -> HealthResult:
         try:
             text, tokens, seconds = greedy_probe(server.socket, server.api_key, self.options.health_input,
-                                                 max_tokens=HEALTH_TOKENS, timeout=self.options.health_timeout)
+                                                 max_tokens=HEALTH_TOKENS, timeout=self.options.health_timeout,
+                                                 stop=stop)
+        except ProbeStopped:
+            raise ApplyError("llama-server was stopped during its health check (the generation is closing)") from None
         except (UpstreamError, EngineGone, EngineBusy) as exc:
             raise ApplyError(f"health check failed: llama-server did not answer a greedy request: {exc}; "
                              f"{server.log_tail()[-500:]}") from None

@@ -7,12 +7,20 @@ finds it dead or hung, replaces it with bounded, backed-off restarts, and tells 
 - **Hung** is a process that runs but has not answered ``/health`` (llama-server answers it from its HTTP
   threads, loaded or not) for ``HUNG_AFTER_SECONDS``, each poll read with a timeout. A hung process is killed
   (SIGKILL: a stopped process never handles SIGTERM), which also breaks its in-flight requests at once.
+- **Stalled** is a process whose HTTP threads answer ``/health`` while its decode loop is stuck (a kernel that
+  never returns, a deadlock in the loop): requests in flight get no token, and new ones queue behind them.
+  While deploykit has requests in flight there (``busy``), the watchdog asks the loop itself (``/slots``, which
+  llama-server answers from the loop between two decode steps); no answer for ``STALLED_AFTER_SECONDS`` (longer
+  than one decode step of any sane batch) is a stall: the process is killed and replaced like a hung one.
 - **Restarts run on the watchdog's own thread**, never in a request's: a request that finds the engine
   starting or restarting waits on the state (an asyncio future, no worker thread held) for at most its bound,
   then gets ``EngineUnavailable`` (a 503 with Retry-After). After a death the first restart is immediate unless
   the last one was recent (a crash loop), then the delay doubles up to ``BACKOFF_MAX_SECONDS``;
-  ``RESTART_ATTEMPTS`` failed starts in a row leave the engine ``failed`` with the reason, and every request
-  is answered at once until the deployment is reloaded.
+  ``RESTART_ATTEMPTS`` failed starts in a row leave the engine ``failed`` with the reason: every request is
+  answered at once (503), the deployment shows Degraded and ``/readyz`` 503, and the watchdog keeps trying, one
+  start every ``FAILED_RETRY_SECONDS``, until one works (then it is ready again) or the generation is closed.
+- **Stopping** (``close``) sets the stop event a start in progress watches, its load and its health probe
+  included: it never waits for a probe's timeout.
 - Its state (``EngineState``: starting, ready, restarting, failed, closed) and reason are what ``/status``
   shows (``report``).
 
@@ -24,6 +32,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import threading
 import time
 from collections.abc import Callable
@@ -41,6 +50,8 @@ BACKOFF_FIRST_SECONDS = 1.0
 BACKOFF_MAX_SECONDS = 30.0
 STABLE_SECONDS = 60.0  # a process that served this long ends a crash loop: the next restart is immediate
 RETRY_AFTER_SECONDS = 5
+FAILED_RETRY_SECONDS = 30.0  # a failed engine is tried again this often, until it starts or is closed
+STALLED_AFTER_SECONDS = float(os.environ.get("DEPLOYKIT_LLAMA_STALLED_AFTER", "60"))  # no decode-loop answer
 
 
 class EngineState(str, Enum):
@@ -96,14 +107,18 @@ class Supervisor:
     """Owns one generation's process from its first start (on the caller's thread: a failure there fails
     the load) to ``close``; between them, the watchdog thread is the only one that replaces it."""
 
-    def __init__(self, start: Callable[[threading.Event], LlamaServer], *, name: str) -> None:
+    def __init__(self, start: Callable[[threading.Event], LlamaServer], *, name: str,
+                 busy: Callable[[], bool] = lambda: False) -> None:
         self._start = start
+        self._busy = busy  # deploykit has requests in flight on this engine now
+        self._stalled_since: float | None = None  # busy, and the decode loop has not answered since
         self._cond = threading.Condition()  # reentrant (an RLock)
         self._waiters: list[tuple[asyncio.AbstractEventLoop, asyncio.Future[None]]] = []
         self.state: EngineState = EngineState.STARTING
         self.reason: str | None = None
         self.crashes = self.restarts = 0
         self.last_crash: str | None = None
+        self._failed_why = ""
         self._suspect = False
         self._stop = threading.Event()
         self._wake = threading.Event()
@@ -205,13 +220,21 @@ class Supervisor:
     def _watch(self) -> None:
         last_healthy = time.monotonic()
         while True:
+            if self.state is EngineState.FAILED:
+                if self._stop.wait(FAILED_RETRY_SECONDS):
+                    return
+                self._retry_failed()
+                last_healthy = time.monotonic()
+                continue
             self._wake.wait(WATCH_INTERVAL_SECONDS)
             self._wake.clear()
             if self._stop.is_set():
                 return
             if self.state is not EngineState.READY:
-                continue  # failed: nothing more to do until the generation is closed
+                continue
             why, last_healthy = self._verdict(last_healthy)
+            if why is None:
+                why = self._stall()
             if why is not None:
                 self._replace(why)
                 last_healthy = time.monotonic()
@@ -230,6 +253,20 @@ class Supervisor:
             return (f"llama-server pid {proc.pid} did not answer /health for {HUNG_AFTER_SECONDS:g}s "
                     "(hung); it was killed"), last_healthy
         return None, last_healthy
+
+    def _stall(self) -> str | None:
+        """Why the process must be replaced for a stuck decode loop (None: it progresses, or has no work)."""
+        if not self._busy() or self._proc.loop_answers():
+            self._stalled_since = None
+            return None
+        now = time.monotonic()
+        if self._stalled_since is None:
+            self._stalled_since = now
+        if now - self._stalled_since < STALLED_AFTER_SECONDS:
+            return None
+        self._stalled_since = None
+        return (f"llama-server pid {self._proc.pid} made no progress on the requests in flight for "
+                f"{STALLED_AFTER_SECONDS:g}s (its decode loop did not answer; stalled); it was killed")
 
     def _clear_suspect(self) -> None:
         with self._cond:
@@ -250,23 +287,39 @@ class Supervisor:
         for _ in range(RESTART_ATTEMPTS):
             if delay and self._stop.wait(delay):
                 return
-            try:
-                proc = self._start(self._stop)
-            except Exception as exc:  # the reason is kept; the next attempt waits longer
-                error = str(exc)
-                log.warning("restarting llama-server failed: %s", error)
-                delay = self._backoff.failed()
-                if self._stop.is_set():
-                    return
-                continue
-            with self._cond:
-                self._proc = proc
-                self.restarts += 1
-            self._backoff.restarted()
-            self._set(EngineState.READY, None)
-            return
-        self._set(EngineState.FAILED, f"{why}; {RESTART_ATTEMPTS} restarts failed, the last: {error[:500]}")
+            failure = self._try_start()
+            if failure is None or self._stop.is_set():
+                return
+            error = failure
+            delay = self._backoff.failed()  # the reason is kept; the next attempt waits longer
+        self._failed_why = f"{why}; {RESTART_ATTEMPTS} restarts failed"
+        self._set(EngineState.FAILED, f"{self._failed_why}, the last: {error[:500]}; retrying every "
+                                      f"{FAILED_RETRY_SECONDS:g}s")
         log.error("llama-server could not be restarted: %s", self.reason)
+
+    def _retry_failed(self) -> None:
+        """One more start of a failed engine (every ``FAILED_RETRY_SECONDS``): ready again when it works."""
+        error = self._try_start()
+        if error is not None and not self._stop.is_set():
+            self._set(EngineState.FAILED, f"{self._failed_why}, the last: {error[:500]}; retrying every "
+                                          f"{FAILED_RETRY_SECONDS:g}s")
+
+    def _try_start(self) -> str | None:
+        """Start a fresh process and serve it (None), or say why it could not start."""
+        try:
+            proc = self._start(self._stop)
+        except Exception as exc:
+            log.warning("restarting llama-server failed: %s", exc)
+            return str(exc)
+        with self._cond:
+            if self.state is EngineState.CLOSED:  # closed while it started: not served
+                proc.stop(grace=0)
+                return None
+            self._proc = proc
+            self.restarts += 1
+        self._backoff.restarted()
+        self._set(EngineState.READY, None)
+        return None
 
 
 def _resolve(future: asyncio.Future[None]) -> None:
