@@ -24,6 +24,7 @@ from .auth import BODY_TIMEOUT, DEFAULT_MAX_BODY, Guard
 from .errors import install_handlers
 from .metrics import new_registry
 from .openai import chat, completions, embeddings, models
+from .openai.responses import route as responses
 from .openai.common import Registry
 from .openai.stream import SEND_TIMEOUT
 from .policy import ControlPolicy
@@ -84,7 +85,7 @@ def create_app(registry: Registry, *, api_key: str | None = None, max_body: int 
     app.state.stream_send_timeout = stream_send_timeout
     app.state.prometheus, app.state.metrics = new_registry(registry)
     install_handlers(app)
-    for module in (models, chat, completions, embeddings, ops):
+    for module in (models, chat, completions, responses, embeddings, ops):
         app.include_router(module.router)
     if control_token:
         from . import control
