@@ -68,13 +68,9 @@ async def started(body: ChatCompletionRequest, request: Request, held: Lease, *,
     adapter = model_parts(body.model)[1]
 
     def work(runtime: Any) -> list[GenerationRequest]:
-        plan = plan_of(body)
-        takes_tools = template_takes_tools(runtime.tokenizer)
-        check_auto(plan, parser=runtime.limits.tool_call_parser, template_takes_tools=takes_tools)
+        plan, ids = prompt_of(body, runtime)
         if plan.constraint is not None:
             runtime.check_grammar(plan.constraint)  # compiled (cached) off the loop, or a 400 naming the keyword
-        tools = plan.tools if takes_tools else None
-        ids = chat_prompt_ids(runtime.tokenizer, [m.as_template_message() for m in body.messages], tools)
         max_tokens = max_tokens_of(body.requested_max_tokens(), runtime)
         check_length(len(ids), max_tokens, context_length=runtime.context_length,
                      limit=runtime.limits.max_tokens, prompt_param="messages")
@@ -87,12 +83,36 @@ async def started(body: ChatCompletionRequest, request: Request, held: Lease, *,
         runs = [Run(held.gen, held.dep.name, job, request, request.app.state.metrics) for job in jobs]
         start(runs, held)  # before the response: a full queue is a 429, not a broken stream
     except APIError as exc:
-        face = params.get(exc.param) if params and exc.param else None
-        if face is not None and exc.param is not None:
-            exc.message = exc.message.replace(exc.param, face, 1)
-            exc.param = face
-        raise
+        raise _renamed(exc, params) from None
     return Started(held, runs, plans[0], TokenTexts(held.runtime.tokenizer), held.dep.name)
+
+
+def prompt_of(body: ChatCompletionRequest, runtime: Any) -> tuple[Structured, list[int]]:
+    """What ``body`` asks of its answer, and its prompt's token ids (the tools rendered by the template when
+    it takes them)."""
+    plan = plan_of(body)
+    takes_tools = template_takes_tools(runtime.tokenizer)
+    check_auto(plan, parser=runtime.limits.tool_call_parser, template_takes_tools=takes_tools)
+    tools = plan.tools if takes_tools else None
+    return plan, chat_prompt_ids(runtime.tokenizer, [m.as_template_message() for m in body.messages], tools)
+
+
+async def count_prompt(body: ChatCompletionRequest, held: Lease, *, params: Mapping[str, str] | None = None) -> int:
+    """The number of tokens of ``body``'s prompt on the pinned generation; the lease is released."""
+    try:
+        held, ids = await prepared(held, lambda runtime: prompt_of(body, runtime)[1])
+    except APIError as exc:
+        raise _renamed(exc, params) from None
+    held.release()
+    return len(ids)
+
+
+def _renamed(exc: APIError, params: Mapping[str, str] | None) -> APIError:
+    face = params.get(exc.param) if params and exc.param else None
+    if face is not None and exc.param is not None:
+        exc.message = exc.message.replace(exc.param, face, 1)
+        exc.param = face
+    return exc
 
 
 def answer_of(outcome: Outcome, plan: Structured) -> tuple[str | None, list[dict[str, Any]]]:
