@@ -139,7 +139,7 @@ class ResponsesRequest(BaseModel):
         if len(set(names)) != len(names):
             raise FieldRefused("tools", "two tools have the same name")
         choice = self.tool_choice
-        if choice not in (None, "none") and not names:
+        if choice not in (None, "none", "auto") and not names:  # "auto" without tools: OpenAI's default, no tools
             raise FieldRefused("tool_choice", "tool_choice needs tools")
         if isinstance(choice, dict):
             if choice.get("type") != "function":
@@ -176,9 +176,9 @@ class ResponsesRequest(BaseModel):
         if tools:
             body["tools"] = [{"type": "function", "function": t.model_dump(exclude_none=True, exclude={"type"})}
                              for t in tools]
-        if isinstance(self.tool_choice, dict):
+        if tools and isinstance(self.tool_choice, dict):
             body["tool_choice"] = {"type": "function", "function": {"name": self.tool_choice["name"]}}
-        elif self.tool_choice is not None:
+        elif tools and self.tool_choice is not None:
             body["tool_choice"] = self.tool_choice
         fmt = self.text.format if self.text else None
         if isinstance(fmt, JsonSchemaText):
