@@ -26,7 +26,7 @@ from .generation import Outcome, Run, whole
 from .logprobs import TokenTexts, chat_content
 from .protocol import ChatCompletionRequest, new_id, now
 from .stream import LeasedStream
-from .structured import HermesStream, RequiredStream, Structured, new_call
+from .structured import GenericStream, HermesStream, RequiredStream, Structured, auto_reader, new_call
 from .turn import answer_of, pinned, started
 
 router = APIRouter()
@@ -59,9 +59,8 @@ def _message(outcome: Outcome, plan: Structured) -> dict[str, Any]:
     deploykit's models never answer with OpenAI's refusal, and its API requires the field)."""
     message: dict[str, Any] = {"role": "assistant", "content": outcome.text, "refusal": None}
     content, calls = answer_of(outcome, plan)
-    if not calls:  # a forced answer cut before its first call is still no content
-        return {"message": {**message, "content": None} if plan.mode == "required" else message,
-                "finish_reason": outcome.finish_reason}
+    if not calls:  # a forced answer cut before its first call is still no content (``answer_of``: None)
+        return {"message": {**message, "content": content}, "finish_reason": outcome.finish_reason}
     finish = outcome.finish_reason if outcome.finish_reason == "length" or plan.mode == "named" else "tool_calls"
     return {"message": {**message, "content": content, "tool_calls": calls}, "finish_reason": finish}
 
@@ -78,7 +77,7 @@ async def _stream(runs: list[Run], meta: dict[str, Any], include_usage: bool, n:
         return sse({**chunk, "choices": [{"index": index, "delta": content, "logprobs": logprobs,
                                           "finish_reason": finish}]})
 
-    autos = [HermesStream({t["function"]["name"] for t in plan.tools}) for _ in runs]
+    autos = [auto_reader(plan) for _ in runs]
     forced = [RequiredStream() for _ in runs]
     for index in range(len(runs)):
         if plan.mode == "named":  # the call first; its arguments stream as they are generated
@@ -111,7 +110,7 @@ async def _stream(runs: list[Run], meta: dict[str, Any], include_usage: bool, n:
     yield sse("[DONE]")
 
 
-def _ending(outcome: Outcome, plan: Structured, auto: HermesStream) -> list[dict[str, Any]]:
+def _ending(outcome: Outcome, plan: Structured, auto: HermesStream | GenericStream) -> list[dict[str, Any]]:
     """What an "auto" answer sends once it ended: its content not sent yet, then each call (the others
     streamed theirs as they came)."""
     if plan.mode != "auto":

@@ -28,7 +28,8 @@ from .common import Lease, check_adapter, engine_request, find, lease, max_token
 from .generation import Outcome, Run
 from .logprobs import TokenTexts
 from .protocol import ChatCompletionRequest
-from .structured import HermesStream, RequiredStream, Structured, check_auto, new_call, plan_of, tool_calls_of
+from .structured import (RequiredStream, Structured, auto_reader, check_auto, described, generic, new_call, plan_of,
+                         tool_calls_of, tool_format)
 
 
 @dataclass
@@ -92,9 +93,13 @@ def prompt_of(body: ChatCompletionRequest, runtime: Any) -> tuple[Structured, li
     it takes them)."""
     plan = plan_of(body)
     takes_tools = template_takes_tools(runtime.tokenizer)
+    messages = [m.as_template_message() for m in body.messages]
+    setting = runtime.limits.tool_format
+    if plan.mode != "none" and tool_format(setting, template_takes_tools=takes_tools, mode=plan.mode) == "generic":
+        plan = generic(plan, stop=bool(body.stop_strings()))
+        return plan, chat_prompt_ids(runtime.tokenizer, described(messages, plan))
     check_auto(plan, parser=runtime.limits.tool_call_parser, template_takes_tools=takes_tools)
-    tools = plan.tools if takes_tools else None
-    return plan, chat_prompt_ids(runtime.tokenizer, [m.as_template_message() for m in body.messages], tools)
+    return plan, chat_prompt_ids(runtime.tokenizer, messages, plan.tools if takes_tools else None)
 
 
 async def count_prompt(body: ChatCompletionRequest, held: Lease, *, params: Mapping[str, str] | None = None) -> int:
@@ -119,6 +124,11 @@ def answer_of(outcome: Outcome, plan: Structured) -> tuple[str | None, list[dict
     """A whole answer's content and the tool calls read from it (OpenAI's chat shape)."""
     if plan.mode == "none":
         return outcome.text, []
+    if plan.mode == "auto" and plan.generic:  # whole or cut: its content as far as it went, or its calls
+        reader = auto_reader(plan)
+        head = reader.push(outcome.text)
+        rest, calls = reader.finish()
+        return (None if calls else head + rest), calls
     try:
         return tool_calls_of(plan, outcome.text)
     except (ValueError, KeyError, TypeError):  # a cut answer ("length") is not a whole JSON array
@@ -167,7 +177,7 @@ async def events(run: Run, plan: Structured) -> AsyncIterator[Event]:
     arguments as they come; ``"auto"`` calls whole once the answer ended, its text up to the first call
     as it comes)."""
     calls: list[dict[str, Any]] = []
-    auto = HermesStream({t["function"]["name"] for t in plan.tools})
+    auto = auto_reader(plan)
     forced = RequiredStream()
     if plan.mode == "named":
         assert plan.function is not None

@@ -189,9 +189,11 @@ class MessagesRequest(CountTokensRequest):
         return body
 
 
-def _text_blocks(content: str | list[dict[str, Any]], where: str) -> str:
+def _text_blocks(content: Any, where: str) -> str:
     if isinstance(content, str):
         return content
+    if not isinstance(content, list):
+        raise FieldRefused(where, "content must be a string or a list of text blocks")
     texts = []
     for j, block in enumerate(content):
         if not isinstance(block, dict) or block.get("type") != "text" or not isinstance(block.get("text"), str):
