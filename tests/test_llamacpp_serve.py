@@ -296,3 +296,17 @@ def test_sigterm_and_sigkill_of_deploykit_leave_no_llama_server(gguf, tmp_path):
         pids = wait_until(lambda: engine_pids(killed.process.pid), 30, "llama-server started")  # type: ignore[union-attr]
         killed.process.kill()
         wait_until(lambda: not any(alive(p) for p in pids), 10, "llama-server ended with its parent")
+
+
+def test_responses_and_messages_are_refused_for_llama_cpp(server):
+    """llama-server computes chat completions only: the Responses and Messages faces say so (the lease is
+    given back: a chat request after them is answered)."""
+    import httpx
+
+    for route, body in (("/v1/responses", {"model": "smol", "input": "hi"}),
+                        ("/v1/messages", {"model": "smol", "max_tokens": 4,
+                                          "messages": [{"role": "user", "content": "hi"}]})):
+        r = httpx.post(f"{server.url}{route}", json=body, timeout=60)
+        assert r.status_code == 400, r.text
+        assert "unsupported_engine" in r.text or "not served for llama.cpp" in r.text, r.text
+    assert _chat(_client(server.url), "smol", CHATS[0])

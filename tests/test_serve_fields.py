@@ -203,7 +203,7 @@ TOOL = {"type": "function", "function": {"name": "f", "parameters": {"type": "ob
 
 
 @pytest.mark.parametrize("call, param", [
-    (chat(tools=[TOOL]), "tool_choice"),  # auto: this template renders no tools, and no parser is named
+    (chat(tools=[TOOL], stop="x"), "stop"),  # auto in the generic tool format (this template renders no tools)
     (chat(tool_choice="required"), "tool_choice"),  # no tools
     (chat(tools=[TOOL], tool_choice={"type": "function", "function": {"name": "g"}}), "tool_choice"),
     (chat(extra_body={"functions": [TOOL["function"]]}), "functions"),

@@ -153,7 +153,7 @@ def test_refusals_name_their_field(client: openai.OpenAI) -> None:
         ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {
             "type": "object", "properties": {"a": {"oneOf": [{"type": "string"}]}}}}}], "tool_choice": "required"},
          "tools", "oneOf"),
-        ({"tools": [WEATHER]}, "tool_choice", "tool support"),  # auto: SmolLM2's template renders no tools
+        ({"tools": [WEATHER], "stop": ["x"]}, "stop", "generic"),  # auto: SmolLM2's template renders no tools
         ({"tools": [WEATHER], "tool_choice": "required", "response_format": {"type": "json_object"}},
          "response_format", "both"),
     ]

@@ -23,6 +23,7 @@ class Limits:
     batching: str = "padded"
     tool_call_parser: str | None = None  # how tool calls are read from an answer (``tool_choice: auto``)
     prefill_chunk: int = 256  # prompt tokens read per step while other requests decode
+    tool_format: str | None = None  # "template" | "generic" | None: how tools reach the model (serve/openai/structured)
 
 
 @dataclass(frozen=True)

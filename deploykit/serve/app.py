@@ -24,6 +24,9 @@ from .auth import BODY_TIMEOUT, DEFAULT_MAX_BODY, Guard
 from .errors import install_handlers
 from .metrics import new_registry
 from .openai import chat, completions, embeddings, models
+from .openai.messages import route as messages
+from .openai.messages.wire import AnthropicWire
+from .openai.responses import route as responses
 from .openai.common import Registry
 from .openai.stream import SEND_TIMEOUT
 from .served_by import ServedBy
@@ -66,14 +69,15 @@ class Deployments:
 def create_app(registry: Registry, *, api_key: str | None = None, max_body: int = DEFAULT_MAX_BODY,
                control_token: str | None = None, openapi: bool = False,
                allowed_hosts: frozenset[str] | None = None, body_timeout: float = BODY_TIMEOUT,
-               stream_send_timeout: float = SEND_TIMEOUT) -> Guard:
+               stream_send_timeout: float = SEND_TIMEOUT) -> AnthropicWire:
     """The API over ``registry`` (a ``Supervisor`` or ``Deployments``). ``api_key``: required bearer key.
     ``control_token``: serve the control API (``/control/v1``, docs/control.md) behind this bearer token;
     the registry must then be a ``Supervisor``, whose policy (``control/admission.py``) every manifest it
     takes is admitted under. Without it, ``/control/...`` answers 401. ``openapi``: serve ``/openapi.json``
     (behind the API key, if any; off by default: it maps every route for whoever asks).
     ``allowed_hosts``/``body_timeout``: ``auth.Guard``'s.
-    ``stream_send_timeout``: seconds a stream waits for its client to take a chunk (``openai.stream``)."""
+    ``stream_send_timeout``: seconds a stream waits for its client to take a chunk (``openai.stream``).
+    Outermost, ``AnthropicWire`` gives ``/v1/messages`` Anthropic's key header and error shape."""
     from .. import __version__
 
     app = FastAPI(title="deploykit", version=__version__, docs_url=None, redoc_url=None,
@@ -82,11 +86,11 @@ def create_app(registry: Registry, *, api_key: str | None = None, max_body: int 
     app.state.stream_send_timeout = stream_send_timeout
     app.state.prometheus, app.state.metrics = new_registry(registry)
     install_handlers(app)
-    for module in (models, chat, completions, embeddings, ops):
+    for module in (models, chat, completions, responses, messages, embeddings, ops):
         app.include_router(module.router)
     if control_token:
         from . import control
 
         app.include_router(control.router)
-    return Guard(ServedBy(app), api_key=api_key, max_body=max_body, control_token=control_token,
-                 allowed_hosts=allowed_hosts, body_timeout=body_timeout)
+    return AnthropicWire(Guard(ServedBy(app), api_key=api_key, max_body=max_body, control_token=control_token,
+                               allowed_hosts=allowed_hosts, body_timeout=body_timeout))

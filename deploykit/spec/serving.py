@@ -70,6 +70,12 @@ class Serving(Strict):
         None, description="How this model family writes tool calls, read from answers to tool_choice 'auto' "
                           "(hermes: <tool_call>{json}</tool_call>, Hermes and Qwen2/2.5/3); unset: 'auto' is "
                           "refused (400) and only forced calls (required, a named function) are served.")
+    tool_format: Literal["template", "generic"] | None = Field(
+        None, description="How a request's tools reach the model: template (the chat template renders them, and "
+                          "'auto' calls are read with tool_call_parser) or generic (a system message describes "
+                          "them and the grammar shapes the answer: {\"content\": text} or {\"tool_calls\": "
+                          "[...]}, on any model); unset: template, except tool_choice 'auto' on a chat template "
+                          "that renders no tools, which is generic.")
     prefix_cache: PrefixCache = Field(default_factory=PrefixCache,
                                       description="Reuse of prompt prefixes across requests (padded batching).")
     prefill_chunk: int = Field(256, ge=16, le=65536, strict=True,
@@ -96,6 +102,8 @@ class Serving(Strict):
             data.pop("prefill_chunk", None)
         if self.tool_call_parser is None:
             data.pop("tool_call_parser", None)
+        if self.tool_format is None:
+            data.pop("tool_format", None)
         return data
 
     @field_validator("max_tokens")

@@ -68,10 +68,11 @@ def serving_of(loaded: LoadedManifest, *, show_progress: bool = False) -> Servin
                        allow_pickle=spec.model.allow_pickle, offload_dir=loaded.resolve(disk.path) if disk else None,
                        show_progress=show_progress)
     limits = Limits(s.context_length, s.max_tokens, s.default_max_tokens, s.max_concurrent, s.max_queued,
-                    s.max_input_items, s.batching, s.tool_call_parser, prefill_chunk=s.prefill_chunk)
+                    s.max_input_items, s.batching, s.tool_call_parser, prefill_chunk=s.prefill_chunk,
+                    tool_format=s.tool_format)
     if spec.engine.name == LLAMA_CPP:  # its slots decode together; each holds engine.context tokens
         limits = Limits(s.context_length or spec.engine.context, s.max_tokens, s.default_max_tokens, spec.engine.slots,
-                        s.max_queued, s.max_input_items, s.batching, s.tool_call_parser)
+                        s.max_queued, s.max_input_items, s.batching, s.tool_call_parser, tool_format=s.tool_format)
     from ...engine.adapters import AdapterSource
 
     adapters = tuple(AdapterSource(a.name, str(loaded.resolve(a.path)), a.scale) for a in spec.adapters)

@@ -19,89 +19,50 @@ from typing import Any
 
 from fastapi import APIRouter, Request
 
-from ...engine.requests import GenerationRequest
-from ...engine.text import chat_prompt_ids, check_length, template_takes_tools
-from ..served_by import mark
-from .choices import end, merged, start, usage
 from . import relay
-from .common import check_adapter, engine_request, find, lease, max_tokens_of, model_parts, prepared, sse
+from .choices import end, merged, usage
+from .common import sse
 from .generation import Outcome, Run, whole
 from .logprobs import TokenTexts, chat_content
 from .protocol import ChatCompletionRequest, new_id, now
 from .stream import LeasedStream
-from .structured import HermesStream, RequiredStream, Structured, check_auto, new_call, plan_of, tool_calls_of
+from .structured import GenericStream, HermesStream, RequiredStream, Structured, auto_reader, new_call
+from .turn import answer_of, pinned, started
 
 router = APIRouter()
 
 
 @router.post("/v1/chat/completions", response_model=None)
 async def chat_completions(body: ChatCompletionRequest, request: Request) -> Any:
-    state = request.app.state
-    base, adapter = model_parts(body.model)
-    dep = await find(state.registry, base)
-    plans: list[Structured] = []
-
-    def work(runtime: Any) -> list[GenerationRequest]:
-        plan = plan_of(body)
-        takes_tools = template_takes_tools(runtime.tokenizer)
-        check_auto(plan, parser=runtime.limits.tool_call_parser, template_takes_tools=takes_tools)
-        if plan.constraint is not None:
-            runtime.check_grammar(plan.constraint)  # compiled (cached) off the loop, or a 400 naming the keyword
-        tools = plan.tools if takes_tools else None
-        ids = chat_prompt_ids(runtime.tokenizer, [m.as_template_message() for m in body.messages], tools)
-        max_tokens = max_tokens_of(body.requested_max_tokens(), runtime)
-        check_length(len(ids), max_tokens, context_length=runtime.context_length,
-                     limit=runtime.limits.max_tokens, prompt_param="messages")
-        plans.append(plan)
-        return [engine_request(body, ids, max_tokens, runtime, choice=j, logprobs=body.top(),
-                               grammar=plan.constraint, adapter=adapter) for j in range(body.n)]
-
-    held = await lease(dep, "text")
-    mark(request, held.gen)
-    check_adapter(held, body.model, adapter)
+    held = await pinned(body, request)
     if relay.is_relayed(held):  # llama.cpp: llama-server computes the validated request
-        return await relay.chat(body, request, held, dep.name)
-    held, jobs = await prepared(held, work)
-    runs = [Run(held.gen, dep.name, job, request, state.metrics) for job in jobs]
-    start(runs, held)  # before the response: a full queue is a 429, not a broken stream
-    texts = TokenTexts(held.runtime.tokenizer)
+        return await relay.chat(body, request, held, held.dep.name)
+    turn = await started(body, request, held)
+    held, runs, texts, plan = turn.held, turn.runs, turn.texts, turn.plan
     meta = {"id": new_id("chatcmpl"), "created": now(), "model": body.model}
     if body.stream:
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
-        return LeasedStream(_stream(runs, meta, include_usage, body.n, texts, plans[0]), lease=held, runs=runs,
-                            model=dep.name)
+        return LeasedStream(_stream(runs, meta, include_usage, body.n, texts, plan), lease=held, runs=runs,
+                            model=turn.model)
     try:
         outcomes = await asyncio.gather(*(whole(run) for run in runs))
     finally:
         end(runs, held)
     return {**meta, "object": "chat.completion",
-            "choices": [{"index": i, **_message(o, plans[0]), "logprobs": _logprobs(o.logprobs, texts)}
+            "choices": [{"index": i, **_message(o, plan), "logprobs": _logprobs(o.logprobs, texts)}
                         for i, o in enumerate(outcomes)],
             "usage": usage(outcomes, body.n)}
 
 
 def _message(outcome: Outcome, plan: Structured) -> dict[str, Any]:
-    """A choice's message and finish_reason: its text, or the tool calls read from it."""
-    message: dict[str, Any] = {"role": "assistant", "content": outcome.text}
-    content, calls = _calls(outcome, plan)
-    if not calls:  # a forced answer cut before its first call is still no content
-        return {"message": {**message, "content": None} if plan.mode == "required" else message,
-                "finish_reason": outcome.finish_reason}
+    """A choice's message and finish_reason: its text, or the tool calls read from it (``refusal`` null:
+    deploykit's models never answer with OpenAI's refusal, and its API requires the field)."""
+    message: dict[str, Any] = {"role": "assistant", "content": outcome.text, "refusal": None}
+    content, calls = answer_of(outcome, plan)
+    if not calls:  # a forced answer cut before its first call is still no content (``answer_of``: None)
+        return {"message": {**message, "content": content}, "finish_reason": outcome.finish_reason}
     finish = outcome.finish_reason if outcome.finish_reason == "length" or plan.mode == "named" else "tool_calls"
     return {"message": {**message, "content": content, "tool_calls": calls}, "finish_reason": finish}
-
-
-def _calls(outcome: Outcome, plan: Structured) -> tuple[str | None, list[dict[str, Any]]]:
-    if plan.mode == "none":
-        return outcome.text, []
-    try:
-        return tool_calls_of(plan, outcome.text)
-    except (ValueError, KeyError, TypeError):  # a cut answer ("length") is not a whole JSON array
-        if plan.mode == "required":  # a forced call is never content: the calls as far as they were written
-            cut = RequiredStream()
-            cut.push(outcome.text)
-            return None, cut.calls
-        return outcome.text, []
 
 
 def _logprobs(lps: Any, texts: TokenTexts) -> dict[str, Any] | None:
@@ -116,7 +77,7 @@ async def _stream(runs: list[Run], meta: dict[str, Any], include_usage: bool, n:
         return sse({**chunk, "choices": [{"index": index, "delta": content, "logprobs": logprobs,
                                           "finish_reason": finish}]})
 
-    autos = [HermesStream({t["function"]["name"] for t in plan.tools}) for _ in runs]
+    autos = [auto_reader(plan) for _ in runs]
     forced = [RequiredStream() for _ in runs]
     for index in range(len(runs)):
         if plan.mode == "named":  # the call first; its arguments stream as they are generated
@@ -149,7 +110,7 @@ async def _stream(runs: list[Run], meta: dict[str, Any], include_usage: bool, n:
     yield sse("[DONE]")
 
 
-def _ending(outcome: Outcome, plan: Structured, auto: HermesStream) -> list[dict[str, Any]]:
+def _ending(outcome: Outcome, plan: Structured, auto: HermesStream | GenericStream) -> list[dict[str, Any]]:
     """What an "auto" answer sends once it ended: its content not sent yet, then each call (the others
     streamed theirs as they came)."""
     if plan.mode != "auto":

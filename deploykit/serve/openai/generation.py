@@ -36,6 +36,7 @@ class Outcome:
     cached_tokens: int = 0  # prompt tokens read from the prefix cache
     logprobs: list[TokenLogprobs] | None = None  # the tokens of ``text`` (EOS excluded), when asked for
     prompt_logprobs: list[TokenLogprobs] | None = None
+    stop_sequence: str | None = None  # the stop string that ended the text, if one did
 
 
 @dataclass
@@ -152,4 +153,13 @@ def _finish(text: TextStream, parts: list[str], result: GenerationResult | None,
     metrics.generation_tokens.labels(*labels).inc(completion)
     metrics.request_latency.labels(*labels).observe(time.monotonic() - started)
     return Outcome("".join(parts), reason, result.prompt_tokens, completion, unsent=rest,
-                   cached_tokens=result.cached_tokens)
+                   cached_tokens=result.cached_tokens, stop_sequence=_stop_sequence(text))
+
+
+def _stop_sequence(text: TextStream) -> str | None:
+    """Which stop string ended ``text`` (the one found first), or None."""
+    if not text.stop or not text.stopped_by_string:  # no stop strings: no decoding the whole text again
+        return None
+    whole = str(text.tokenizer.decode([i for i in text.ids if i not in text.skip_ids], skip_special_tokens=True))
+    found = [(whole.find(s), s) for s in text.stop if s in whole]
+    return min(found)[1] if found else None

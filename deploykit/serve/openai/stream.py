@@ -15,14 +15,15 @@ chunk, more than relaying a llama.cpp event).
 
 A failure once the stream started (a generation that fails, a bug) cannot change the status any more:
 the stream then ends with an OpenAI-shaped error event and ``data: [DONE]``, as vLLM's do, rather than
-a connection cut without a word.
+a connection cut without a word (a face with its own wire format, ``/v1/responses`` or ``/v1/messages``,
+renders the error its own way: ``failure``).
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
 import anyio
@@ -44,8 +45,10 @@ SEND_TIMEOUT = 30.0  # seconds one chunk may wait for a client that does not rea
 class LeasedStream(StreamingResponse):
     """An SSE response over ``body`` that cancels ``runs`` and releases ``lease`` once it is over."""
 
-    def __init__(self, body: AsyncIterator[bytes], *, lease: Lease, runs: Sequence[Run], model: str) -> None:
+    def __init__(self, body: AsyncIterator[bytes], *, lease: Lease, runs: Sequence[Run], model: str,
+                 failure: Callable[[dict[str, Any]], list[bytes]] | None = None) -> None:
         self._body = body
+        self._failure = failure or _openai_failure
         self.lease, self.runs, self.model = lease, list(runs), model
         self.finished = False
         super().__init__(self._tracked(), media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
@@ -57,8 +60,8 @@ class LeasedStream(StreamingResponse):
         except ClientGone:
             return  # nobody reads the rest; counted as a disconnect below
         except Exception as exc:  # the status is sent already: say it in the stream, then end it
-            yield sse(_failure(exc, self.model))
-            yield sse("[DONE]")
+            for chunk in self._failure(_failure(exc, self.model)):
+                yield chunk
         self.finished = True
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
@@ -112,6 +115,10 @@ class _SendDeadline:
 
     def close(self) -> None:
         self._timer.cancel()
+
+
+def _openai_failure(error: dict[str, Any]) -> list[bytes]:
+    return [sse(error), sse("[DONE]")]
 
 
 def _failure(exc: Exception, model: str) -> dict[str, Any]:

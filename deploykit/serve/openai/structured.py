@@ -17,7 +17,7 @@ from __future__ import annotations
 import json
 import re
 import uuid
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, Literal
 
 from ...engine.text import RequestError
@@ -25,6 +25,7 @@ from ...engine.types import Constraint
 from .protocol import ChatCompletionRequest
 
 ToolMode = Literal["none", "auto", "required", "named"]
+ToolFormat = Literal["template", "generic"]
 PARSERS = ("hermes",)
 _HERMES = re.compile(r"<tool_call>\s*(.*?)\s*</tool_call>", re.DOTALL)
 
@@ -35,6 +36,8 @@ class Structured:
     mode: ToolMode = "none"
     function: str | None = None  # the named function ("named")
     tools: list[dict[str, Any]] = field(default_factory=list)  # for the chat template ("auto", forced)
+    generic: bool = False  # the tools described in a system message, not by the chat template (``generic``)
+    one_call: bool = False  # "auto" with parallel_tool_calls false: at most one call (the generic format only)
 
 
 def plan_of(body: ChatCompletionRequest) -> Structured:
@@ -63,11 +66,7 @@ def _plan(body: ChatCompletionRequest) -> Structured:
     if mode == "required":
         return Structured(Constraint(json.dumps(_calls_schema(body)), param="tools"), mode, None, tools)
     if mode == "auto":
-        if body.parallel_tool_calls is False:
-            raise RequestError("parallel_tool_calls: false cannot be enforced with tool_choice 'auto' (the model "
-                               "writes its calls freely); use tool_choice 'required' or a named function",
-                               param="parallel_tool_calls")
-        return Structured(None, mode, None, tools)
+        return Structured(None, mode, None, tools, one_call=body.parallel_tool_calls is False)
     return Structured(_format_constraint(body), "none")
 
 
@@ -87,22 +86,32 @@ def _parameters(body: ChatCompletionRequest, name: str) -> dict[str, Any]:
 
 
 def _calls_schema(body: ChatCompletionRequest) -> dict[str, Any]:
-    """A JSON array of calls, each ``{"name": one of the tools, "arguments": that tool's parameters}``. A
-    tool's parameters nested here lose their root: their ``$defs``/``definitions`` move to this schema's
-    ``$defs`` under the tool's name, and their references follow (``_hoisted``)."""
+    return calls_schema([t.model_dump(exclude_none=True) for t in body.tools or []],
+                        one=body.parallel_tool_calls is False)
+
+
+def calls_schema(tools: list[dict[str, Any]], *, one: bool = False) -> dict[str, Any]:
+    """A JSON array of calls, each ``{"name": one of the tools, "arguments": that tool's parameters}`` (at
+    most ``one``). A tool's parameters nested here lose their root: their ``$defs``/``definitions`` move to
+    this schema's ``$defs`` under the tool's name, and their references follow (``_hoisted``)."""
     defs: dict[str, Any] = {}
-    one = []
-    for t in body.tools or []:
-        arguments, own = _hoisted(_parameters(body, t.function.name), f"{t.function.name}.")
+    each = []
+    for t in tools:
+        name = t["function"]["name"]
+        arguments, own = _hoisted(_tool_parameters(t), f"{name}.")
         defs.update(own)
-        one.append({"type": "object", "properties": {"name": {"const": t.function.name}, "arguments": arguments},
-                    "required": ["name", "arguments"]})
-    schema: dict[str, Any] = {"type": "array", "items": {"anyOf": one}, "minItems": 1}
+        each.append({"type": "object", "properties": {"name": {"const": name}, "arguments": arguments},
+                     "required": ["name", "arguments"]})
+    schema: dict[str, Any] = {"type": "array", "items": {"anyOf": each}, "minItems": 1}
     if defs:
         schema["$defs"] = defs
-    if body.parallel_tool_calls is False:
+    if one:
         schema["maxItems"] = 1
     return schema
+
+
+def _tool_parameters(tool: dict[str, Any]) -> dict[str, Any]:
+    return tool["function"].get("parameters") or {"type": "object", "properties": {}}
 
 
 _DEF_KEYS = ("$defs", "definitions")
@@ -136,10 +145,62 @@ def _hoisted(parameters: dict[str, Any], prefix: str) -> tuple[dict[str, Any], d
     return {"$ref": f"#/$defs/{prefix.rstrip('.')}"}, defs
 
 
+def tool_format(setting: str | None, *, template_takes_tools: bool, mode: ToolMode) -> ToolFormat:
+    """How a request's tools reach the model (``spec.serving.tool_format``): ``template`` (the chat
+    template renders them, the model's own call syntax is parsed), or ``generic`` (a system message
+    describes them, the grammar shapes the answer). Unset: the template's, except for ``"auto"`` where the
+    template renders no tools (generic: rather than a 400)."""
+    if setting == "generic" or (setting is None and mode == "auto" and not template_takes_tools):
+        return "generic"
+    return "template"
+
+
+def generic(plan: Structured, *, stop: bool) -> Structured:
+    """``plan`` in the generic tool format: ``"auto"``'s answer is constrained to one JSON object, either
+    ``{"content": text}`` or ``{"tool_calls": [{"name", "arguments"}, ...]}``; forced calls keep their
+    constraint. A stop string would cut that JSON: refused, as beside any constraint."""
+    if plan.mode != "auto":
+        return replace(plan, generic=True)
+    if stop:
+        raise RequestError("stop cannot be used with tools in the generic tool format (the answer is JSON a stop "
+                           "string could cut); drop stop", param="stop")
+    calls = calls_schema(plan.tools, one=plan.one_call)
+    defs = calls.pop("$defs", None)
+    schema: dict[str, Any] = {"anyOf": [
+        {"type": "object", "properties": {"content": {"type": "string"}}, "required": ["content"]},
+        {"type": "object", "properties": {"tool_calls": calls}, "required": ["tool_calls"]}]}
+    if defs:
+        schema["$defs"] = defs
+    return replace(plan, constraint=Constraint(json.dumps(schema), param="tools"), generic=True)
+
+
+def described(messages: list[dict[str, Any]], plan: Structured) -> list[dict[str, Any]]:
+    """``messages`` with the tools and the answer's form described in the system message (the first one,
+    or a new one before the others)."""
+    lines = ["You can call these tools (their arguments are JSON following the parameters schema):"]
+    lines += [json.dumps({"name": t["function"]["name"], "description": t["function"].get("description", ""),
+                          "parameters": _tool_parameters(t)}, separators=(",", ":")) for t in plan.tools]
+    if plan.mode == "auto":
+        lines.append('Answer with one JSON object: {"content": "your answer"} to answer in text, or '
+                     '{"tool_calls": [{"name": "a tool", "arguments": {...}}]} to call tools.')
+    elif plan.mode == "required":
+        lines.append('Answer with the calls, a JSON array: [{"name": "a tool", "arguments": {...}}].')
+    else:
+        lines.append(f"Answer with the arguments of {plan.function} as one JSON object.")
+    text = "\n".join(lines)
+    if messages and messages[0]["role"] == "system":
+        return [{**messages[0], "content": f"{messages[0]['content']}\n\n{text}"}] + messages[1:]
+    return [{"role": "system", "content": text}] + messages
+
+
 def check_auto(plan: Structured, *, parser: str | None, template_takes_tools: bool) -> None:
     """``tool_choice: auto`` needs a template that renders tools and a parser for the model's calls."""
     if plan.mode != "auto":
         return
+    if plan.one_call:
+        raise RequestError("parallel_tool_calls: false cannot be enforced with tool_choice 'auto' in the template "
+                           "tool format (the model writes its calls freely); use tool_choice 'required' or a named "
+                           "function, or spec.serving.tool_format: generic", param="parallel_tool_calls")
     if not template_takes_tools:
         raise RequestError("tool_choice 'auto' needs a chat template that renders tools, and this model's has no "
                            "tool support; use tool_choice 'required' or a named function (deploykit then "
@@ -163,9 +224,19 @@ def tool_calls_of(plan: Structured, text: str) -> tuple[str | None, list[dict[st
     if plan.mode == "required":
         calls = json.loads(text)
         return None, [new_call(c["name"], json.dumps(c["arguments"])) for c in calls]
+    if plan.mode == "auto" and plan.generic:
+        return generic_calls(text)
     if plan.mode == "auto":
         return hermes_calls(text, {t["function"]["name"] for t in plan.tools})
     return text, []
+
+
+def generic_calls(text: str) -> tuple[str | None, list[dict[str, Any]]]:
+    """A whole answer in the generic format: ``{"content": ...}`` or ``{"tool_calls": [...]}``."""
+    answer = json.loads(text)
+    if "tool_calls" in answer:
+        return None, [new_call(c["name"], json.dumps(c["arguments"])) for c in answer["tool_calls"]]
+    return answer["content"], []
 
 
 def hermes_calls(text: str, names: set[str]) -> tuple[str | None, list[dict[str, Any]]]:
@@ -287,3 +358,50 @@ class HermesStream:
         out = self.text[self.sent:upto]
         self.sent = max(self.sent, upto)
         return out
+
+
+class GenericStream:
+    """A streamed ``"auto"`` answer in the generic format. ``{"content": "...`` is text: sent as its JSON
+    string is decoded (an escape cut in half waits for its end); ``{"tool_calls": ...`` is read once the
+    answer ended (``finish``), as ``HermesStream`` reads its calls."""
+
+    _CONTENT = re.compile(r'\s*\{\s*"content"\s*:\s*"')
+
+    def __init__(self) -> None:
+        self.text = ""
+        self.sent = 0  # characters of the decoded content already sent
+
+    def push(self, delta: str) -> str:
+        self.text += delta
+        content = self._content()
+        if content is None:
+            return ""
+        out = content[self.sent:]
+        self.sent = len(content)
+        return out
+
+    def finish(self) -> tuple[str, list[dict[str, Any]]]:
+        try:
+            content, calls = generic_calls(self.text)
+        except (ValueError, KeyError, TypeError, AttributeError):  # cut (``length``): the text as far as it went
+            partial = self._content()
+            content, calls = self.text if partial is None else partial, []
+        return (content or "")[self.sent:], calls
+
+    def _content(self) -> str | None:
+        """The content's text decoded so far (None: this answer is not content)."""
+        head = self._CONTENT.match(self.text)
+        if head is None:
+            return None
+        body = self.text[head.end():]
+        for end in range(len(body), max(-1, len(body) - 12), -1):  # at most an escape and the closing '"}'
+            try:
+                return str(json.loads(f'"{body[:end]}"'))
+            except ValueError:
+                continue
+        return ""
+
+
+def auto_reader(plan: Structured) -> HermesStream | GenericStream:
+    """What reads a streamed ``"auto"`` answer of ``plan``."""
+    return GenericStream() if plan.generic else HermesStream({t["function"]["name"] for t in plan.tools})

@@ -1,0 +1,2 @@
+"""Anthropic's Messages API (``POST /v1/messages``, ``/v1/messages/count_tokens``): a face over the
+internal request (``turn``)."""
