@@ -19,6 +19,9 @@ KNOWN_OPEN: dict[str, str] = {
     "adapter_rank": "K1: a failed adapter load leaves the base answering with another adapter (engine/adapters.py "
                     "load: _inject raises between inject_adapter and _activate_base); K2: under recreate it leaves "
                     "nothing serving (control/live/rollout.py _recreate: pool.install outside the restore's try)",
+    "adapter_pissa": "K3: an adapter whose config says init_lora_weights: pissa rewrites the base's weights when it "
+                     "loads (engine/adapters.py load: the config's init runs in inject_adapter), so the base's "
+                     "answers change",
 }
 
 

@@ -18,7 +18,7 @@ import httpx
 from hypothesis import note
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
-from servers import Server
+from servers import Server, get
 
 from deploykit.control.revisions.state import StateStore
 
@@ -36,6 +36,34 @@ STOP_BOUND = 60.0
 SERVER_OPS = frozenset({"dry_run", "rollback", "rollback_to", "delete", "other_request", "stream", "disconnect",
                         "kill9_restart", "sigterm_restart"})
 _examples = itertools.count()
+
+
+class _Serve(Server):
+    """``deploykit serve`` that may hold no deployment (its /readyz then says not ready): up once /healthz answers,
+    then given until the bound for what it restores to be ready."""
+
+    def __enter__(self) -> _Serve:
+        import subprocess
+
+        self.process = subprocess.Popen(self.command, env=self.env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                        text=True)
+        deadline = time.monotonic() + self.ready_timeout
+        while time.monotonic() < deadline:
+            assert self.process.poll() is None, f"deploykit serve exited: {self.process.communicate()[1]}"
+            try:
+                if get(f"{self.url}/healthz")[0] == 200:
+                    if get(f"{self.url}/readyz", self.readyz_headers)[0] == 200 or not _held(self.env):
+                        return self
+            except OSError:
+                pass
+            time.sleep(0.1)
+        return self  # what it restores is not ready in time: the invariants say why
+
+
+def _held(env: dict[str, str]) -> bool:
+    """The state store names a current deployment (a restart restores it)."""
+    store = StateStore(Path(env["DEPLOYKIT_STATE"]))
+    return any(store.current(n) is not None for n in store.names())
 
 
 def _allowed(op: str) -> bool:
@@ -64,7 +92,8 @@ class ServerMachine(RuleBasedStateMachine):
     # ---- the server ---------------------------------------------------------------------------------
 
     def _start(self) -> None:
-        self.server = Server(None, self.state, "--budget", BUDGET, "--control-token", TOKEN, "--drain-timeout", "10")
+        self.server = _Serve(None, self.state, "--budget", BUDGET, "--control-token", TOKEN, "--drain-timeout", "10",
+                             ready_timeout=APPLY_BOUND)
         self.server.__enter__()
         self.http = httpx.Client(base_url=self.server.url, timeout=APPLY_BOUND)
         self.auth = {"Authorization": f"Bearer {TOKEN}"}
@@ -296,7 +325,7 @@ class ServerMachine(RuleBasedStateMachine):
         assert self.server.metric("deploykit_budget_used_bytes", tier="cpu") == used, (
             f"I5: the budget's use {self.server.metric('deploykit_budget_used_bytes', tier='cpu')} is not the "
             f"bytes of the loaded deployments ({used}: {[(n, s['loaded']) for n, s in statuses.items()]})")
-        r = self.http.post("/v1/chat/completions", json={"model": "nobody", "messages": []})
+        r = self.http.post("/v1/chat/completions", json={"model": "nobody", "messages": [{"role": "user", "content": PROMPT}]})
         assert r.status_code == 404 and openai_error(r.json()) is None, f"I1: {r.status_code} {r.text[:200]}"
 
     @invariant()
