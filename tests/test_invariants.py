@@ -15,7 +15,7 @@ from hypothesis.stateful import run_state_machine_as_test
 from invariants.config import KNOWN_OPEN, Run, open_ops, run
 from invariants.library import LibraryMachine
 from invariants.server import ServerMachine
-from invariants.world import World
+from invariants.world import Spec, World
 
 
 @pytest.fixture(scope="module")
@@ -58,3 +58,32 @@ def test_known_open_entries_name_operations_the_generator_draws() -> None:
                                                                    "recreate_adapters", "shard_2GiB", "shard_300KiB"}
              | SERVER_OPS)
     assert set(KNOWN_OPEN) <= drawn, sorted(set(KNOWN_OPEN) - drawn)
+
+
+# The shortest sequences the generator found for each defect it found (docs/testing.md), replayed as they were
+# shrunk: expected to fail while their operation is in KNOWN_OPEN (strict: a fix makes them pass, which fails
+# until the entry is removed), and to pass for good after.
+FOUND: dict[str, tuple[str, list[Spec]]] = {
+    "K1 failed adapter load leaves the base answering with another adapter": (
+        "adapter_rank", [Spec(adapters=(("pirate", "pirate"),)),
+                         Spec(adapters=(("pirate", "pirate"), ("polite", "rank")))]),
+    "K2 recreate with a failing build leaves nothing serving": (
+        "adapter_rank", [Spec(strategy="recreate", adapters=(("pirate", "pirate"), ("polite", "rank")))]),
+    "K3 pissa adapter rewrites the base": ("adapter_pissa", [Spec(adapters=(("pirate", "pissa"),))]),
+}
+
+
+@pytest.mark.parametrize("found", sorted(FOUND))
+def test_sequences_the_generator_found(found: str, world: World, tmp_path: Path, request: pytest.FixtureRequest) -> None:
+    op, sequence = FOUND[found]
+    if op in KNOWN_OPEN:
+        request.applymarker(pytest.mark.xfail(strict=True, raises=AssertionError, reason=f"KNOWN_OPEN[{op!r}]: {KNOWN_OPEN[op]}"))
+    machine = type("Library", (LibraryMachine,), {"world": world, "root": tmp_path})()
+    try:
+        machine.what_status_says_serves_answers()
+        for spec in sequence:
+            machine.write_and_reload(spec)
+            machine.what_status_says_serves_answers()
+            machine.nothing_outside_is_touched()
+    finally:
+        machine.teardown()
