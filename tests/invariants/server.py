@@ -283,13 +283,18 @@ class ServerMachine(RuleBasedStateMachine):
     @invariant()
     def what_status_says_serves_answers(self) -> None:
         statuses = self._status()
-        models = {m["id"]: m for m in self.http.get("/v1/models").json()["data"]}
         assert set(statuses) <= {NAME, OTHER}, f"I1: unexpected deployments {sorted(statuses)}"
         if self.serving is None:
-            assert NAME not in models, f"I1: {NAME} deleted, still listed"
+            assert NAME not in {m["id"] for m in self.http.get("/v1/models").json()["data"]}, f"I1: {NAME} deleted, listed"
             return
         assert NAME in statuses, f"I1: {NAME} serves (the model says), /status lacks it"
+        if statuses[NAME]["loaded"] == "unloaded" and self.serving.adapters:
+            # unloaded on demand, it lists its base only (docs/adapters.md); a request for an adapter loads it
+            adapter = f"{NAME}:{self.serving.adapters[0][0]}"
+            code, _, raw = self._chat(adapter)
+            assert code == 200, f"I1: {adapter} of an unloaded deployment answered {code}: {raw['body']}"
         code, text, raw = self._chat(NAME, stream=bool(len(self.specs) % 2))  # first: on demand, it loads
+        models = {m["id"]: m for m in self.http.get("/v1/models").json()["data"]}  # after: its adapters listed
         status = self._status()[NAME]
         revision = status["serving_revision"]
         current = self.store.current(NAME)
