@@ -56,7 +56,7 @@ def test_known_open_entries_name_operations_the_generator_draws() -> None:
     drawn = ({f"base_{b}" for b in BASES} | {f"adapter_{a}" for a in ADAPTERS} | {f"strategy_{s}" for s in STRATEGIES}
              | {f"{s}_{b}" for s in STRATEGIES for b in BASES} | {"quant_int8", "schema_broken", "on_demand",
                                                                    "recreate_adapters", "shard_2GiB", "shard_300KiB"}
-             | SERVER_OPS)
+             | SERVER_OPS | {"restart_broken_file"})
     assert set(KNOWN_OPEN) <= drawn, sorted(set(KNOWN_OPEN) - drawn)
 
 

@@ -22,6 +22,10 @@ KNOWN_OPEN: dict[str, str] = {
     "adapter_pissa": "K3: an adapter whose config says init_lora_weights: pissa rewrites the base's weights when it "
                      "loads (engine/adapters.py load: the config's init runs in inject_adapter), so the base's "
                      "answers change",
+    "restart_broken_file": "K4: a Deployment started again (close, then from_manifest) while its file holds a change "
+                           "that fails to load raises: nothing serves, though a Ready revision is recorded "
+                           "(control/live/changes.py start: only a gated change starts from the last promoted "
+                           "revision)",
 }
 
 

@@ -12,7 +12,7 @@ from typing import Any
 
 from hypothesis import note
 from hypothesis import strategies as st
-from hypothesis.stateful import RuleBasedStateMachine, invariant, rule
+from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
 from deploykit import Deployment
 
@@ -130,6 +130,12 @@ class LibraryMachine(RuleBasedStateMachine):
                 f"a servable change did not serve: revision {status['revision']}, error {status['last_error']}")
         self.serving = self.specs[status["revision"]]
 
+    def _file_serves(self) -> bool:
+        """The manifest file as written would serve (unchanged, or a change that must succeed)."""
+        same = self.world.manifest(self.written) == self.world.manifest(self.serving)
+        return same or expect(self.written, self.serving) == "ok"
+
+    @precondition(lambda self: self._file_serves() or "restart_broken_file" not in open_ops())
     @rule()
     def close_and_restart(self) -> None:
         """Close (I6: within its bound, no deploykit thread left), then start again from the file as it is:
