@@ -215,3 +215,22 @@ def test_cpu_only_loads_have_an_hf_device_map_equal_to_the_plan(model, tmp_path)
     assert outcome.loaded is not None
     assert outcome.loaded.model.hf_device_map == outcome.plan.device_map
     assert set(outcome.loaded.model.hf_device_map.values()) == {"cpu", "disk"}
+
+
+def test_a_restart_while_the_file_holds_a_failing_change_serves_the_last_ready_revision(model, tmp_path):
+    from invariants.world import _nan_copy
+
+    directory, store = tmp_path / "manifests", StateStore(tmp_path / "state")
+    directory.mkdir()
+    file = write_manifest(directory, model)
+    with Deployment.from_manifest(file, store=store) as dep:
+        assert dep.status()["serving"] and store.current("tiny").revision == 1
+    broken = _nan_copy(model, tmp_path / "nan")  # plans, lays out and loads; fails its health check
+    replace_like_an_editor(file, manifest_text(broken))
+    with Deployment.from_manifest(file, store=store) as dep:  # a restart: revision 1 serves, the error shows
+        status = dep.status()
+        assert status["serving"] and status["phase"] == "Failed", status
+        assert "finite" in (status["last_error"] or ""), status
+        assert store.current("tiny").revision == 1 and dep.state().revision == 1
+        with dep.acquire() as served:  # revision 1's model answers
+            assert served is not None

@@ -103,10 +103,28 @@ class ChangeRunner:
                 gated_next = start_budgeted(self.loads, self.host, change, force=force, progress=progress,
                                             on_step=on_step)
         except Exception as exc:
-            self.cell.move(Event(Trigger.CHANGE_FAILED, serving=False, error=describe(exc, loaded)))
-            raise
+            if not self._serve_last_good(exc):
+                self.cell.move(Event(Trigger.CHANGE_FAILED, serving=False, error=describe(exc, loaded)))
+                raise
+            self.cell.move(Event(Trigger.CHANGE_FAILED, serving=True, error=describe(exc, loaded)))
+            return False
         self.cell.move(Event(Trigger.CHANGE_SUCCEEDED, serving=self.serving()))
         return gated_next
+
+    def _serve_last_good(self, failure: Exception) -> bool:
+        """A start whose manifest fails (a restart while the file holds a broken change): the last Ready
+        revision serves, as it did before the restart, and the failure shows as the pending error. False
+        (the start fails) when there is none, something serves already, or it cannot be loaded either. Not
+        under a host budget, whose room the start's own path asks for."""
+        if self.host is not None or self.pool.current is not None or self.store.current(self.name) is None:
+            return False
+        try:
+            self.loads.load_current()
+        except Exception:
+            log.exception("%s: loading the last Ready revision after a failed start failed", self.name)
+            return False
+        log.warning("%s: the manifest could not be applied (%s); the last Ready revision serves", self.name, failure)
+        return True
 
     def serving(self) -> bool:
         return self.pool.view().serving  # the one meaning (unloaded: loads at its next request)
