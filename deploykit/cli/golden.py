@@ -78,7 +78,7 @@ def golden(name: str, prompts_file: Path, max_tokens: int, api_key: str | None, 
     good. For a quality check, write the completions yourself. Golden gates need at least 256 completion
     tokens by default (spec.rollout.gates.min_golden_tokens): give enough prompts and --max-tokens."""
     remote = None if server else connect(None, state_dir)  # the /v1 API needs no control token
-    url = server or (remote.url if remote is not None else None)
+    url = server or (remote.api_url if remote is not None else None)
     if url is None:
         raise DeploykitError("no deploykit server is running: start `deploykit serve`, or pass --server URL")
     url = url.rstrip("/")

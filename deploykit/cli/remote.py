@@ -69,6 +69,10 @@ def opener_for(url: str, cacert: str | None) -> urllib.request.OpenerDirector:
     ``cacert`` (else the system's CA store)."""
     import ssl
 
+    from ..serve.discovery import UNIX, UnixHandler
+
+    if url.startswith(UNIX):  # the server's own control socket: this machine, no proxy
+        return urllib.request.build_opener(urllib.request.ProxyHandler({}), UnixHandler(url[len(UNIX):]))
     host = urllib.parse.urlsplit(url).hostname or ""
     handlers: list[urllib.request.BaseHandler] = []
     if is_local(host):
@@ -82,8 +86,10 @@ TIMEOUT = 60.0  # seconds without a byte from the server (it sends a heartbeat e
 class Remote:
     """The control API of one server."""
 
-    def __init__(self, url: str, token: str, origin: str, cacert: str | None = None) -> None:
+    def __init__(self, url: str, token: str, origin: str, cacert: str | None = None,
+                 api_url: str | None = None) -> None:
         self.url = url.rstrip("/")
+        self.api_url = (api_url or url).rstrip("/")  # the /v1 API's (``url`` may be the control socket)
         self.token = token
         self.origin = origin  # where the URL came from, for messages
         self.cacert = cacert
@@ -91,7 +97,8 @@ class Remote:
 
     def _open(self, method: str, path: str, payload: Any = None) -> Any:
         data = json.dumps(payload).encode() if payload is not None else None
-        request = urllib.request.Request(f"{self.url}/control/v1{path}", data=data, method=method,
+        base = "http://localhost" if self.url.startswith("unix:") else self.url  # a socket: UnixHandler's
+        request = urllib.request.Request(f"{base}/control/v1{path}", data=data, method=method,
                                          headers={"Authorization": f"Bearer {self.token}",
                                                   "Content-Type": "application/json"})
         try:
@@ -182,8 +189,9 @@ def connect(server: str | None, state_dir: str | None) -> Remote | None:
     if server:
         token = os.environ.get("DEPLOYKIT_TOKEN")
         recorded = read_server_file(directory)
-        if not token and recorded is not None and recorded.url.rstrip("/") == server.rstrip("/"):
-            return Remote(server, recorded.token, str(directory / "server.json"), cacert or recorded.cacert)
+        if not token and recorded is not None and server.rstrip("/") in (recorded.url.rstrip("/"), recorded.control):
+            return Remote(recorded.control_url, recorded.token, str(directory / "server.json"),
+                          cacert or recorded.cacert, recorded.url)
         if not token:
             raise DeploykitError(f"--server {server} needs the server's control token in $DEPLOYKIT_TOKEN "
                                  "(it is in server.json in the server's state directory)")
@@ -191,7 +199,7 @@ def connect(server: str | None, state_dir: str | None) -> Remote | None:
     info = find_server(directory)
     if info is None:
         return None
-    return Remote(info.url, info.token, str(directory / "server.json"), cacert or info.cacert)
+    return Remote(info.control_url, info.token, str(directory / "server.json"), cacert or info.cacert, info.url)
 
 
 def localise(text: str, source: str) -> str:

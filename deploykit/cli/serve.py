@@ -31,6 +31,10 @@ from .console import STATE_OPTION, err, handle_errors, store
                    "or --control-token-file to the command line.")
 @click.option("--control-token-file", type=click.Path(exists=True, dir_okay=False), default=None,
               help="Read --control-token from this file (its first line).")
+@click.option("--control-socket", type=click.Path(dir_okay=False), default=None, metavar="PATH",
+              help="Serve the control API on this unix socket only (mode 0600: this user alone), not on --host: "
+                   "/control there answers 404, so /v1 can face the network while /control does not. The CLI "
+                   "finds it through server.json.")
 @click.option("--prune", is_flag=True, help="Remove deployments whose manifest files are removed.")
 @click.option("--devices", metavar="SPEC", default=None, help="Simulated inventory (CPU-only plans).")
 @click.option("--debounce", type=float, default=0.3, show_default=True, help="Seconds a burst of file "
@@ -69,7 +73,7 @@ from .console import STATE_OPTION, err, handle_errors, store
 @STATE_OPTION
 @handle_errors
 def serve(path: str | None, host: str, port: int, api_key: str | None, api_key_file: str | None,
-          control_token: str | None, control_token_file: str | None, prune: bool,
+          control_token: str | None, control_token_file: str | None, control_socket: str | None, prune: bool,
           devices: str | None, budget: str | None, budget_timeout: float, debounce: float, drain_timeout: float,
           header_timeout: float, allow_paths: tuple[str, ...], allow_engine_binary: bool, allow_remote_code: bool,
           allow_cluster: bool, tls_cert: str | None, tls_key: str | None, body_timeout: float,
@@ -88,10 +92,10 @@ def serve(path: str | None, host: str, port: int, api_key: str | None, api_key_f
     from ..control.budget.host import Host
     from ..control.revisions.state import open_store
     from ..control.live.supervisor import Supervisor
-    from ..serve.app import create_app
+    from ..serve.app import WithoutControl, create_app
     from ..serve.auth import check_bind, loopback_hosts
     from ..serve.discovery import find_server, new_token, remove_server_file, server_info, write_server_file
-    from ..serve.server import Listening, bind, run
+    from ..serve.server import Listening, bind, bind_unix, run
     from ..threads import ThreadGroup
 
     api_key = _secret("--api-key", api_key, api_key_file)
@@ -115,6 +119,7 @@ def serve(path: str | None, host: str, port: int, api_key: str | None, api_key_f
     supervisor = Supervisor(Path(path) if path else None, store=states, devices=devices, prune=prune,
                             debounce=debounce, host=budgeted, policy=policy)
     sock = bind(host, port)
+    control_sock = bind_unix(control_socket) if control_socket else None
     scheme = "https" if tls_cert else "http"
     url = _url(scheme, host, sock.getsockname()[1])
     local_url = _url(scheme, _connectable(host), sock.getsockname()[1])  # server.json's: one the CLI can reach
@@ -123,7 +128,8 @@ def serve(path: str | None, host: str, port: int, api_key: str | None, api_key_f
 
     def start() -> None:
         nonlocal written
-        write_server_file(states.directory, server_info(local_url, token, cacert=tls_cert))
+        write_server_file(states.directory, server_info(local_url, token, cacert=tls_cert,
+                                                        control_socket=control_socket))
         written = True
         supervisor.start()
         names = ", ".join(n for n, _ in supervisor.items()) or "none"
@@ -133,7 +139,8 @@ def serve(path: str | None, host: str, port: int, api_key: str | None, api_key_f
         for file, problem in supervisor.problems().items():
             err.print(f"deploykit serve: {file}: not deployed: {problem}", markup=False)
 
-    err.print(f"deploykit serve: {url} (/v1 API, /healthz /readyz /status /metrics, /control/v1); "
+    where = f"/control/v1 on {control_socket} only" if control_socket else "/control/v1"
+    err.print(f"deploykit serve: {url} (/v1 API, /healthz /readyz /status /metrics, {where}); "
               f"{policy.describe()}; loading…", markup=False)
     listening = Listening(drain_timeout=drain_timeout, header_timeout=header_timeout, tls_cert=tls_cert,
                           tls_key=tls_key)
@@ -141,8 +148,12 @@ def serve(path: str | None, host: str, port: int, api_key: str | None, api_key_f
         app = create_app(supervisor, api_key=api_key, control_token=token, openapi=openapi,
                          allowed_hosts=loopback_hosts(host, api_key), body_timeout=body_timeout,
                          stream_send_timeout=stream_send_timeout)
-        run(app, sock, on_started=start, threads=owned, listening=listening, on_stopping=supervisor.interrupt)
+        main, control = (app, None) if control_sock is None else (WithoutControl(app), (app, control_sock))
+        run(main, sock, on_started=start, threads=owned, listening=listening, on_stopping=supervisor.interrupt,
+            control=control)
     finally:
+        if control_socket:
+            Path(control_socket).unlink(missing_ok=True)
         if written:
             remove_server_file(states.directory, token)
         err.print("deploykit serve: stopping: draining in-flight work")

@@ -17,11 +17,12 @@ from concurrent.futures import Future
 from typing import TYPE_CHECKING, Any
 
 from fastapi import FastAPI
+from starlette.types import Receive, Scope, Send
 
 from ..control.live.status import not_ready
 from . import ops
 from .auth import BODY_TIMEOUT, DEFAULT_MAX_BODY, Guard
-from .errors import install_handlers
+from .errors import error_response, install_handlers
 from .metrics import new_registry
 from .openai import chat, completions, embeddings, models
 from .openai.messages import route as messages
@@ -94,3 +95,27 @@ def create_app(registry: Registry, *, api_key: str | None = None, max_body: int 
         app.include_router(control.router)
     return AnthropicWire(Guard(ServedBy(app), api_key=api_key, max_body=max_body, control_token=control_token,
                                allowed_hosts=allowed_hosts, body_timeout=body_timeout))
+
+
+class WithoutControl:
+    """The app on the network listener when the control API has a listener of its own
+    (``--control-socket``): ``/control`` and ``/control/*`` answer 404 here, whatever the credential, as if
+    the route did not exist; everything else is ``app``'s."""
+
+    def __init__(self, app: AnthropicWire) -> None:
+        self.app = app
+
+    @property
+    def stopping(self) -> bool:
+        return self.app.stopping
+
+    @stopping.setter
+    def stopping(self, value: bool) -> None:  # set by the server on SIGTERM (auth.Guard's)
+        self.app.stopping = value
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        path = scope.get("path", "")
+        if scope["type"] == "http" and (path == "/control" or path.startswith("/control/")):
+            await error_response(404, "no such route")(scope, receive, send)
+            return
+        await self.app(scope, receive, send)

@@ -3,18 +3,23 @@
 The server writes its URL (``https://`` when it serves TLS, with the path of its certificate, which the
 CLI then trusts), its process id and a random control token there (mode 0600, written to a
 temporary file and renamed, so a reader never sees half a file) once it listens, and removes it on a
-clean exit. A file whose process is gone (``kill -9``, a crash, a reboot) is stale: ``find_server``
+clean exit. With ``--control-socket`` it also names the control API's own listener (``control``,
+``unix:PATH``): the CLI sends its work there, over ``UnixHandler``, and the URL serves no ``/control``. A file
+whose process is gone (``kill -9``, a crash, a reboot) is stale: ``find_server``
 ignores it and the next server overwrites it. Stdlib only: the CLI reads this without importing the
 web stack.
 """
 
 from __future__ import annotations
 
+import http.client
 import json
 import os
 import secrets
+import socket
 import tempfile
 import time
+import urllib.request
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -29,6 +34,12 @@ class ServerInfo:
     started_at: float
     version: str = ""
     cacert: str | None = None  # the server's TLS certificate, which the CLI trusts for an https URL
+    control: str | None = None  # the control API's own listener (``unix:PATH``), if it has one
+
+    @property
+    def control_url(self) -> str:
+        """Where the CLI sends its work: the control listener, else the URL."""
+        return self.control or self.url
 
 
 def server_file(state_dir: Path) -> Path:
@@ -71,7 +82,8 @@ def read_server_file(state_dir: Path) -> ServerInfo | None:
         data = json.loads(server_file(state_dir).read_text())
         return ServerInfo(url=str(data["url"]), token=str(data["token"]), pid=int(data["pid"]),
                           started_at=float(data.get("started_at", 0)), version=str(data.get("version", "")),
-                          cacert=str(data["cacert"]) if data.get("cacert") else None)
+                          cacert=str(data["cacert"]) if data.get("cacert") else None,
+                          control=str(data["control"]) if data.get("control") else None)
     except (OSError, ValueError, KeyError, TypeError):
         return None
 
@@ -101,9 +113,41 @@ def find_server(state_dir: Path) -> ServerInfo | None:
     return info
 
 
-def server_info(url: str, token: str, *, cacert: str | None = None) -> ServerInfo:
-    """The ``ServerInfo`` a server writes for itself (``cacert``: its TLS certificate, if it serves https)."""
+def server_info(url: str, token: str, *, cacert: str | None = None, control_socket: str | None = None) -> ServerInfo:
+    """The ``ServerInfo`` a server writes for itself (``cacert``: its TLS certificate, if it serves https;
+    ``control_socket``: the unix socket of its control listener, if it has one)."""
     from .. import __version__
 
     return ServerInfo(url=url, token=token, pid=os.getpid(), started_at=time.time(), version=__version__,
-                      cacert=str(Path(cacert).resolve()) if cacert else None)
+                      cacert=str(Path(cacert).resolve()) if cacert else None,
+                      control=f"{UNIX}{Path(control_socket).resolve()}" if control_socket else None)
+
+
+UNIX = "unix:"  # a control URL on a unix socket: ``unix:/abs/path``
+
+
+class _UnixConnection(http.client.HTTPConnection):
+    def __init__(self, path: str, timeout: float | None) -> None:
+        super().__init__("localhost", timeout=timeout)  # Host: localhost (a loopback name: auth.Guard's rule)
+        self._path = path
+
+    def connect(self) -> None:
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        sock.settimeout(self.timeout)
+        try:
+            sock.connect(self._path)
+        except OSError:
+            sock.close()
+            raise
+        self.sock = sock
+
+
+class UnixHandler(urllib.request.HTTPHandler):
+    """urllib's ``http://`` over the unix socket at ``path``, whatever host the URL names."""
+
+    def __init__(self, path: str) -> None:
+        super().__init__()
+        self.path = path
+
+    def http_open(self, req: urllib.request.Request) -> http.client.HTTPResponse:
+        return self.do_open(lambda _host, timeout=None, **_: _UnixConnection(self.path, timeout), req)

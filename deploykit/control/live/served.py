@@ -16,6 +16,9 @@ if TYPE_CHECKING:
     from .deployment import Deployment
 
 
+STOPPING = "the server is stopping"  # ``why_not_served`` once the set closes
+
+
 class ServedSet:
     """Thread-safe. ``errors`` are keyed by what failed (a manifest file, or ``revision of NAME``)."""
 
@@ -89,7 +92,7 @@ class ServedSet:
         """Why a declared ``name`` does not serve (its load failed, or the server is stopping), if known."""
         with self._lock:
             if self._closing:
-                return "the server is stopping"
+                return STOPPING
             return next((e for e in self._errors.values() if e.startswith(f"{name}: ")), None)
 
     def set_error(self, key: str, error: str | None) -> None:

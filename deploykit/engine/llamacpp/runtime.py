@@ -234,7 +234,9 @@ class LlamaRuntime:
             return post_blocking(server.socket, server.api_key, path, body, timeout=REQUEST_TIMEOUT_SECONDS)
         except UpstreamError as exc:
             raise RequestError(f"llama.cpp: {exc.message}") from None
-        except (EngineUnavailable, EngineBusy) as exc:
+        except EngineUnavailable as exc:  # an in-process caller is the operator: it gets the reason
+            raise RequestError(f"the llama.cpp engine is not available: {exc.detail}") from None
+        except EngineBusy as exc:
             raise RequestError(f"the llama.cpp engine is not available: {exc}") from None
         except EngineGone as exc:
             if server is not None:

@@ -63,11 +63,20 @@ class EngineState(str, Enum):
 
 
 class EngineUnavailable(Exception):
-    """No ready engine within the request's bound (restarting), or none at all (failed, closed)."""
+    """No ready engine within the request's bound (restarting), or none at all (failed, closed). Its text
+    names the state only, for an API client; ``reason`` (the last error: argv, paths, the engine's log) is the
+    operator's, shown by ``/status`` and in ``detail`` to an in-process caller."""
 
-    def __init__(self, message: str, retry_after: int = RETRY_AFTER_SECONDS) -> None:
+    def __init__(self, message: str, reason: str | None = None, retry_after: int = RETRY_AFTER_SECONDS) -> None:
         super().__init__(message)
-        self.retry_after = retry_after
+        self.reason, self.retry_after = reason, retry_after
+
+    @property
+    def detail(self) -> str:
+        return f"{self} ({self.reason})" if self.reason else str(self)
+
+
+_SEE = "; its reason: `deploykit status` (control token) or the server log"
 
 
 @dataclass(frozen=True)
@@ -161,8 +170,8 @@ class Supervisor:
                     proc = self._usable()
                 if proc is not None:
                     return proc
-                raise EngineUnavailable(f"the llama.cpp engine is {self.state.value} ({self.reason}); it was not "
-                                        f"ready within {timeout:g}s")
+                raise EngineUnavailable(f"the llama.cpp engine is {self.state.value}; it was not ready within "
+                                        f"{timeout:g}s", self.reason)
 
     def wait_ready_blocking(self, timeout: float) -> LlamaServer:
         """``wait_ready`` for a caller on its own thread (the library's ``Deployment.chat``)."""
@@ -171,13 +180,13 @@ class Supervisor:
                                 and not self._suspect, timeout)
             proc = self._usable()
         if proc is None:
-            raise EngineUnavailable(f"the llama.cpp engine is {self.state.value} ({self.reason})")
+            raise EngineUnavailable(f"the llama.cpp engine is {self.state.value}{_SEE}", self.reason)
         return proc
 
     def _usable(self) -> LlamaServer | None:
         """Under the lock: the process if ready; raises when it never will be."""
         if self.state in (EngineState.FAILED, EngineState.CLOSED):
-            raise EngineUnavailable(f"the llama.cpp engine is {self.state.value}: {self.reason}")
+            raise EngineUnavailable(f"the llama.cpp engine is {self.state.value}{_SEE}", self.reason)
         return self._proc if self.state is EngineState.READY and not self._suspect else None
 
     def connection_broke(self, proc: LlamaServer) -> None:

@@ -6,12 +6,17 @@ A request pins the newest Ready generation for its whole life (a stream included
 releases it exactly once when it ends, however it ends: answered, refused, or the client gone before, during
 or after its response started (``stream.LeasedStream`` releases a stream's lease even when its body never
 runs). The generation it started on serves it to the end even if a reload swapped a newer one in meanwhile.
+
+A model that cannot load is a 503 whose message names no file, argv, environment or engine log: an API key's
+holder learns that the load failed and where the operator looks (``deploykit status``, the server log); the
+reason itself, paths included, is logged here and shown by ``/status`` to the control token's holder.
 """
 
 from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import threading
 from collections.abc import AsyncIterator, Callable
 from concurrent.futures import Future
@@ -21,6 +26,7 @@ from starlette.concurrency import run_in_threadpool
 
 from ...control.budget import BudgetError
 from ...control.live.pool import NotLoaded
+from ...control.live.served import STOPPING
 from ...engine.adapters import UnknownAdapter
 from ...engine.admission import QueueFull
 from ...engine.requests import GenerationRequest, GenerationResult
@@ -34,6 +40,8 @@ if TYPE_CHECKING:
     from ...control.live.deployment import Deployment
     from ...control.live.pool import Generation
     from ...engine.runtime import TextRuntime
+
+log = logging.getLogger(__name__)
 
 RETRY_AFTER_SECONDS = 1
 BUDGET_RETRY_AFTER_SECONDS = 10
@@ -76,10 +84,29 @@ async def find(registry: Registry, name: str, *, wait: float = LOAD_WAIT_SECONDS
     if dep is not None:
         return dep
     why = registry.why_not_served(name)
-    message = (f"model {name!r} cannot be served: {why}" if why
-               else f"model {name!r} is still loading after {wait:.0f}s; retry shortly")
-    raise APIError(503, message, param="model", code="model_not_ready",
-                   headers={"Retry-After": str(LOAD_RETRY_AFTER_SECONDS)})
+    if why == STOPPING:
+        raise APIError(503, f"model {name!r} cannot be served: {STOPPING}", param="model", code="server_stopping")
+    if why:
+        raise load_failed(name, why)
+    raise APIError(503, f"model {name!r} is still loading after {wait:.0f}s; retry shortly", param="model",
+                   code="model_not_ready", headers={"Retry-After": str(LOAD_RETRY_AFTER_SECONDS)})
+
+
+_logged: dict[str, str] = {}  # the last reason logged per model: a client retrying does not flood the log
+_logged_lock = threading.Lock()
+
+
+def load_failed(name: str, why: str) -> APIError:
+    """The 503 for a model whose load failed: the reason (paths, argv, engine log) goes to the server log,
+    once per model and reason; the client gets a stable code and where the operator looks."""
+    with _logged_lock:
+        fresh = _logged.get(name) != why
+        _logged[name] = why
+    if fresh:
+        log.warning("model %r cannot be served: %s", name, why)
+    return APIError(503, f"model {name!r} cannot be served now: its last load failed; see `deploykit status` "
+                    "(control token) or the server log", param="model", code="model_load_failed",
+                    headers={"Retry-After": str(LOAD_RETRY_AFTER_SECONDS)})
 
 
 class Lease:
@@ -138,8 +165,7 @@ async def lease(dep: Deployment, kind: str) -> Lease:
         raise APIError(503, f"model {dep.name!r} cannot be loaded now: {exc}", param="model",
                        code="budget_exhausted", headers={"Retry-After": str(BUDGET_RETRY_AFTER_SECONDS)}) from None
     except DeploykitError as exc:
-        raise APIError(503, f"model {dep.name!r} is not ready: {exc}", param="model", code="model_not_ready",
-                       headers={"Retry-After": str(LOAD_RETRY_AFTER_SECONDS)}) from None
+        raise load_failed(dep.name, str(exc)) from None
     runtime = held.runtime
     if runtime is None or runtime.kind != kind:
         held.release()
