@@ -18,6 +18,7 @@ import time
 from collections.abc import Iterator
 from pathlib import Path
 
+import httpx
 import jsonschema
 import openai
 import pytest
@@ -42,7 +43,9 @@ def gguf() -> Path:
 @pytest.fixture(scope="module")
 def server(gguf: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
     root = tmp_path_factory.mktemp("llamacpp")
-    (root / "smol.yaml").write_text(manifest(gguf))
+    named = root / "modèle ü-模型.gguf"  # a path no answer may show, in any encoding
+    named.symlink_to(gguf)
+    (root / "smol.yaml").write_text(manifest(named))
     with Server(root / "smol.yaml", root / "state") as served:
         yield served
     assert served.process is not None and served.process.returncode == 0, served.stderr
@@ -106,6 +109,26 @@ def test_greedy_answers_equal_llama_server_alone(server, alone):
         alone_answer = theirs.completions.create(model="x", prompt=prompt, max_tokens=MAX_TOKENS, temperature=0)
         assert mine.choices[0].text == alone_answer.choices[0].text and mine.model == "smol"
         assert mine.usage is not None and mine.usage.completion_tokens == MAX_TOKENS
+
+
+def test_answers_name_neither_the_gguf_nor_llama_cpps_build_nor_the_web_server(server):
+    body = {"model": "smol", "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 4, "temperature": 0}
+    with httpx.stream("POST", f"{server.url}/v1/chat/completions", json={**body, "stream": True},
+                      timeout=180) as streamed:
+        raw = b"".join(streamed.iter_bytes())
+    plain = httpx.post(f"{server.url}/v1/chat/completions", json=body, timeout=180)
+    assert plain.status_code == 200 and b"data: [DONE]" in raw
+    for answer, headers in ((raw, streamed.headers), (plain.content, plain.headers)):
+        for leak in ("modèle".encode(), b"gguf", b"b0-unknown", b"system_fingerprint", b"chatcmpl-upstream"):
+            assert leak not in answer, (leak, answer[:400])
+        assert "server" not in headers
+
+
+def test_the_engine_gets_a_thread_per_slot_and_the_queue_stays_in_deploykit(server):
+    assert server.process is not None
+    [pid] = engine_pids(server.process.pid)
+    argv = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
+    assert argv[argv.index(b"--threads-http") + 1] == b"6"  # 2 slots + 4, whatever max_queued (64) is
 
 
 def test_deploykit_refuses_first_with_its_own_400s(server):
