@@ -39,12 +39,12 @@ def _run(machine: type, this: Run, label: str) -> None:
 
 def test_library_deployment_keeps_its_invariants(world: World, tmp_path: Path) -> None:
     machine = type("Library", (LibraryMachine,), {"world": world, "root": tmp_path})
-    _run(machine, run(examples=3, steps=12), "the library tier")
+    _run(machine, run(examples=3, steps=10), "the library tier")
 
 
 def test_deploykit_serve_keeps_its_invariants(world: World, tmp_path: Path) -> None:
     machine = type("Serve", (ServerMachine,), {"world": world, "root": tmp_path})
-    _run(machine, run(examples=2, steps=10), "the serve tier")
+    _run(machine, run(examples=2, steps=8), "the serve tier")
 
 
 def test_known_open_entries_name_operations_the_generator_draws() -> None:

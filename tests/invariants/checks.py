@@ -38,6 +38,17 @@ class Files:
                       + [f"rewritten {p}" for p in self.before if p in now and now[p] != self.before[p]])
 
 
+def note(text: str) -> None:
+    """hypothesis' ``note`` (printed with a failing sequence); nothing when a sequence is replayed by hand."""
+    from hypothesis import note as hypothesis_note
+    from hypothesis.errors import InvalidArgument
+
+    try:
+        hypothesis_note(text)
+    except InvalidArgument:  # outside a hypothesis test
+        pass
+
+
 def deploykit_threads() -> set[threading.Thread]:
     """Threads deploykit started (all of them name themselves deploykit-*), alive now."""
     return {t for t in threading.enumerate() if t.name.startswith("deploykit")}

@@ -10,13 +10,12 @@ import time
 from pathlib import Path
 from typing import Any
 
-from hypothesis import note
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
 from deploykit import Deployment
 
-from .checks import Files, deploykit_threads, leaked_threads
+from .checks import Files, deploykit_threads, leaked_threads, note
 from .config import open_ops
 from .world import ADAPTERS, BASES, NAME, PROMPT, TOKENS, Spec, World, expect
 

@@ -8,21 +8,19 @@ from __future__ import annotations
 
 import itertools
 import json
-import os
 import signal
 import time
 from pathlib import Path
 from typing import Any
 
 import httpx
-from hypothesis import note
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 from servers import Server, get
 
 from deploykit.control.revisions.state import StateStore
 
-from .checks import Files, children, openai_error
+from .checks import Files, children, note, openai_error
 from .config import open_ops
 from .library import Answers, specs
 from .world import NAME, PROMPT, TOKENS, Spec, World, expect
