@@ -16,16 +16,7 @@ from hypothesis import HealthCheck, Phase, Verbosity, settings
 
 # Each entry: an operation (or a combination) the generator would fail on today, and why (docs/testing.md).
 KNOWN_OPEN: dict[str, str] = {
-    "adapter_rank": "K1: a failed adapter load leaves the base answering with another adapter (engine/adapters.py "
-                    "load: _inject raises between inject_adapter and _activate_base); K2: under recreate it leaves "
-                    "nothing serving (control/live/rollout.py _recreate: pool.install outside the restore's try)",
-    "adapter_pissa": "K3: an adapter whose config says init_lora_weights: pissa rewrites the base's weights when it "
-                     "loads (engine/adapters.py load: the config's init runs in inject_adapter), so the base's "
-                     "answers change",
-    "restart_broken_file": "K4: a Deployment started again (close, then from_manifest) while its file holds a change "
-                           "that fails to load raises: nothing serves, though a Ready revision is recorded "
-                           "(control/live/changes.py start: only a gated change starts from the last promoted "
-                           "revision)",
+    # none open: K1-K4 (docs/testing.md) are fixed, and their sequences replay in tests/test_invariants.py
 }
 
 
