@@ -9,6 +9,17 @@ CHAT_TEMPLATE = ("{% for m in messages %}<s>{{ m['role'] }}: {{ m['content'] }}\
                  "{% if add_generation_prompt %}<s>assistant: {% endif %}")
 
 
+# A golden set for canary gates: 4 cases of 64 to 90 completion tokens (the chat model's tokenizer is one token
+# per byte), over the 256 reference tokens golden gates need by default
+GOLDEN = [{"prompt": "The capital of France is",
+           "completion": " Paris, a city on the Seine, known for its museums, its bridges and its cafes."},
+          {"messages": [{"role": "user", "content": "Say hi"}],
+           "completion": "Hi! How can I help you today? Ask me anything you like, I am listening."},
+          {"prompt": "Water boils at", "completion": " one hundred degrees Celsius at sea level, less on a mountain."},
+          {"messages": [{"role": "user", "content": "Name three colours"}],
+           "completion": "Red, green and blue: the three primary colours of light, mixed on every screen."}]
+
+
 def build_chat_model(directory: Path, *, seed: int = 0, context: int = 256, hidden: int = 64, layers: int = 2,
                      intermediate: int = 128) -> Path:
     import torch

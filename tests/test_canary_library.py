@@ -12,21 +12,12 @@ import time
 from pathlib import Path
 
 import pytest
-from chatmodel import build_chat_model
+from chatmodel import GOLDEN, build_chat_model
 from helpers import wait_until
 
 from deploykit import Deployment
 from deploykit.control.revisions.state import Revision, StateStore
 
-# 4 cases of 64 to 90 completion tokens (the chat model's tokenizer is one token per byte): over the 256
-# reference tokens golden gates need by default
-GOLDEN = [{"prompt": "The capital of France is",
-           "completion": " Paris, a city on the Seine, known for its museums, its bridges and its cafes."},
-          {"messages": [{"role": "user", "content": "Say hi"}],
-           "completion": "Hi! How can I help you today? Ask me anything you like, I am listening."},
-          {"prompt": "Water boils at", "completion": " one hundred degrees Celsius at sea level, less on a mountain."},
-          {"messages": [{"role": "user", "content": "Name three colours"}],
-           "completion": "Red, green and blue: the three primary colours of light, mixed on every screen."}]
 
 
 def manifest(path: Path, *, shard: str = "2GiB", steps: str = "[50, 100]", seconds: str = "1s",

@@ -12,7 +12,7 @@ import threading
 from dataclasses import dataclass, replace
 from pathlib import Path
 
-from chatmodel import build_chat_model
+from chatmodel import GOLDEN, build_chat_model
 from lora import chat_ids, peft_reference, train_adapter
 
 NAME = "chat"
@@ -22,15 +22,8 @@ BASES = ("base", "base2", "nan", "missing")  # the last two cannot serve
 ADAPTERS = ("pirate", "polite", "pirate2", "rank", "pissa")  # pirate2: pirate retrained (a changed adapter)
 GOOD_ADAPTERS = ("pirate", "polite", "pirate2")
 STRATEGIES = ("auto", "recreate", "blue-green", "canary")
-# golden references for a canary's gate: fixed English text (~330 tokens, one per byte), scored by both
-# generations: the same weights agree on every position, other random weights on almost none
-GOLDEN = [{"prompt": "The capital of France is",
-           "completion": " Paris, a city on the Seine, known for its museums, its bridges and its cafes."},
-          {"messages": [{"role": "user", "content": "Say hi"}],
-           "completion": "Hi! How can I help you today? Ask me anything you like, I am listening."},
-          {"prompt": "Water boils at", "completion": " one hundred degrees Celsius at sea level, less on a mountain."},
-          {"messages": [{"role": "user", "content": "Name three colours"}],
-           "completion": "Red, green and blue: the three primary colours of light, mixed on every screen."}]
+# a canary's golden gate reads chatmodel.GOLDEN (~330 tokens, one per byte), scored by both generations: the
+# same weights agree on every position, other random weights on almost none
 
 
 @dataclass(frozen=True)
