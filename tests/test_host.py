@@ -521,3 +521,31 @@ def test_a_live_adapter_change_on_a_probed_host_records_the_device_map_that_serv
         assert store.current("chat").revision == 2 and store.current("chat").plan.device_map == serving
     finally:
         dep.close()
+
+
+def test_a_wait_for_room_ends_at_once_when_the_server_stops(fleet):
+    """SIGTERM (``Supervisor.interrupt`` -> ``Host.interrupt``) ends a load that waits for room: the server
+    stops within its drain time, not after the budget's wait (here 300 s)."""
+    from deploykit.errors import DeploykitError
+
+    f = fleet(ONE, wait=300.0)
+    a, b = f.add("a"), f.add("b", load="on-demand")
+    held = a.pin()  # a request in flight on a: it cannot be unloaded, so b waits
+    ended: list[BaseException] = []
+    done = threading.Event()
+
+    def ask() -> None:
+        try:
+            b.generate("hi", max_tokens=2)
+        except BaseException as exc:  # noqa: BLE001 - what the waiting call ends with
+            ended.append(exc)
+        done.set()
+
+    threading.Thread(target=ask, daemon=True).start()
+    try:
+        wait_until(lambda: f.host.describe("b").waiting is not None)
+        f.host.interrupt()
+        assert done.wait(10), "the wait for room outlived the server's stop"
+    finally:
+        a.pool.unpin(held)
+    assert ended and isinstance(ended[0], DeploykitError) and "stopping" in str(ended[0]), ended

@@ -307,6 +307,8 @@ class Host:
                     if not asked:  # no room yet, or the unloads asked for are still under way
                         if stop is not None and stop.is_set():
                             raise BudgetError(f"stopped waiting for room for {entry.name!r}: it is closing")
+                        if self._stop.is_set():
+                            raise BudgetError(f"stopped waiting for room for {entry.name!r}: the server is stopping")
                         remaining = deadline - self.clock()
                         why = decision.reason if isinstance(decision, Wait) else "unloading others takes too long"
                         if remaining <= 0:
@@ -439,8 +441,15 @@ class Host:
             except Exception:  # a bug here must not stop keep-alive for good
                 log.exception("keep-alive check failed")
 
-    def stop(self) -> None:
+    def interrupt(self) -> None:
+        """The server is stopping (SIGTERM; any thread): every wait for room ends now with a BudgetError, none
+        starts, and keep-alive stops; ``stop`` joins its thread."""
         self._stop.set()
+        with self._cond:
+            self._cond.notify_all()
+
+    def stop(self) -> None:
+        self.interrupt()
         if self._thread is not None:
             self._thread.join(timeout=5)
 

@@ -202,6 +202,8 @@ class Supervisor:
         that nothing waits behind a canary's step (any thread; ``close`` follows)."""
         for _, dep in self.items():
             dep.interrupt(reason)
+        if self.host is not None:
+            self.host.interrupt()  # a load waiting for room (a start, a request's load) ends now
 
     def close(self) -> None:
         self.roster.served.close()  # requests waiting for a load are answered: the server is stopping
