@@ -156,3 +156,16 @@ def test_adapter_names_with_dots_load(lora: Any) -> None:
     adapters = Adapters(AutoModelForCausalLM.from_pretrained(lora.base, dtype=torch.float32))
     adapters.load(AdapterSource("pirate.v2", str(lora.pirate)))
     assert adapters.names() == ["pirate.v2"]
+
+
+def test_every_adapter_computes_at_the_base_dtype_the_first_too(lora: Any) -> None:
+    """peft's LoraModel upcasts the first adapter of a bfloat16 base to float32 unless told otherwise; every
+    slot, first or later, holds its matrices at the base's dtype (as the plan sizes them)."""
+    model = AutoModelForCausalLM.from_pretrained(lora.base, dtype=torch.bfloat16)
+    adapters = Adapters(model)
+    adapters.load(AdapterSource("pirate", str(lora.pirate)))
+    adapters.load(AdapterSource("polite", str(lora.polite)))
+    dtypes = {(name.split(".lora_")[1].split(".")[1], p.dtype) for name, p in model.named_parameters()
+              if ".lora_" in name}
+    assert {slot for slot, _ in dtypes} == adapters.slots()
+    assert {dtype for _, dtype in dtypes} == {torch.bfloat16}

@@ -304,6 +304,9 @@ def _read(source: AdapterSource) -> tuple[Any, dict[str, Any], str]:
 
 
 def _lora_model(model: Any, config: Any, slot: str) -> Any:
+    """peft's LoraModel over ``model`` with its first slot, at the base's dtype like every later one (only
+    ``PeftModel`` upcasts bfloat16/float16 adapters to float32; LoraModel keeps the base layer's dtype, as
+    ``inject_adapter(autocast_adapter_dtype=False)`` does for the later slots)."""
     from peft import LoraModel
 
     return LoraModel(model, config, slot)

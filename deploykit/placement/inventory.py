@@ -17,7 +17,7 @@ from ..errors import InventoryError
 from ..units import format_size, parse_size
 
 ENV_VAR = "DEPLOYKIT_DEVICES"
-_GPU_RE = re.compile(r"^(?:(\d+)\s*[xX*]\s*)?(\d+(?:\.\d+)?\s*[A-Za-z]*)$")
+_GPU_RE = re.compile(r"(?:(\d+)\s*[xX*]\s*)?(\d+(?:\.\d+)?\s*[A-Za-z]*)", re.ASCII)  # fullmatch: whole items
 
 
 @dataclass(frozen=True)
@@ -100,7 +100,7 @@ class Inventory:
         return ("simulated: " if self.simulated else "") + ", ".join(parts)
 
 
-_NODES_RE = re.compile(r"^(?:(\d+)\s*[xX*]\s*)?\((.*)\)$")
+_NODES_RE = re.compile(r"(?:(\d+)\s*[xX*]\s*)?\((.*)\)", re.ASCII)  # fullmatch
 
 
 def _split_top(spec: str) -> list[str]:
@@ -137,7 +137,7 @@ def parse_devices(spec: str) -> Inventory:
     and each numbers its GPUs from 0.
     """
     items = _split_top(spec)
-    if any(_NODES_RE.match(i) for i in items):
+    if any(_NODES_RE.fullmatch(i) for i in items):
         return _parse_nodes(spec, items)
     return _parse_host(spec, items)
 
@@ -146,7 +146,7 @@ def _parse_nodes(spec: str, items: list[str]) -> Inventory:
     hosts: list[Inventory] = []
     shared: list[str] = []
     for item in items:
-        match = _NODES_RE.match(item)
+        match = _NODES_RE.fullmatch(item)
         if match is None:
             if "=" not in item:
                 raise InventoryError(f"cannot read device spec {spec!r} at {item!r}: GPUs outside a node's "
@@ -157,7 +157,7 @@ def _parse_nodes(spec: str, items: list[str]) -> Inventory:
         if count < 1:
             raise InventoryError(f"cannot read device spec {spec!r} at {item!r}: node count must be positive")
         inner = _split_top(match.group(2))
-        if any(_NODES_RE.match(i) for i in inner):
+        if any(_NODES_RE.fullmatch(i) for i in inner):
             raise InventoryError(f"cannot read device spec {spec!r} at {item!r}: nodes cannot be nested")
         host = _parse_host(spec, inner)
         hosts.extend([host] * count)
@@ -185,7 +185,7 @@ def _parse_host(spec: str, items: list[str]) -> Inventory:
                 else:
                     raise ValueError(f"unknown tier {key!r}; use cpu=SIZE or disk=SIZE")
                 continue
-            match = _GPU_RE.match(item)
+            match = _GPU_RE.fullmatch(item)
             if not match:
                 raise ValueError("expected COUNTxSIZE such as 4x80GiB")
             count = int(match.group(1) or 1)
