@@ -219,7 +219,7 @@ def stream_during_long_prompt(model: Any, chunk: int) -> tuple[list[int], int, f
         assert started.wait(30)
         long = e.submit(GenerationRequest(prompt_ids=[(7 * i) % 250 + 3 for i in range(3000)], max_new_tokens=1))
         result = long.result(timeout=120)
-        assert result.finish_reason == "length"
+        assert result.finish_reason == "length", result.error
         read_from, read_until = long.submitted, long.submitted + (result.time_to_first_token or 0)
         e.cancel(stream)
         tokens = stream.result(timeout=30).token_ids
