@@ -6,7 +6,9 @@
 Without --model it builds the tests' tiny chat model (a check that the script runs, not a measure). The
 adapters are made with peft (random, non-zero B so that they change the answers) at --rank on q/k/v/o.
 Rounds alternate base-only and mixed batches, so that both see the same machine; the figure is the ratio of
-their median tokens/s.
+their median tokens/s. Both send the same prompts every round, so from the second round on each row may start
+from what the prefix cache kept of its prompt (the base's under the base, an adapter's under that adapter).
+The load average before and after is printed with the figures.
 """
 
 from __future__ import annotations
@@ -109,6 +111,7 @@ def main() -> None:
     args = parser.parse_args()
     import openai
 
+    load_before = os.getloadavg()
     work = Path(tempfile.mkdtemp(prefix="deploykit-bench-adapters-"))
     model = args.model.resolve() if args.model is not None else None  # the manifest lives elsewhere
     if model is None:
@@ -156,10 +159,15 @@ def main() -> None:
             ("half on an adapter tok/s (median)", f"{mixed_rate:.1f}  {[round(r, 1) for r in rates['mixed']]}"),
             ("mixed / base", f"{mixed_rate / base_rate:.2f}x"),
             ("add an adapter live: listed after", f"{listed:.2f} s"),
-            ("add an adapter live: first answer after", f"{answered:.2f} s")]
+            ("add an adapter live: first answer after", f"{answered:.2f} s"),
+            ("load average 1/5/15 min before / after", f"{_load(load_before)} / {_load(os.getloadavg())}")]
     width = max(len(k) for k, _ in rows)
     for key, value in rows:
         print(f"{key:<{width}}  {value}")
+
+
+def _load(avg: tuple[float, float, float]) -> str:
+    return " ".join(f"{x:.1f}" for x in avg)
 
 
 if __name__ == "__main__":

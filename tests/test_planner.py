@@ -193,6 +193,7 @@ def test_plan_is_deterministic_and_json_serialisable():
 
 def test_compress_names():
     assert compress_names(["a.0", "a.1", "a.2", "b", "a.4", "c.5", "c.6"]) == ("a.0-2", "b", "a.4", "c.5-6")
+    assert compress_names(["a.0\n", "a.1"]) == ("a.0\n", "a.1")  # a whole name ends in its number, or is not run
 
 
 def test_longest_prefix():

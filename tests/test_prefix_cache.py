@@ -219,7 +219,7 @@ def stream_during_long_prompt(model: Any, chunk: int) -> tuple[list[int], int, f
         assert started.wait(30)
         long = e.submit(GenerationRequest(prompt_ids=[(7 * i) % 250 + 3 for i in range(3000)], max_new_tokens=1))
         result = long.result(timeout=120)
-        assert result.finish_reason == "length"
+        assert result.finish_reason == "length", result.error
         read_from, read_until = long.submitted, long.submitted + (result.time_to_first_token or 0)
         e.cancel(stream)
         tokens = stream.result(timeout=30).token_ids
@@ -338,3 +338,21 @@ def test_under_a_host_budget_the_default_prefix_cache_is_sized_within_its_cpu_ti
     [loaded] = load_manifests(tmp_path / "m.yaml")
     plan = Change(loaded, "cpu=64GiB", budget_cpu=budget).plan()
     assert plan.prefix_cache_bytes == held
+
+
+def test_prefix_cache_unit_keys_entries_by_adapter_slot() -> None:
+    """KV computed with an adapter slot is found by that slot only (never the base's or another slot's), and
+    ``retain`` drops the slots that left the model."""
+    cache = PrefixCache(1 << 20)
+    ids = list(range(40))
+    kv = [torch.full((1, 2, 40, 4), 1.0)]
+    cache.insert(ids, kv, kv, key="pirate~1")
+    assert cache.lookup(ids + [99]) is None
+    assert cache.lookup(ids + [99], "pirate~2") is None
+    hit = cache.lookup(ids + [99], "pirate~1")
+    assert hit is not None and hit.tokens == 40
+    cache.insert(ids, kv, kv)  # the base's own copy of the same tokens
+    assert cache.lookup(ids + [99]) is not None
+    cache.retain({""})
+    assert cache.lookup(ids + [99], "pirate~1") is None and cache.lookup(ids + [99]) is not None
+    assert cache.bytes == 40 * 2 * 4 * 4 * 2

@@ -90,6 +90,7 @@ def test_parse_budget(text, expected):
     ("cpu=4XB", "--budget: cpu: unknown size unit 'XB'"),
     ("cpu=1GiB,cpu=2GiB", "tier 'cpu' is given twice"),
     ("cpu=0", "above 0"),
+    ("gpu\u0661=1GiB", "unknown tier 'gpu\u0661'"),  # a digit, but not 0-9: no such device
 ])
 def test_parse_budget_errors_say_what_and_where(text, message):
     with pytest.raises(BudgetError, match="^--budget: .*" if text else "--budget"):

@@ -26,7 +26,7 @@ from pathlib import Path
 from typing import Any
 
 SUPPORTED = ("llama", "mistral", "qwen2", "qwen3")  # embeddings not rescaled inside forward
-_LAYER_RE = re.compile(r"^(.*\.layers\.)(\d+)(\..*)$")
+_LAYER_RE = re.compile(r"(.*\.layers\.)([0-9]+)(\..*)", re.DOTALL)  # fullmatch
 
 
 @dataclass(frozen=True)
@@ -112,7 +112,7 @@ class Stage:
         try:
             for key in model.state_dict():
                 source = key
-                match = _LAYER_RE.match(key)
+                match = _LAYER_RE.fullmatch(key)
                 if match:
                     source = f"{match.group(1)}{int(match.group(2)) + spec.start}{match.group(3)}"
                 if source == "lm_head.weight" and tied:

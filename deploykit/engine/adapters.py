@@ -220,6 +220,31 @@ class Adapters:
             with self._lora._enable_peft_forward_hooks(adapter_names=per_row):
                 yield
 
+    @contextmanager
+    def packed(self, slots: Sequence[str | None], kept: Sequence[int]) -> Iterator[None]:
+        """One forward of one packed sequence (``mixed.py``: the running rows' next tokens, then a prompt's
+        chunk) whose token i uses the adapter slot ``slots[i]`` (None: the base); a layer that sees only the
+        tokens whose logits are kept (the head, under ``logits_to_keep=kept``) uses theirs. peft's per-row
+        path applied per token: each adapted layer takes its ``[1, tokens, ...]`` input as ``[tokens, 1, ...]``
+        (one row per token, a view) with ``adapter_names`` per token, and gives its output back as
+        ``[1, tokens, ...]``; the base layer's matmul is the same as unpacked."""
+        with self._lock:
+            if self._retired:
+                self.collect(keep=slots)
+            if self._lora is None or all(n is None for n in slots):
+                yield
+                return
+            names = [n or BASE for n in slots]
+            by_length = {len(names): names, len(kept): [names[i] for i in kept]}
+            handles = [hook for module in _per_row_modules(self.model)
+                       for hook in (module.register_forward_pre_hook(_tokens_as_rows(by_length), with_kwargs=True),
+                                    module.register_forward_hook(_rows_as_tokens))]
+            try:
+                yield
+            finally:
+                for hook in handles:
+                    hook.remove()
+
     # ---- the model's modules (under ``_lock``) --------------------------------------------------------
 
     def _inject(self, slot: str, config: Any, weights: dict[str, Any]) -> None:
@@ -304,9 +329,37 @@ def _read(source: AdapterSource) -> tuple[Any, dict[str, Any], str]:
 
 
 def _lora_model(model: Any, config: Any, slot: str) -> Any:
+    """peft's LoraModel over ``model`` with its first slot, at the base's dtype like every later one (only
+    ``PeftModel`` upcasts bfloat16/float16 adapters to float32; LoraModel keeps the base layer's dtype, as
+    ``inject_adapter(autocast_adapter_dtype=False)`` does for the later slots)."""
     from peft import LoraModel
 
     return LoraModel(model, config, slot)
+
+
+def _per_row_modules(model: Any) -> list[Any]:
+    """The modules that peft's per-row path gives ``adapter_names`` to (as ``LoraModel._enable_peft_forward_hooks``)."""
+    from peft.tuners.lora import LoraLayer
+    from peft.utils.other import AuxiliaryTrainingWrapper
+
+    return [m for m in model.modules() if isinstance(m, (LoraLayer, AuxiliaryTrainingWrapper))]
+
+
+def _tokens_as_rows(by_length: dict[int, list[str]]) -> Any:
+    """A forward pre-hook: a packed ``[1, tokens, ...]`` input as ``[tokens, 1, ...]``, with each token's adapter."""
+    def hook(module: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[tuple[Any, ...], dict[str, Any]]:
+        x = args[0]
+        names = by_length.get(x.shape[1]) if x.dim() >= 2 and x.shape[0] == 1 else None
+        if names is None:
+            raise ValueError(f"a packed forward's adapted layer got {tuple(x.shape)}, not one row of "
+                             f"{' or '.join(map(str, sorted(by_length)))} tokens")
+        return (x.transpose(0, 1), *args[1:]), {**kwargs, "adapter_names": names}
+    return hook
+
+
+def _rows_as_tokens(module: Any, args: tuple[Any, ...], output: Any) -> Any:
+    """A forward hook: the ``[tokens, 1, ...]`` output back as the packed ``[1, tokens, ...]``."""
+    return output.transpose(0, 1)
 
 
 def _module_of(key: str) -> str:

@@ -95,16 +95,17 @@ def drop_done(prefix: PrefixCache | None, rows: list[RequestHandle], cache: Any,
     they failed) and freed from the batch."""
     if prefix is not None and cache is not None:
         for i, h in enumerate(rows):
-            if h.finished.is_set() and h.result().finish_reason != "error" and h.request.adapter is None:
+            if h.finished.is_set() and h.result().finish_reason != "error":
                 keep(prefix, h, cache, int(mask[i].sum()), i)
     return without_done(rows, cache, mask)
 
 
 def keep(prefix: PrefixCache, h: RequestHandle, cache: Any, cached: int, row: int) -> None:
-    """Row ``row``'s sequence (prompt, then the generated tokens the cache holds) into the prefix cache."""
+    """Row ``row``'s sequence (prompt, then the generated tokens the cache holds) into the prefix cache, under
+    the adapter slot it computed with."""
     ids = (list(h.request.prompt_ids) + h.tokens)[:cached]
     prefix.insert(ids, [layer.keys[row:row + 1, :, -cached:] for layer in cache.layers],
-                  [layer.values[row:row + 1, :, -cached:] for layer in cache.layers])
+                  [layer.values[row:row + 1, :, -cached:] for layer in cache.layers], key=h.request.adapter or "")
 
 
 def without_done(rows: list[RequestHandle], cache: Any, mask: torch.Tensor

@@ -108,7 +108,9 @@ class Forwards:
         keep = torch.arange(len(rows) + (1 if end == len(p.prompt) else 0), device=self.device)
         if len(keep) > len(rows):  # the chunk's last token gives the prompt's first new one
             keep[-1] = len(rows) + ids.shape[1] - 1
-        with self.of(rows + [p.handle]), mixed_attention(self.model, Layout(len(rows), cache, mask, p.cache)):
+        slots = [h.request.adapter for h in rows] + [p.handle.request.adapter] * ids.shape[1]  # per packed token
+        adapters = self.adapters.packed(slots, keep.tolist()) if self.adapters else nullcontext()
+        with self._forward_lock, adapters, mixed_attention(self.model, Layout(len(rows), cache, mask, p.cache)):
             out = self.model(input_ids=torch.cat([tokens, ids], 1),
                              position_ids=torch.cat([mask.sum(1) - 1, positions])[None], use_cache=False,
                              logits_to_keep=keep)

@@ -61,8 +61,8 @@ class Intake:
         short, alone = [], []
         for h in new:
             prompt = h.request.prompt_ids
-            # a prefix's KV depends on the adapter it was computed with: the cache holds the base's only
-            hit = self.prefix.lookup(prompt) if self.prefix is not None and h.request.adapter is None else None
+            # a prefix's KV depends on the adapter it was computed with: found under the row's own slot only
+            hit = self.prefix.lookup(prompt, h.request.adapter or "") if self.prefix is not None else None
             if len(prompt) - (hit.tokens if hit else 0) <= self.prefill_chunk:
                 short.append(h)
                 if hit is not None:

@@ -13,10 +13,11 @@ chunk causally over the prompt's cache. The model builds no mask for the packed 
 none for an attention implementation without a mask function) and is given no cache (the attention holds
 both).
 
-Only models whose attention is plain full attention through transformers' ``sdpa`` are mixed (no sliding
-window, no chunked attention, not an encoder-decoder), and only rows computed with the base weights (a LoRA
-adapter is chosen per batch row, and the packed sequence is one row); the loop alternates decode steps and
-chunks for the rest, as before.
+Rows and prompts with LoRA adapters are mixed too: peft chooses an adapter per batch row, and the packed
+sequence is one row, so each adapted layer takes it as one row per token for the forward
+(``adapters.Adapters.packed``), each token with its own row's adapter. Only models whose attention is plain
+full attention through transformers' ``sdpa`` are mixed (no sliding window, no chunked attention, not an
+encoder-decoder); the loop alternates decode steps and chunks for the rest, as before.
 """
 
 from __future__ import annotations

@@ -15,7 +15,8 @@ OpenAI-compatible server must allow; and on this CPU it is slower (SmolLM2-135M 
 the padded loop and 152-155 for ``transformers serve``; docs/benchmarks.md).
 Prompts with more than ``prefill_chunk`` tokens left to compute (after what the prefix cache holds) are
 read alone in chunks (``prefill.py``), each in the same forward as the running rows' next tokens (a mixed
-step, ``mixed.py``; where a model or a row's adapter cannot be mixed, chunks and decode steps alternate):
+step, ``mixed.py``, each token with its row's LoRA adapter; where a model cannot be mixed, chunks and decode
+steps alternate):
 running rows keep producing tokens meanwhile, and such a prompt joins the batch only once it is read. Limits of
 the padded loop: rows pad to the longest row while they run together (the padding goes when it leaves),
 short new prompts still join in one padded prefill step, and it serves full and sliding-window attention
@@ -64,6 +65,7 @@ class PaddedBackend:
                               prefill_chunk=prefill_chunk)  # admission and start of new requests (intake.py)
         self.mixable = mixable(model)  # decode steps and prompt chunks share forwards (mixed.py)
         self.mixed_steps = 0  # forwards that held the rows' tokens and a prompt's chunk (read by any thread)
+        self._slots: set[str] = set()  # the adapter slots the prefix cache was last trimmed to
 
     def submit(self, h: RequestHandle) -> RequestHandle:
         # requests that a free batch slot takes at the next step are not queued: count only the rest
@@ -93,6 +95,7 @@ class PaddedBackend:
         try:
             while True:
                 rows, cache, mask = drop_done(self.prefix, rows, cache, mask)
+                self._forget_gone_adapters()
                 reading = [p for p in reading if not p.handle.done]
                 new = self._intake.admit(rows + [p.handle for p in reading], mask.shape[1])
                 self._queue.running = len(rows) + len(reading) + len(new)
@@ -131,10 +134,20 @@ class PaddedBackend:
             if self.prefix is not None:  # the generation is going: its kept prefixes go with it
                 self.prefix.clear()
 
+    def _forget_gone_adapters(self) -> None:
+        """The prefix cache drops what adapter slots that left the model computed (never found again: a new
+        version is a new slot)."""
+        if self.prefix is None or self.adapters is None:
+            return
+        slots = self.adapters.slots()
+        if slots != self._slots:
+            self.prefix.retain(slots | {""})
+            self._slots = slots
+
     def _mixes(self, rows: list[RequestHandle], p: Prefill) -> bool:
-        """Whether the running rows and ``p``'s next chunk can share a forward (base weights only)."""
-        return (self.mixable and p.mixes and p.handle.request.adapter is None
-                and all(h.request.adapter is None for h in rows))
+        """Whether the running rows and ``p``'s next chunk can share a forward (each token with its row's
+        adapter: ``Adapters.packed``)."""
+        return self.mixable and p.mixes
 
     def _decode_and_read(self, rows: list[RequestHandle], p: Prefill, cache: Any, mask: torch.Tensor
                          ) -> tuple[list[RequestHandle], torch.Tensor | None, Any, torch.Tensor, list[RequestHandle]]:

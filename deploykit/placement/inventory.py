@@ -20,7 +20,7 @@ from ..units import format_size, parse_size
 ENV_VAR = "DEPLOYKIT_DEVICES"
 MAX_SPEC_TEXT = 4096  # characters of a --devices spec: "2x(8x80GiB,cpu=2TiB)" is 20
 _MAX_COUNT_DIGITS = 6
-_GPU_RE = re.compile(r"^(?:(\d+)\s*[xX*]\s*)?(\d+(?:\.\d+)?\s*[A-Za-z]*)$")
+_GPU_RE = re.compile(r"(?:(\d+)\s*[xX*]\s*)?(\d+(?:\.\d+)?\s*[A-Za-z]*)", re.ASCII)  # fullmatch: whole items
 
 
 @dataclass(frozen=True)
@@ -103,7 +103,7 @@ class Inventory:
         return ("simulated: " if self.simulated else "") + ", ".join(parts)
 
 
-_NODES_RE = re.compile(r"^(?:(\d+)\s*[xX*]\s*)?\((.*)\)$")
+_NODES_RE = re.compile(r"(?:(\d+)\s*[xX*]\s*)?\((.*)\)", re.ASCII)  # fullmatch
 
 
 def _split_top(spec: str) -> list[str]:
@@ -142,7 +142,7 @@ def parse_devices(spec: str) -> Inventory:
     if len(spec) > MAX_SPEC_TEXT:
         raise InventoryError(f"a device spec is at most {MAX_SPEC_TEXT} characters, got {len(spec)}")
     items = _split_top(spec)
-    if any(_NODES_RE.match(i) for i in items):
+    if any(_NODES_RE.fullmatch(i) for i in items):
         return _parse_nodes(spec, items)
     return _parse_host(spec, items)
 
@@ -151,7 +151,7 @@ def _parse_nodes(spec: str, items: list[str]) -> Inventory:
     hosts: list[Inventory] = []
     shared: list[str] = []
     for item in items:
-        match = _NODES_RE.match(item)
+        match = _NODES_RE.fullmatch(item)
         if match is None:
             if "=" not in item:
                 raise InventoryError(f"cannot read device spec {spec!r} at {item!r}: GPUs outside a node's "
@@ -162,7 +162,7 @@ def _parse_nodes(spec: str, items: list[str]) -> Inventory:
         if count < 1:
             raise InventoryError(f"cannot read device spec {spec!r} at {item!r}: node count must be positive")
         inner = _split_top(match.group(2))
-        if any(_NODES_RE.match(i) for i in inner):
+        if any(_NODES_RE.fullmatch(i) for i in inner):
             raise InventoryError(f"cannot read device spec {spec!r} at {item!r}: nodes cannot be nested")
         host = _parse_host(spec, inner)
         if len(hosts) + count > MAX_NODES:
@@ -209,7 +209,7 @@ def _parse_host(spec: str, items: list[str]) -> Inventory:
                 else:
                     raise ValueError(f"unknown tier {key!r}; use cpu=SIZE or disk=SIZE")
                 continue
-            match = _GPU_RE.match(item)
+            match = _GPU_RE.fullmatch(item)
             if not match:
                 raise ValueError("expected COUNTxSIZE such as 4x80GiB")
             count = _count(match.group(1))

@@ -13,7 +13,7 @@ def compress_names(names: Sequence[str]) -> tuple[str, ...]:
     out: list[str] = []
     run_prefix, run_start, run_end = None, 0, 0
     for name in names:
-        match = re.match(r"^(.*\.)(\d+)$", name)
+        match = re.fullmatch(r"(.*\.)([0-9]+)", name, re.DOTALL)
         if match and match.group(1) == run_prefix and int(match.group(2)) == run_end + 1:
             run_end += 1
             out[-1] = f"{run_prefix}{run_start}-{run_end}"

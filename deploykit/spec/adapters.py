@@ -177,11 +177,6 @@ def adapter_fingerprint(directory: Path) -> str:
     return "sha256:" + h.hexdigest()
 
 
-def adapters_fingerprint(directories: list[Path]) -> str:
-    """One fingerprint over several adapters' (in order): what a revision records beside its checkpoint's."""
-    return "sha256:" + hashlib.sha256("\0".join(adapter_fingerprint(d) for d in directories).encode()).hexdigest()
-
-
 def safetensors_table(file: Path) -> dict[str, tuple[str, tuple[int, ...]]]:
     """The tensor table of a safetensors file: name -> (dtype, shape). Read here rather than with the
     ``safetensors`` package so that validation stays free of it: the format's header is an 8-byte little

@@ -19,7 +19,7 @@ from ...placement.kv import default_prefix_cache, kv_shares, prefix_cache_tiers
 from ...placement.plan import Plan
 from ...units import SIZE_UNITS_TEXT, format_size, parse_size
 
-_TIER_RE = re.compile(r"^(cpu|gpu\d+)$")
+_TIER_RE = re.compile(r"cpu|gpu[0-9]+")  # whole names only (fullmatch): no "cpu\n", no "gpu١"
 BUDGET_ENV = "DEPLOYKIT_BUDGET"
 
 
@@ -56,7 +56,7 @@ def parse_budget(text: str, *, source: str = "--budget") -> dict[str, int]:
         tier = tier.strip().lower()
         if not sep or not tier:
             raise BudgetError(f"{source}: {item!r} is not TIER=SIZE (e.g. cpu=6GiB, gpu0=20GiB)")
-        if not _TIER_RE.match(tier):
+        if not _TIER_RE.fullmatch(tier):
             raise BudgetError(f"{source}: unknown tier {tier!r} in {item!r}; tiers are cpu, gpu0, gpu1, ...")
         if tier in tiers:
             raise BudgetError(f"{source}: tier {tier!r} is given twice")

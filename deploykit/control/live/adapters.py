@@ -24,7 +24,8 @@ from ...errors import ApplyError, DeploykitError
 from ...spec.adapters import AdapterFileError, adapter_fingerprint
 from ...spec.manifest import LoadedManifest
 from ..revisions.change import Change
-from ..revisions.layouts import checkpoint_part, open_source
+from ..revisions.decision import checkpoint_part
+from ..revisions.layouts import open_source
 from ..revisions.loading import recorded_manifest, serving_of
 from ..revisions.reconciler import ApplyOutcome, finish_gated, git_commit
 from ..revisions.decision import Action

@@ -57,7 +57,7 @@ def decide(desired: Desired, actual: Actual, *, force: bool = False) -> Decision
     elif actual.manifest_digest != desired.manifest_digest:
         reason = "the manifest changed"
     elif actual.checkpoint_fingerprint != desired.checkpoint_fingerprint:
-        reason = "the checkpoint changed"
+        reason = source_change(actual.checkpoint_fingerprint, desired.checkpoint_fingerprint)
     elif actual.shards_problem is not None:
         reason = (f"the shards of revision {actual.revision} are not intact ({actual.shards_problem}); "
                   "laying them out again from the source")
@@ -67,3 +67,30 @@ def decide(desired: Desired, actual: Actual, *, force: bool = False) -> Decision
     else:
         return Decision(desired.name, ())
     return Decision(desired.name, tuple(Action(s, reason) for s in FULL))
+
+
+ADAPTERS = " adapters:"  # a recorded fingerprint: the checkpoint's, then each adapter's (``layouts.with_adapters``)
+
+
+def checkpoint_part(fingerprint: str | None) -> str | None:
+    """The checkpoint's part of a recorded fingerprint."""
+    return fingerprint.split(ADAPTERS)[0] if fingerprint else fingerprint
+
+
+def adapter_parts(fingerprint: str | None) -> dict[str, str]:
+    """Each adapter's fingerprint in a recorded one (``name=fingerprint;...``; empty for a record that holds
+    one fingerprint over all of them, as revisions recorded before did)."""
+    _, _, tail = (fingerprint or "").partition(ADAPTERS)
+    return dict(item.split("=", 1) for item in tail.split(";") if "=" in item)
+
+
+def source_change(old: str | None, new: str) -> str:
+    """Why two recorded fingerprints differ, in words: the checkpoint, or which adapter's files."""
+    if checkpoint_part(old) != checkpoint_part(new):
+        return "the checkpoint changed"
+    before, after = adapter_parts(old), adapter_parts(new)
+    changed = sorted(n for n in before.keys() | after.keys() if before.get(n) != after.get(n))
+    if not changed:
+        return "the adapters changed"
+    more = f" (and {len(changed) - 1} more)" if len(changed) > 1 else ""
+    return f"adapter {changed[0]!r} changed{more}"

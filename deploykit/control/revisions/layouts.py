@@ -33,6 +33,7 @@ from ...model.gguf import is_gguf
 from ...names import Phase
 from ...placement.plan import Plan
 from ...spec.manifest import LoadedManifest
+from .decision import ADAPTERS
 from .loading import StepTimer
 from .state import StateStore
 
@@ -73,24 +74,20 @@ def open_source(loaded: LoadedManifest) -> tuple[Checkpoint | None, str]:
 
 def with_adapters(loaded: LoadedManifest, fingerprint: str) -> str:
     """What a revision records as its source: the checkpoint's fingerprint, and its adapters' files' when it
-    serves any (``spec.adapters.adapters_fingerprint``), so an adapter saved again in place is a change."""
-    from ...spec.adapters import AdapterFileError, adapters_fingerprint
+    serves any, each by name (``spec.adapters.adapter_fingerprint``), so an adapter saved again in place is a
+    change that ``decision.source_change`` names."""
+    from ...spec.adapters import AdapterFileError, adapter_fingerprint
 
     adapters = loaded.manifest.spec.adapters
     if not adapters:
         return fingerprint
     try:
-        return f"{fingerprint}{_ADAPTERS}{adapters_fingerprint([loaded.resolve(a.path) for a in adapters])}"
+        return fingerprint + ADAPTERS + ";".join(f"{a.name}={adapter_fingerprint(loaded.resolve(a.path))}"
+                                                 for a in adapters)
     except AdapterFileError as exc:
         raise CheckpointError(str(exc)) from None
 
 
-def checkpoint_part(fingerprint: str | None) -> str | None:
-    """The checkpoint's part of a recorded fingerprint (``with_adapters``)."""
-    return fingerprint.split(_ADAPTERS)[0] if fingerprint else fingerprint
-
-
-_ADAPTERS = " adapters:"
 
 
 def existing_import(loaded: LoadedManifest, store: StateStore) -> tuple[Path, Checkpoint | None]:
