@@ -108,7 +108,7 @@ def test_a_tool_use_loop_with_tool_result(client: anthropic.Anthropic, chat: ope
     tool_use and its tool_result back and gets text: the same turn as chat's with the tool messages."""
     question: list[Any] = [{"role": "user", "content": "Weather in Paris?"}]
     first = client.messages.create(model=MODEL, max_tokens=64, messages=question, tools=[WEATHER],  # type: ignore[list-item]
-                                   tool_choice={"type": "any"})
+                                   tool_choice={"type": "any", "disable_parallel_tool_use": True}, extra_body=GREEDY)
     [use] = [b for b in first.content if b.type == "tool_use"]
     assert first.stop_reason == "tool_use" and use.name == "get_weather" and use.id.startswith("toolu_")
     assert use.input["city"] in ("Paris", "Rome")  # type: ignore[index]

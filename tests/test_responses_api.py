@@ -120,6 +120,7 @@ def test_a_function_tool_loop_through_function_call_output(client: openai.OpenAI
     call and its output back and gets text: the same turn as chat's with the tool messages."""
     question: Any = [{"role": "user", "content": "Weather in Paris?"}]
     first = client.responses.create(model=MODEL, input=question, tools=[WEATHER], tool_choice="required",
+                                    parallel_tool_calls=False, temperature=0,
                                     max_output_tokens=64)  # the call, byte by byte
     [call] = [item for item in first.output if item.type == "function_call"]
     assert call.name == "get_weather" and json.loads(call.arguments)["city"] in ("Paris", "Rome")

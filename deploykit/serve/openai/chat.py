@@ -1,6 +1,7 @@
 """``POST /v1/chat/completions``: messages through the model's chat template, streamed or not; ``n``
 choices, logprobs, penalties and logit_bias as OpenAI's API defines them; ``response_format`` and
-``tools`` (``structured.py``: what they ask; the engine enforces the schema).
+``tools`` (``structured.py``: what they ask; the engine enforces the schema). The request is pinned,
+tokenised and started by ``turn.py``, below this face and the Responses and Messages faces alike.
 
 Tool calls are answered as ``message.tool_calls`` with finish_reason ``"tool_calls"`` for
 ``tool_choice: "required"`` and ``"auto"``, and ``"stop"`` for a named function (as OpenAI answers it); a
