@@ -549,3 +549,16 @@ def test_a_wait_for_room_ends_at_once_when_the_server_stops(fleet):
     finally:
         a.pool.unpin(held)
     assert ended and isinstance(ended[0], DeploykitError) and "stopping" in str(ended[0]), ended
+
+
+def test_a_name_registered_again_by_another_deployment_is_asked_of_that_one(fleet):
+    """A name deleted and deployed again (or pruned and taken by another file) registers a new pool: the host
+    reads what is loaded from it and asks it to unload, never the old deployment's pool."""
+    f = fleet(TWO)
+    a = f.add("a")
+    old_pool = a.pool
+    f.host.register("a", old_pool, {"cpu": 1}, priority=0, keep_alive=None)
+    second = f.add("a2")  # any other live pool stands for the new deployment of the name
+    f.host.register("a", second.pool, {"cpu": 1}, priority=0, keep_alive=None)
+    [entry] = [e for e in f.host.entries() if e.name == "a"]
+    assert entry.pool is second.pool

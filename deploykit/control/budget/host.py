@@ -151,9 +151,9 @@ class Host:
             raise BudgetError(f"{name!r} can never be loaded: {decision.reason}")
         with self._cond:
             entry = self._entries.get(name)
-            if entry is None:
-                entry = self._entries[name] = Entry(name, pool, dict(need), priority, keep_alive,
-                                                    LOADED if pool.loaded else UNLOADED)
+            if entry is None or entry.pool is not pool:  # new, or another deployment of the name now (the
+                entry = self._entries[name] = Entry(name, pool, dict(need), priority, keep_alive,  # old one's
+                                                    LOADED if pool.loaded else UNLOADED)  # room went with it)
             else:
                 entry.priority, entry.keep_alive = priority, keep_alive
                 if entry.state == UNLOADED and not entry.extra:  # holds nothing: its next load is this plan
