@@ -217,17 +217,25 @@ def test_cpu_only_loads_have_an_hf_device_map_equal_to_the_plan(model, tmp_path)
     assert set(outcome.loaded.model.hf_device_map.values()) == {"cpu", "disk"}
 
 
-def test_a_restart_while_the_file_holds_a_failing_change_serves_the_last_ready_revision(model, tmp_path):
+@pytest.mark.parametrize("budgeted", [False, True], ids=["alone", "under-a-host-budget"])
+def test_a_restart_while_the_file_holds_a_failing_change_serves_the_last_ready_revision(model, tmp_path, budgeted):
+    """As `deploykit serve` restarts (always under a host budget) and as the library does without one."""
     from invariants.world import _nan_copy
+
+    from deploykit.control.budget.host import Host
+    from deploykit.control.budget.tiers import Budget
+
+    def host() -> Host | None:
+        return Host(Budget({"cpu": 1 << 30})) if budgeted else None
 
     directory, store = tmp_path / "manifests", StateStore(tmp_path / "state")
     directory.mkdir()
     file = write_manifest(directory, model)
-    with Deployment.from_manifest(file, store=store) as dep:
+    with Deployment.from_manifest(file, store=store, host=host()) as dep:
         assert dep.status()["serving"] and store.current("tiny").revision == 1
     broken = _nan_copy(model, tmp_path / "nan")  # plans, lays out and loads; fails its health check
     replace_like_an_editor(file, manifest_text(broken))
-    with Deployment.from_manifest(file, store=store) as dep:  # a restart: revision 1 serves, the error shows
+    with Deployment.from_manifest(file, store=store, host=host()) as dep:  # revision 1 serves, the error shows
         status = dep.status()
         assert status["serving"] and status["phase"] == "Failed", status
         assert "finite" in (status["last_error"] or ""), status

@@ -562,3 +562,23 @@ def test_a_name_registered_again_by_another_deployment_is_asked_of_that_one(flee
     f.host.register("a", second.pool, {"cpu": 1}, priority=0, keep_alive=None)
     [entry] = [e for e in f.host.entries() if e.name == "a"]
     assert entry.pool is second.pool
+
+
+def test_a_failing_change_of_an_unloaded_deployment_is_tried_once_and_the_last_ready_revision_serves(fleet, tmp_path):
+    """A broken edit lands while an on-demand deployment is unloaded: its next request tries the change once
+    (revision 2 Failed, the error in status), then revision 1 loads and answers; later requests load nothing
+    new and record no more revisions."""
+    from invariants.world import _nan_copy
+
+    f = fleet(TWO, wait=60.0)
+    b = f.add("b", load="on-demand")
+    assert b.generate("hi", max_tokens=2).completion_tokens == 2
+    assert b.pool.unload_now()
+    broken = _nan_copy(f.model, tmp_path / "nan")
+    replace_like_an_editor(f.root / "b.yaml", text(broken, "b", load="on-demand"))
+    b.reload()
+    for _ in range(3):
+        assert b.generate("hi", max_tokens=2).completion_tokens == 2  # revision 1 answers every one
+    assert [(r.revision, r.phase) for r in f.store.history("b")] == [(1, "Ready"), (2, "Failed")]
+    status = b.status()
+    assert status["serving"] and status["phase"] == "Failed" and "finite" in (status["last_error"] or ""), status

@@ -83,6 +83,26 @@ def start_budgeted(loads: Loads, host: Host, change: Change, *, force: bool = Fa
         loads.room_left = None
 
 
+def serve_last_ready(loads: Loads, host: Host, change: Change) -> None:
+    """After a failed start: serve the last Ready revision under the budget, as ``start_budgeted`` would have
+    served the manifest (known to the host again; loaded in the room it grants, or at the first request of an
+    on-demand deployment)."""
+    current = loads.store.current(loads.name)
+    assert current is not None and current.plan is not None
+    lifecycle = change.loaded.manifest.spec.lifecycle
+    need = plan_tiers(current.plan)
+    host.register(loads.name, loads.pool, need, priority=lifecycle.priority, keep_alive=lifecycle.keep_alive)
+    try:
+        if lifecycle.load == Load.ON_DEMAND:
+            loads.pool.mark_unloaded()
+            return
+        with host.room(loads.name, need, reason="start"):
+            loads.load_current()
+    except BaseException:
+        host.forget(loads.name)
+        raise
+
+
 def _start(loads: Loads, host: Host, change: Change, need: dict[str, int], shrink: Shrink | None, *,
            force: bool, progress: ProgressSink | None, on_step: StepSink) -> bool:
     loaded = change.loaded

@@ -21,7 +21,7 @@ from ...spec.manifest import LoadedManifest, manifest_named
 from ..admission import admit
 from ..budget import BudgetError
 from ..revisions.change import Change
-from .budgeting import roll_budgeted, start_budgeted
+from .budgeting import roll_budgeted, serve_last_ready, start_budgeted
 from .canary import AbortSignal, CanaryProgress
 from .machine import Event, StateCell, Trigger
 from .on_demand import Loads
@@ -103,7 +103,7 @@ class ChangeRunner:
                 gated_next = start_budgeted(self.loads, self.host, change, force=force, progress=progress,
                                             on_step=on_step)
         except Exception as exc:
-            if not self._serve_last_good(exc):
+            if not self._serve_last_good(exc, change):
                 self.cell.move(Event(Trigger.CHANGE_FAILED, serving=False, error=describe(exc, loaded)))
                 raise
             self.cell.move(Event(Trigger.CHANGE_FAILED, serving=True, error=describe(exc, loaded)))
@@ -111,15 +111,19 @@ class ChangeRunner:
         self.cell.move(Event(Trigger.CHANGE_SUCCEEDED, serving=self.serving()))
         return gated_next
 
-    def _serve_last_good(self, failure: Exception) -> bool:
+    def _serve_last_good(self, failure: Exception, change: Change) -> bool:
         """A start whose manifest fails (a restart while the file holds a broken change): the last Ready
-        revision serves, as it did before the restart, and the failure shows as the pending error. False
-        (the start fails) when there is none, something serves already, or it cannot be loaded either. Not
-        under a host budget, whose room the start's own path asks for."""
-        if self.host is not None or self.pool.current is not None or self.store.current(self.name) is None:
+        revision serves, as it did before the restart (under the budget too: ``serve_last_ready``), and the
+        failure shows as the pending error. False (the start fails) when there is none, something serves
+        already, or it cannot be loaded either."""
+        current = self.store.current(self.name)
+        if self.pool.current is not None or current is None or current.plan is None:
             return False
         try:
-            self.loads.load_current()
+            if self.host is not None:
+                serve_last_ready(self.loads, self.host, change)
+            else:
+                self.loads.load_current()
         except Exception:
             log.exception("%s: loading the last Ready revision after a failed start failed", self.name)
             return False
@@ -163,6 +167,10 @@ class ChangeRunner:
             log.warning("loading %s on demand failed: %s", self.name, error)
             self.cell.move(Event(Trigger.LOAD_FAILED, serving=self.serving(), error=error))
             raise
+        failed = self.loads.take_pending_failure()
+        if failed is not None:  # the pending change failed; the last Ready revision loaded and serves
+            self.cell.move(Event(Trigger.CHANGE_FAILED, serving=True, error=describe(*failed)))
+            return
         self.cell.move(Event(Trigger.LOAD_SUCCEEDED, serving=True))
         if gated_next:
             log.info("%s: the last promoted revision loaded; its pending change rolls out from it, through its "

@@ -14,6 +14,7 @@ import logging
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
+from ...errors import DeploykitError
 from ...names import Strategy
 from ..budget.tiers import fit_prefix_cache
 from ..admission import Policy, admit
@@ -49,6 +50,7 @@ class Loads:
     acquire_timeout: float
     policy: Policy = field(default_factory=Policy.unrestricted)  # every manifest loaded is admitted under it
     pending: LoadedManifest | None = None  # an on-demand manifest to apply at its first load
+    pending_failure: tuple[DeploykitError, LoadedManifest] | None = None  # it failed: the last Ready one serves
     last_outcome: ApplyOutcome | None = None
     verified: int | None = field(default=None)  # the revision whose shards this process checked by hash
     room_left: dict[str, int] | None = None  # the room the host's grant left the load in progress, per tier
@@ -105,11 +107,17 @@ class Loads:
         was loaded, or interrupted by a restart): that one loads, and True says the pending change waits to
         be rolled out from it (``take_pending``), gates and all, never loaded unjudged."""
         if self.pending is not None and self.promoted_before_gates(self.pending) is None:
-            admit(self.pending, self.policy)
-            self.load_initial(self.pending, change=Change(self.pending, self.devices, budget_cpu=(
-                self.host.cpu_bytes if self.host is not None else None)))
-            self.pending = None
-            return False
+            pending, self.pending = self.pending, None  # applied once: a failure is not repeated per request
+            try:
+                admit(pending, self.policy)
+                self.load_initial(pending, change=Change(pending, self.devices, budget_cpu=(
+                    self.host.cpu_bytes if self.host is not None else None)))
+                return False
+            except DeploykitError as exc:
+                if self.store.current(self.name) is None:
+                    raise
+                log.warning("%s: its pending change failed (%s); the last Ready revision loads", self.name, exc)
+                self.pending_failure = (exc, pending)
         current = self.store.current(self.name)
         if current is not None:  # checked again: a link may point elsewhere now than when it was applied
             admit(recorded_manifest(current), self.policy)
@@ -118,6 +126,12 @@ class Loads:
         model, plan, serving = load_laid_out(current)
         self._install(model, plan, current.revision, "on-demand", serving)
         return self.pending is not None
+
+    def take_pending_failure(self) -> tuple[DeploykitError, LoadedManifest] | None:
+        """The pending change that failed at the last load on demand (the last Ready revision loaded instead),
+        once: the caller shows it as the deployment's error."""
+        failure, self.pending_failure = self.pending_failure, None
+        return failure
 
     def take_pending(self) -> LoadedManifest | None:
         """The pending change, once: the caller rolls it out."""
