@@ -132,3 +132,26 @@ def _save_over(adapter: Path, source: Path) -> None:
     """``source``'s files written over ``adapter``'s, as a training run saving in place does."""
     for name in ("adapter_config.json", "adapter_model.safetensors"):
         shutil.copyfile(source / name, adapter / name)
+
+
+def test_a_live_add_sizes_the_kv_room_for_the_plan_with_the_adapter(lora: Any, tmp_path: Path) -> None:
+    """Adapters take room the KV cache had (placement.kv.kv_budget): after a live add, new requests are
+    admitted against the KV room the new plan leaves, not the old plan's."""
+    from deploykit.control.live.pool import kv_cache_budget
+
+    budget = "  offload: {cpu: {max_memory: 96MiB}}\n"  # a CPU budget: the plan says how much KV fits
+    path = tmp_path / "chat.yaml"
+    path.write_text(adapters_manifest(lora.base, {}) + budget)
+    dep = Deployment.from_manifest(path, state_dir=tmp_path / "state")
+    try:
+        gen = dep.pin()
+        dep.unpin(gen)
+        engine: Any = gen.runtime.engine  # type: ignore[union-attr]
+        before = engine.kv_cache_bytes
+        assert before == kv_cache_budget(gen.plan)
+        path.write_text(adapters_manifest(lora.base, {"pirate": lora.pirate, "polite": lora.polite}) + budget)
+        dep.reconcile()
+        assert dep.generation == gen.number  # applied live, on the same generation
+        assert engine.kv_cache_bytes == kv_cache_budget(gen.plan) < before
+    finally:
+        dep.close()

@@ -88,6 +88,17 @@ class Engine:
                              prefix_cache_bytes=self.prefix_cache_bytes, prefill_chunk=self.prefill_chunk,
                              adapters=self.adapters)
 
+    def resize_kv_cache(self, kv_cache_bytes: int) -> bool:
+        """Admit new requests against ``kv_cache_bytes`` from now (the plan's KV room changed: a live adapter
+        change). False where the cache cannot change size (continuous batching's paged cache is allocated
+        once: it keeps its size until the next generation)."""
+        resize = getattr(self._batcher, "resize_kv", None)
+        if resize is None:
+            return False
+        resize(kv_cache_bytes)
+        self.kv_cache_bytes = kv_cache_bytes
+        return True
+
     def submit(self, request: GenerationRequest,
                listener: Callable[[int | GenerationResult], None] | None = None) -> RequestHandle:
         """Queue ``request``; QueueFull when ``max_queued`` already wait. ``listener`` gets every token

@@ -67,6 +67,11 @@ class PaddedBackend:
         self.mixed_steps = 0  # forwards that held the rows' tokens and a prompt's chunk (read by any thread)
         self._slots: set[str] = set()  # the adapter slots the prefix cache was last trimmed to
 
+
+    def resize_kv(self, kv_cache_bytes: int) -> None:
+        """The KV bytes new requests are admitted against from now (a live adapter change took or gave back
+        room; rows running keep theirs). One int, read by the loop's thread at its next admission."""
+        self._intake.kv_cache_bytes = kv_cache_bytes
     def submit(self, h: RequestHandle) -> RequestHandle:
         # requests that a free batch slot takes at the next step are not queued: count only the rest
         self._queue.put(h, free_slots=max(0, self._intake.max_batch_size - self._queue.running))

@@ -16,6 +16,7 @@ throughout; its generation does not change. Anything else is a rollout as before
 from __future__ import annotations
 
 import json
+import logging
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -31,6 +32,8 @@ from ..revisions.reconciler import ApplyOutcome, finish_gated, git_commit
 from ..revisions.decision import Action
 from ..revisions.state import StateStore
 from .held import inventory_freed
+
+log = logging.getLogger(__name__)
 
 if TYPE_CHECKING:
     from ...engine.adapters import AdapterSource, Adapters, Staged
@@ -113,9 +116,20 @@ def _record_and_act(store: StateStore, gen: Generation, change: Change, diff: Ad
         store.finish_revision(loaded.name, revision, ready=False, reason=message)
         raise
     gen.plan, gen.revision = plan, revision  # the generation now serves this revision
+    _resize_kv(gen, plan)
     finish_gated(loaded, store, revision, ready=True, reason=f"adapters {diff.describe()}")
     return ApplyOutcome(loaded.name, "applied", revision, plan, (Action("adapters", reason),),
                         shards=Path(current.shards_path or ""))
+
+
+def _resize_kv(gen: Generation, plan: Any) -> None:
+    """The KV room the new plan leaves beside the base and its adapters' bytes, for requests admitted from now."""
+    from .pool import kv_cache_budget
+
+    engine = getattr(gen.runtime, "engine", None)
+    resize = getattr(engine, "resize_kv_cache", None)
+    if resize is not None and not resize(kv_cache_budget(plan)):
+        log.info("%s: the paged KV cache keeps its size until the next generation", gen.number)
 
 
 def _bring_in_step(adapters: Adapters, diff: AdapterDiff) -> None:
