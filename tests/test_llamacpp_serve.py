@@ -170,14 +170,36 @@ def test_slots_count_places_not_requests():
     with pytest.raises(QueueFull):
         slots.enter(2)  # a request of 2 prompts does not fit 1 slot and no queue
     slots.enter(1)
-    assert slots.stats() == {"running": 1, "waiting": 0}
+    assert slots.stats() == {"running": 0, "waiting": 1}  # admitted; running once it holds a turn (sent)
     with pytest.raises(QueueFull):
         slots.enter(1)
     slots.leave(1)
     slots = Slots(2, 3)
     slots.enter(4)
-    assert slots.stats() == {"running": 2, "waiting": 2}
+    assert slots.stats() == {"running": 0, "waiting": 4}
+    with pytest.raises(QueueFull):
+        slots.enter(2)  # 4 + 2 places > 2 slots + 3 queued
     slots.leave(4)
+    assert slots.stats() == {"running": 0, "waiting": 0}
+
+
+def test_a_library_call_waits_for_a_free_slot_as_a_request_does():
+    import asyncio
+
+    from deploykit.engine.llamacpp.runtime import Slots
+
+    slots = Slots(1, 1)
+    slots.enter()
+    asyncio.run(slots.turn())  # an HTTP request holds the one slot
+    slots.enter()
+    library = threading.Thread(target=slots.turn_blocking)  # Deployment.chat's turn, on its own thread
+    library.start()
+    wait_until(lambda: len(slots._waiters) == 1, 30, "the library call to queue for its turn")
+    assert library.is_alive()  # not sent while the slot is taken
+    slots.leave(turned=True)  # the request ends: its turn passes to the library call
+    library.join(30)
+    assert not library.is_alive()
+    slots.leave(turned=True)
     assert slots.stats() == {"running": 0, "waiting": 0}
 
 

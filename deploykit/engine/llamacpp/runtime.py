@@ -73,6 +73,11 @@ class Slots:
                 raise QueueFull(f"{self._in_flight} requests in flight")
             self._in_flight += count
 
+    def turn_blocking(self) -> None:
+        """``turn`` for a caller's own thread (``Deployment.chat``/``generate``): it waits, first come first
+        served with the HTTP routes' requests, in an event loop of its own."""
+        asyncio.run(self.turn())
+
     async def turn(self) -> None:
         """Wait (on the event loop, first come first served) until one of the ``slots`` is free, and take it;
         ``leave(turned=True)`` gives it back."""
@@ -229,7 +234,10 @@ class LlamaRuntime:
         by the same slots as the HTTP routes' (QueueFull past them)."""
         server: LlamaServer | None = None
         self.engine.enter()
+        turned = False
         try:
+            self.engine.turn_blocking()  # sent only with a slot free, as the HTTP routes' requests are
+            turned = True
             server = self._supervisor.wait_ready_blocking(ENGINE_WAIT_SECONDS)
             return post_blocking(server.socket, server.api_key, path, body, timeout=REQUEST_TIMEOUT_SECONDS)
         except UpstreamError as exc:
@@ -243,7 +251,7 @@ class LlamaRuntime:
                 self._supervisor.connection_broke(server)
             raise RequestError(f"generation failed: the llama.cpp engine's connection broke ({exc})") from None
         finally:
-            self.engine.leave()
+            self.engine.leave(turned=turned)
 
     def describe(self) -> str:
         return f"llama-server pid {self.pid} on {self._supervisor.proc.socket}"

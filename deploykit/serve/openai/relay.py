@@ -66,14 +66,15 @@ class _Ticket:
     request ends (``LeasedStream`` calls ``cancel`` even when a stream's body never ran); it also closes the
     request's open upstream answer, if any (llama-server then stops generating it)."""
 
-    def __init__(self, held: Lease, items: int = 1) -> None:
+    def __init__(self, held: Lease, items: int = 1, param: str = "prompt") -> None:
         self.slots, self.items = held.runtime.engine, items
         self.upstream: Upstream | None = None
         room = self.slots.slots + self.slots.max_queued
         if items > room:  # never admitted, however long it waits: not a 429
             held.release()
-            raise APIError(400, f"{items} prompts in one request; this model admits at most {room} at once "
-                                "(engine.slots + serving.max_queued)", param="prompt", code="too_many_prompts")
+            what = "prompts x n" if param == "prompt" else "choices (n)"
+            raise APIError(400, f"{items} {what} in one request; this model admits at most {room} at once "
+                                "(engine.slots + serving.max_queued)", param=param, code="too_many_prompts")
         try:
             self.slots.enter(items)
         except QueueFull:
@@ -150,7 +151,7 @@ async def chat(body: ChatCompletionRequest, request: Request, held: Lease, name:
 
     upstream = _checked(held, build)
     return await _relay("/v1/chat/completions", upstream, body, request, held, name, prefix="chatcmpl",
-                        items=body.n)
+                        items=body.n, param="n")
 
 
 def _check_structured(body: ChatCompletionRequest) -> None:
@@ -195,11 +196,12 @@ async def completions(body: CompletionRequest, request: Request, held: Lease, na
 
 
 async def _relay(path: str, upstream: dict[str, Any], body: ChatCompletionRequest | CompletionRequest,
-                 request: Request, held: Lease, name: str, *, prefix: str, items: int = 1) -> Any:
+                 request: Request, held: Lease, name: str, *, prefix: str, items: int = 1,
+                 param: str = "prompt") -> Any:
     """``items``: the places the request takes in the generation's slots (one per prompt and choice)."""
     done = _Done(request, held, name, arrival(request))
     our_id = new_id(prefix)
-    ticket = _Ticket(held, items)
+    ticket = _Ticket(held, items, param)
     try:
         await ticket.turn()
         if body.stream:
