@@ -58,8 +58,9 @@ class Spec:
     def servable(self) -> bool:
         """Whether this manifest can serve at all (alone, whatever served before)."""
         return (not self.schema_broken and self.base in ("base", "base2")
-                and all(key in GOOD_ADAPTERS + ("pissa",) for _, key in self.adapters)
-                and not (self.adapters and self.quant != "none"))
+                and all(key in GOOD_ADAPTERS for _, key in self.adapters)  # pissa, rank: refused at validate
+                and not (self.adapters and self.quant != "none")
+                and not (self.adapters and self.strategy == "canary"))  # adapters are never canaried
 
     def same_weights(self, other: Spec) -> bool:
         return self.base == other.base and self.quant == other.quant
@@ -70,8 +71,6 @@ def expect(new: Spec, serving: Spec) -> str:
     served still serves), or "either" (a choice deploykit may make either way; the invariants decide)."""
     if not new.servable():
         return "fail"
-    if any(key == "pissa" for _, key in new.adapters):
-        return "either"  # refusing PiSSA, or serving it without touching the base: both keep the invariants
     if new.strategy == "canary" and not new.same_weights(serving):
         # the golden gate: other random weights disagree; quantized ones may or may not reach 0.9
         return "fail" if new.base != serving.base else "either"
