@@ -133,7 +133,7 @@ class GenerationPool:
         self._split = Split()  # the share of new pins the candidate takes
         self.owner: Callable[[Callable[[], bool]], Future[bool]] = _run_here  # runs on the change thread
         self._watchers: list[Future[None]] = []  # ``changed()``'s futures, ended by the next change
-        self._made: list[Generation] = []  # generations made and not yet freed (``retiring``)
+        self._made: list[Generation] = []  # generations made current or candidate, not yet freed (``retiring``)
         self._unloading: Generation | None = None  # being freed by ``unload_now``
         self.broken: str | None = None  # why nothing serves and nothing will until a change (``mark_broken``)
 
@@ -276,10 +276,7 @@ class GenerationPool:
         with self._cond:
             self._number += 1
             number = self._number
-        gen = new_generation(number, loaded, plan, revision, strategy, serving)
-        with self._cond:
-            self._made.append(gen)
-        return gen
+        return new_generation(number, loaded, plan, revision, strategy, serving)
 
     def install(self, loaded: LoadedModel, plan: Plan | None, revision: int, strategy: str,
                 serving: ServingSpec) -> Generation:
@@ -310,6 +307,7 @@ class GenerationPool:
         Nothing here can fail before the swap."""
         with self._cond:
             old, self._current = self._current, gen
+            self._made.append(gen)  # in memory until freed (``retiring``); before, the host's reservation counts it
             self.unloaded, self.broken = False, None
             self.last_used = time.monotonic()
             if old is not None:
@@ -330,6 +328,7 @@ class GenerationPool:
         gen = self._numbered(loaded, plan, revision, strategy, serving)
         with self._cond:
             self._candidate, self._split = gen, Split(0)
+            self._made.append(gen)
         return gen
 
     def route(self, percent: int) -> None:
