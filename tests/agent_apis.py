@@ -16,9 +16,10 @@ MODEL = "tiny-chat"
 
 
 @contextmanager
-def chat_server(tmp_path_factory: pytest.TempPathFactory, *args: str) -> Iterator[Server]:
-    """``deploykit serve`` of the tiny chat model as ``MODEL``; ``args``: more `serve` options."""
-    chat_model = build_chat_model(tmp_path_factory.mktemp("chat") / "model")
+def chat_server(tmp_path_factory: pytest.TempPathFactory, *args: str, context: int = 256) -> Iterator[Server]:
+    """``deploykit serve`` of the tiny chat model as ``MODEL``; ``args``: more `serve` options; ``context``: its
+    context length in tokens (one a byte)."""
+    chat_model = build_chat_model(tmp_path_factory.mktemp("chat") / "model", context=context)
     root = tmp_path_factory.mktemp("serve")
     (root / "chat.yaml").write_text(chat_manifest(chat_model, name=MODEL))
     with Server(root / "chat.yaml", root / "state", *args) as s:
