@@ -37,7 +37,8 @@ class Weather(pydantic.BaseModel):
 class AnswerInSchema(AgentHooks[Any]):
     """Once the tool has run, the agent answers as ``Weather``."""
 
-    async def on_tool_end(self, context: RunContextWrapper[Any], agent: Agent[Any], tool: Tool, result: str) -> None:
+    async def on_tool_end(self, context: RunContextWrapper[Any], agent: Agent[Any], tool: Tool,
+                          result: object) -> None:
         agent.output_type = Weather
 
 

@@ -40,7 +40,7 @@ CHAT_TOOL = {"type": "function", "function": {"name": "get_weather", "descriptio
 UNPUBLISHED = {"Response": {"store"}}
 MESSAGES_TOOL = {"name": "get_weather", "description": "The weather.", "input_schema": PARAMS}
 
-RESPONSES = {  # POST /v1/responses bodies beyond model and input
+RESPONSES: dict[str, dict[str, Any]] = {  # POST /v1/responses bodies beyond model and input
     "text": {"instructions": "Be brief.", "max_output_tokens": 6, "metadata": {"k": "v"}, "user": "u1"},
     "long": {"max_output_tokens": 16, "temperature": 0},
     "json_schema": {"text": {"format": {"type": "json_schema", "name": "pet", "schema": SCHEMA, "strict": True}},
@@ -49,14 +49,14 @@ RESPONSES = {  # POST /v1/responses bodies beyond model and input
     "named_tool": {"tools": [RESPONSES_TOOL], "tool_choice": {"type": "function", "name": "get_weather"},
                    "max_output_tokens": 40},
 }
-CHAT = {  # POST /v1/chat/completions bodies beyond model and messages
+CHAT: dict[str, dict[str, Any]] = {  # POST /v1/chat/completions bodies beyond model and messages
     "text": {"max_tokens": 6, "logprobs": True, "top_logprobs": 2},
     "stop": {"max_tokens": 8, "stop": ["e"], "n": 2},
     "json_schema": {"response_format": {"type": "json_schema", "json_schema": {
         "name": "pet", "schema": SCHEMA, "strict": True}}, "max_tokens": 30},
     "required_tool": {"tools": [CHAT_TOOL], "tool_choice": "required", "max_tokens": 40},
 }
-MESSAGES = {  # POST /v1/messages bodies beyond model and messages
+MESSAGES: dict[str, dict[str, Any]] = {  # POST /v1/messages bodies beyond model and messages
     "text": {"max_tokens": 6, "system": "Be brief."},
     "stop": {"max_tokens": 8, "stop_sequences": ["e"]},
     "named_tool": {"tools": [MESSAGES_TOOL], "tool_choice": {"type": "tool", "name": "get_weather"},
@@ -109,7 +109,7 @@ def assert_declared(value: Any, raw: Any, where: str) -> None:
 def post(server: Server, path: str, body: dict[str, Any]) -> dict[str, Any]:
     r = httpx.post(f"{server.url}{path}", json=body, headers=HEADERS, timeout=60)
     assert r.status_code == 200, r.text
-    return r.json()  # type: ignore[no-any-return]
+    return r.json()
 
 
 def events(server: Server, path: str, body: dict[str, Any]) -> list[tuple[str | None, dict[str, Any]]]:

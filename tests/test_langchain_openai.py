@@ -32,7 +32,7 @@ def get_weather(city: Literal["Paris", "Rome"]) -> str:
 
 
 def chat(server: Server, responses: bool) -> ChatOpenAI:
-    return ChatOpenAI(base_url=f"{server.url}/v1", api_key="none", model=MODEL,  # type: ignore[arg-type]
+    return ChatOpenAI(base_url=f"{server.url}/v1", api_key="none", model=MODEL,
                       use_responses_api=responses, temperature=0, max_tokens=12, max_retries=0, timeout=60)
 
 
