@@ -15,11 +15,9 @@ import httpx
 import openai
 import pytest
 
-from chatmodel import build_chat_model
+from agent_apis import MODEL, chat_server
 from servers import Server
-from test_serve import chat_manifest
 
-MODEL = "tiny-chat"
 KEY = "sk-messages-test-key-0123456789"
 GREEDY = {"temperature": 0}  # newer SDKs no longer take temperature as an argument; the API does
 WEATHER = {"name": "get_weather", "description": "The weather in a city.",
@@ -29,10 +27,7 @@ WEATHER = {"name": "get_weather", "description": "The weather in a city.",
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
-    chat_model = build_chat_model(tmp_path_factory.mktemp("chat") / "model")
-    root = tmp_path_factory.mktemp("serve")
-    (root / "chat.yaml").write_text(chat_manifest(chat_model))
-    with Server(root / "chat.yaml", root / "state", "--api-key", KEY) as s:
+    with chat_server(tmp_path_factory, "--api-key", KEY) as s:
         yield s
 
 

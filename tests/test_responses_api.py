@@ -14,11 +14,9 @@ import httpx
 import openai
 import pytest
 
-from chatmodel import build_chat_model
+from agent_apis import MODEL, chat_server
 from servers import Server
-from test_serve import chat_manifest
 
-MODEL = "tiny-chat"
 SCHEMA = {"type": "object", "properties": {"kind": {"enum": ["cat", "dog"]}, "ok": {"type": "boolean"}},
           "required": ["kind", "ok"], "additionalProperties": False}
 WEATHER = {"type": "function", "name": "get_weather", "description": "The weather in a city.",
@@ -28,10 +26,7 @@ WEATHER = {"type": "function", "name": "get_weather", "description": "The weathe
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
-    chat_model = build_chat_model(tmp_path_factory.mktemp("chat") / "model")
-    root = tmp_path_factory.mktemp("serve")
-    (root / "chat.yaml").write_text(chat_manifest(chat_model))
-    with Server(root / "chat.yaml", root / "state") as s:
+    with chat_server(tmp_path_factory) as s:
         yield s
 
 

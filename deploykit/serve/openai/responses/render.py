@@ -18,8 +18,10 @@ from .protocol import ResponsesRequest
 
 
 def usage(outcome: Outcome) -> dict[str, Any]:
+    # cache_write_tokens (required by OpenAI's Response): 0, as Messages' cache_creation_input_tokens: the
+    # prefix cache keeps what it reads for itself, no prompt is written to a cache on request
     return {"input_tokens": outcome.prompt_tokens,
-            "input_tokens_details": {"cached_tokens": outcome.cached_tokens},
+            "input_tokens_details": {"cached_tokens": outcome.cached_tokens, "cache_write_tokens": 0},
             "output_tokens": outcome.completion_tokens,
             "output_tokens_details": {"reasoning_tokens": 0},
             "total_tokens": outcome.prompt_tokens + outcome.completion_tokens}
@@ -119,7 +121,7 @@ class Rendering:
         item["status"] = status
         index = self.output.index(item)
         return [self._event("response.function_call_arguments.done", item_id=item["id"], output_index=index,
-                            name=item["name"], arguments=item["arguments"]),
+                            arguments=item["arguments"]),
                 self._event("response.output_item.done", output_index=index, item={**item})]
 
     def _end(self, ended: Ended) -> list[dict[str, Any]]:
