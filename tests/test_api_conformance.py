@@ -1,7 +1,7 @@
 """Every body and stream event `deploykit serve` sends on the agent-facing APIs, checked against the
 published shapes: OpenAI's Responses API (``Response``, the ``ResponseStreamEvent`` union), chat completions
-(``ChatCompletion``, ``ChatCompletionChunk``) and Anthropic's Messages API (``Message``, the
-``RawMessageStreamEvent`` union). The types are the official SDKs' own: `openai`'s are generated from
+(``ChatCompletion``, ``ChatCompletionChunk``), completions (``Completion``), the models list (``Model``), errors
+(``ErrorObject``) and Anthropic's Messages API (``Message``, the ``RawMessageStreamEvent`` union, ``ErrorResponse``). The types are the official SDKs' own: `openai`'s are generated from
 OpenAI's published OpenAPI document and `anthropic`'s from Anthropic's API spec, so validating with them
 checks the published shapes without vendoring the documents.
 
@@ -36,8 +36,9 @@ SCHEMA = {"type": "object", "properties": {"kind": {"enum": ["cat", "dog"]}}, "r
 RESPONSES_TOOL = {"type": "function", "name": "get_weather", "description": "The weather.", "parameters": PARAMS}
 CHAT_TOOL = {"type": "function", "function": {"name": "get_weather", "description": "The weather.",
                                               "parameters": PARAMS}}
-# fields OpenAI's own API sends beyond its published types (its documented example responses carry them)
-UNPUBLISHED = {"Response": {"store"}}
+# fields beyond the published types: OpenAI's own API sends ``store`` (its documented example responses carry
+# it); a model's ``parent``, ``state`` and ``loaded`` are deploykit's (docs/serving.md), as vLLM adds its own
+UNPUBLISHED = {"Response": {"store"}, "Model": {"parent", "state", "loaded"}}
 MESSAGES_TOOL = {"name": "get_weather", "description": "The weather.", "input_schema": PARAMS}
 
 RESPONSES: dict[str, dict[str, Any]] = {  # POST /v1/responses bodies beyond model and input
@@ -182,3 +183,38 @@ def test_each_message_stream_event_is_one_of_anthropics(server: Server, case: st
         assert data["type"] in MESSAGE_EVENTS, f"event {i}: {data['type']} is not one of Anthropic's"
         conform(MESSAGE_EVENTS[data["type"]], data)
     assert seen[-1][1]["type"] == "message_stop"
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["body", "chunks"])
+def test_a_completion_is_openais(server: Server, stream: bool) -> None:
+    body = {"model": MODEL, "prompt": ["Weather in", "Paris is"], "max_tokens": 4, "n": 2, "logprobs": 2}
+    if not stream:
+        conform(openai.types.Completion, post(server, "/v1/completions", body))
+        return
+    for _, data in events(server, "/v1/completions", {**body, "stream_options": {"include_usage": True}}):
+        # a streamed completion is a ``Completion`` whose choices have no finish_reason until their last chunk
+        # (OpenAI's API sends null there too); the SDK's type, made for whole bodies, requires one
+        whole = {**data, "choices": [{**c, "finish_reason": c["finish_reason"] or "length"} for c in data["choices"]]}
+        conform(openai.types.Completion, whole)
+
+
+def test_the_models_list_is_openais(server: Server) -> None:
+    r = httpx.get(f"{server.url}/v1/models", headers=HEADERS, timeout=60)
+    assert r.status_code == 200, r.text
+    listed = r.json()
+    assert listed["object"] == "list" and listed["data"]
+    for model in listed["data"]:
+        conform(openai.types.Model, model)
+
+
+def test_an_error_is_openais_on_openai_routes_and_anthropics_on_messages(server: Server) -> None:
+    wrong = httpx.post(f"{server.url}/v1/chat/completions", headers=HEADERS, timeout=60,
+                       json={"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": -1})
+    assert wrong.status_code == 400
+    error = wrong.json()["error"]
+    conform(openai.types.ErrorObject, error)
+    assert error["param"] == "max_tokens"
+    wrong = httpx.post(f"{server.url}/v1/messages", headers=HEADERS, timeout=60,
+                       json={"model": MODEL, "messages": [{"role": "user", "content": "hi"}]})  # no max_tokens
+    assert wrong.status_code == 400
+    conform(anthropic.types.ErrorResponse, wrong.json())
