@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import openai
 import pytest
@@ -125,3 +125,25 @@ def test_completions_of_two_prompts_equal_generate(client: openai.OpenAI, refere
     assert result.usage is not None
     assert result.usage.prompt_tokens == sum(map(len, ids))
     assert result.usage.completion_tokens == sum(n for _, n in expected)
+
+
+def test_langchain_bound_tools_with_the_default_tool_choice_get_a_call_or_text(server: Server) -> None:
+    """SmolLM2's chat template renders no tools: langchain's `bind_tools` (tool_choice auto) is answered in
+    deploykit's generic tool format, with a call or with text, never a 400, on both APIs langchain speaks."""
+    from langchain_core.messages import AIMessage
+    from langchain_core.tools import tool
+    from langchain_openai import ChatOpenAI
+
+    @tool
+    def get_weather(city: Literal["Paris", "Rome"]) -> str:
+        """The weather in a city."""
+        return "sunny"
+
+    for responses in (True, False):
+        llm = ChatOpenAI(base_url=f"{server.url}/v1", api_key="none", model="smollm2", use_responses_api=responses,
+                         temperature=0, max_tokens=48, max_retries=0, timeout=120)
+        answer = llm.bind_tools([get_weather]).invoke("What is the weather in Paris?")
+        assert isinstance(answer, AIMessage) and not answer.invalid_tool_calls, answer
+        assert answer.tool_calls or answer.text, answer
+        for call in answer.tool_calls:
+            assert call["name"] == "get_weather" and call["args"] in ({"city": "Paris"}, {"city": "Rome"}), call
