@@ -14,7 +14,7 @@ from __future__ import annotations
 import json
 from collections.abc import AsyncIterator, Mapping
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol
 
 from starlette.requests import Request
 
@@ -225,3 +225,25 @@ def arguments_object(text: str) -> Any:
     except ValueError:
         return {}
     return value if isinstance(value, dict) else {"value": value}
+
+
+class Rendering(Protocol):
+    """A face's wire format for one turn's events (``responses.render``, ``messages.render``)."""
+
+    def opening(self) -> list[dict[str, Any]]: ...
+
+    def push(self, event: Event) -> list[dict[str, Any]]: ...
+
+
+async def typed_stream(turn: Started, rendering: Rendering) -> AsyncIterator[bytes]:
+    """The SSE bytes of a face whose events are typed (``event: TYPE`` then its JSON), as the Responses and
+    Messages APIs send them: the opening events, then each engine event rendered."""
+    for event in rendering.opening():
+        yield typed_sse(event)
+    async for step in events(turn.runs[0], turn.plan):
+        for event in rendering.push(step):
+            yield typed_sse(event)
+
+
+def typed_sse(event: dict[str, Any]) -> bytes:
+    return f"event: {event['type']}\ndata: {json.dumps(event, separators=(',', ':'))}\n\n".encode()

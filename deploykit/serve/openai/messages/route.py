@@ -4,8 +4,6 @@ internal request (``turn``), its events rendered as a message or as Anthropic's 
 
 from __future__ import annotations
 
-import json
-from collections.abc import AsyncIterator
 from typing import Any
 
 from fastapi import APIRouter, Request
@@ -15,7 +13,7 @@ from ...errors import APIError
 from ..choices import end
 from ..protocol import ChatCompletionRequest
 from ..stream import LeasedStream
-from ..turn import Started, count_prompt, events, pinned, refuse_relayed, started
+from ..turn import count_prompt, events, pinned, refuse_relayed, started, typed_sse, typed_stream
 from .protocol import CountTokensRequest, MessagesRequest
 from .render import Rendering
 from .wire import anthropic_error
@@ -45,8 +43,8 @@ async def create(body: MessagesRequest, request: Request) -> Any:
     turn = await started(chat, request, held, params=PARAMS)
     rendering = Rendering(body.model, len(turn.runs[0].request.prompt_ids))
     if body.stream:
-        return LeasedStream(_stream(turn, rendering), lease=turn.held, runs=turn.runs, model=turn.model,
-                            failure=lambda error: [_sse(anthropic_error(_status(error), error))])
+        return LeasedStream(typed_stream(turn, rendering), lease=turn.held, runs=turn.runs, model=turn.model,
+                            failure=lambda error: [typed_sse(anthropic_error(_status(error), error))])
     try:
         async for event in events(turn.runs[0], turn.plan):
             rendering.push(event)
@@ -68,13 +66,3 @@ def _status(error: dict[str, Any]) -> int:
     return {"queue_full": 429, "model_not_ready": 503}.get(str(error.get("error", {}).get("code")), 500)
 
 
-async def _stream(turn: Started, rendering: Rendering) -> AsyncIterator[bytes]:
-    for event in rendering.opening():
-        yield _sse(event)
-    async for step in events(turn.runs[0], turn.plan):
-        for event in rendering.push(step):
-            yield _sse(event)
-
-
-def _sse(event: dict[str, Any]) -> bytes:
-    return f"event: {event['type']}\ndata: {json.dumps(event, separators=(',', ':'))}\n\n".encode()

@@ -6,8 +6,6 @@ rendered as a ``response`` object or as the typed stream events (``render``). Re
 
 from __future__ import annotations
 
-import json
-from collections.abc import AsyncIterator
 from typing import Any
 
 from fastapi import APIRouter, Request
@@ -17,7 +15,7 @@ from ...errors import APIError
 from ..choices import end
 from ..protocol import ChatCompletionRequest
 from ..stream import LeasedStream
-from ..turn import Started, events, pinned, refuse_relayed, started
+from ..turn import events, pinned, refuse_relayed, started, typed_sse, typed_stream
 from .protocol import ResponsesRequest
 from .render import Rendering
 
@@ -46,8 +44,8 @@ async def create(body: ResponsesRequest, request: Request) -> Any:
     turn = await started(chat, request, held, params=PARAMS)
     rendering = Rendering(body)
     if body.stream:
-        return LeasedStream(_stream(turn, rendering), lease=turn.held, runs=turn.runs, model=turn.model,
-                            failure=lambda error: [_sse(e) for e in rendering.failed(error)])
+        return LeasedStream(typed_stream(turn, rendering), lease=turn.held, runs=turn.runs, model=turn.model,
+                            failure=lambda error: [typed_sse(e) for e in rendering.failed(error)])
     try:
         async for event in events(turn.runs[0], turn.plan):
             rendering.push(event)
@@ -71,13 +69,3 @@ def _not_stored(response_id: str) -> APIError:
                     param="response_id", code="not_found")
 
 
-async def _stream(turn: Started, rendering: Rendering) -> AsyncIterator[bytes]:
-    for event in rendering.opening():
-        yield _sse(event)
-    async for step in events(turn.runs[0], turn.plan):
-        for event in rendering.push(step):
-            yield _sse(event)
-
-
-def _sse(event: dict[str, Any]) -> bytes:
-    return f"event: {event['type']}\ndata: {json.dumps(event, separators=(',', ':'))}\n\n".encode()
