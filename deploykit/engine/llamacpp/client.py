@@ -96,6 +96,11 @@ def _blocking(socket: Path, api_key: str, method: str, path: str, body: dict[str
             response = client.request(method, path, json=body)
     except httpx.HTTPError as exc:
         raise _typed(exc) from None
+    return _answer(response)
+
+
+def _answer(response: httpx.Response) -> dict[str, Any]:
+    """A finished request's JSON answer, or llama.cpp's error as an ``UpstreamError``."""
     if response.status_code != 200:
         raise UpstreamError(response.status_code, _message(response.status_code, response.content))
     answer: dict[str, Any] = response.json()
@@ -134,10 +139,7 @@ async def _stoppable_post(socket: Path, api_key: str, path: str, body: dict[str,
             response = request.result()
         except httpx.HTTPError as exc:
             raise _typed(exc) from None
-    if response.status_code != 200:
-        raise UpstreamError(response.status_code, _message(response.status_code, response.content))
-    answer: dict[str, Any] = response.json()
-    return answer
+    return _answer(response)
 
 
 def _message(status: int, raw: bytes) -> str:
