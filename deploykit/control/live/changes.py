@@ -124,6 +124,9 @@ class ChangeRunner:
                 serve_last_ready(self.loads, self.host, change)
             else:
                 self.loads.load_current()
+        except DeploykitError as exc:  # refused or broken too (a policy that refuses it, files gone): said once
+            log.warning("%s: the last Ready revision cannot serve either: %s", self.name, exc)
+            return False
         except Exception:
             log.exception("%s: loading the last Ready revision after a failed start failed", self.name)
             return False
