@@ -1,6 +1,6 @@
 """Parse once, validate once, plan once per change: an apply through the server's supervisor (under a
-budget, as `deploykit serve` runs it) checks the manifest against the host once and plans it once,
-whether it deploys, rolls out a change, finds nothing changed, or only dry-runs."""
+budget, as `deploykit serve` runs it) checks the manifest against the host once and plans it once per
+inventory, whether it deploys, rolls out a change, finds nothing changed, or only dry-runs."""
 
 from __future__ import annotations
 
@@ -45,6 +45,9 @@ def test_each_change_is_checked_once_and_planned_once(model, tmp_path, counted):
             counted.clear()
             outcome = supervisor.apply_manifest(load_manifests(path)[0], dry_run=dry_run)
             assert outcome.status == status
-            assert counted == {"plan_manifest": 1, "check_on_host": 1}, (shard, dry_run, counted)
+            # a rollout on a probed host plans twice, each once: as it holds memory after the swap (the budget's
+            # need: the serving generation's bytes given back) and beside the serving generation (what it loads)
+            plans = 2 if (shard, status) == ("100KiB", "applied") else 1
+            assert counted == {"plan_manifest": plans, "check_on_host": 1}, (shard, dry_run, counted)
     finally:
         supervisor.close()
