@@ -114,7 +114,8 @@ class Loads:
                     self.host.cpu_bytes if self.host is not None else None)))
                 return False
             except DeploykitError as exc:
-                if self.store.current(self.name) is None:
+                if self.store.current(self.name) is None:  # nothing else could serve: the next request tries
+                    self.pending = pending                  # it again (its files may be mended meanwhile)
                     raise
                 log.warning("%s: its pending change failed (%s); the last Ready revision loads", self.name, exc)
                 self.pending_failure = (exc, pending)
