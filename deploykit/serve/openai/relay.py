@@ -203,7 +203,8 @@ async def _relay(path: str, upstream: dict[str, Any], body: ChatCompletionReques
     our_id = new_id(prefix)
     ticket = _Ticket(held, items, param)
     try:
-        await ticket.turn()
+        await _connection(held)  # the engine ready (or a 503 after its wait) before a turn is taken, so that
+        await ticket.turn()      # requests queued behind a restarting engine do not time out one after another
         if body.stream:
             client, opened = await _sent(held, request, name, lambda c: c.open_stream(path, upstream))
             ticket.upstream = opened
