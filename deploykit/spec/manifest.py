@@ -74,6 +74,9 @@ class LoadedManifest:
             engine["binary"] = str(self.resolve(Path(engine["binary"])).resolve())
         for adapter in data["spec"].get("adapters", []):
             adapter["path"] = str(self.resolve(Path(adapter["path"])).resolve())
+        draft = (data["spec"].get("speculative") or {}).get("draft")
+        if draft and draft.get("path"):
+            draft["path"] = str(self.resolve(Path(draft["path"])).resolve())
         gates = data["spec"]["rollout"].get("gates")
         if gates and gates.get("golden"):
             gates["golden"] = str(self.resolve(Path(gates["golden"])).resolve())

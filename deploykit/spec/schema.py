@@ -30,6 +30,7 @@ from .adapters import Adapter, duplicate_problem
 from .limits import MAX_GPUS, MAX_NODES, MAX_REPLICAS
 from .rollout import Canary, Gates, HealthCheck, Rollout
 from .serving import Engine, Lifecycle, PrefixCache, Serving
+from .speculative import Speculative
 from .values import Duration, KeepAlive, Size, Strict
 
 __all__ = ["API_VERSION", "KIND", "Adapter", "Canary", "Cluster", "CpuOffload", "DiskOffload", "Duration", "Engine", "Gates",
@@ -235,6 +236,9 @@ class Spec(Strict):
     adapters: list[Adapter] = Field(default_factory=list, description="PEFT LoRA adapters served beside the base, "
                                     "each as model <metadata.name>:<name>; a change of this list alone is applied "
                                     "live (docs/adapters.md).")
+    speculative: Speculative | None = Field(
+        None, description="Speculative decoding (docs/engines.md): drafts of the next tokens, from the token "
+                          "history (ngram) or a draft model, verified by this model in one forward. Absent: off.")
 
     @field_validator("adapters")
     @classmethod
@@ -263,6 +267,16 @@ class Spec(Strict):
         if problem:
             field, message = problem
             raise PydanticCustomError("llama_cpp", message, {"at": field})
+        return self
+
+    @model_validator(mode="after")
+    def _what_speculation_needs(self) -> Spec:
+        from .speculative import speculative_problem
+
+        problem = speculative_problem(self)
+        if problem:
+            field, message = problem
+            raise PydanticCustomError("speculative", message, {"at": field})
         return self
 
     @model_validator(mode="after")
@@ -330,6 +344,8 @@ class Spec(Strict):
             data.pop("engine", None)
         if not self.adapters:  # manifests without adapters keep their digest
             data.pop("adapters", None)
+        if self.speculative is None:  # manifests without speculation keep their digest
+            data.pop("speculative", None)
         return data
 
 

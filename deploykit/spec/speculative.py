@@ -1,0 +1,109 @@
+"""The manifest's ``spec.speculative``: speculative decoding, where cheap drafts of the next tokens are checked
+by the serving model in one forward, and every accepted draft is a token that cost no step of its own.
+
+Two ways to draft:
+- ``method: ngram`` (prompt lookup): the tokens that followed the last ``ngram_max`` .. ``ngram_min`` tokens
+  where they occurred before, in the prompt or the output so far. No second model; it pays where answers
+  repeat spans of the prompt (copying, quoting, editing code).
+- ``method: draft``: a small model with the serving model's tokenizer proposes the tokens: ``draft.path`` (a
+  checkpoint, or a GGUF file for the llama.cpp engine), or ``draft.quantized`` (the serving checkpoint
+  quantized int4/int8, transformers engine only).
+
+What each engine can honour is checked here (no torch); what needs the files (a draft's vocabulary,
+tokenizer and chat template) is checked at validation.
+No torch, no transformers.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Literal
+
+from pydantic import Field, model_validator
+from pydantic_core import PydanticCustomError
+
+from .values import Strict
+
+MAX_DRAFT_TOKENS = 32  # drafted per step: each is a position every verification step computes
+MAX_NGRAM = 32
+
+
+class Draft(Strict):
+    """The draft model of ``method: draft``: exactly one of ``path`` and ``quantized``."""
+
+    path: Path | None = Field(
+        None, description="A draft model sharing the serving model's tokenizer: a checkpoint directory "
+                          "(transformers engine) or a GGUF file (llama.cpp engine). A relative path resolves "
+                          "against the manifest's directory.")
+    quantized: Literal["int8", "int4"] | None = Field(
+        None, description="The serving checkpoint itself, quantized this way, as its own draft (transformers "
+                          "engine only).")
+
+    @model_validator(mode="after")
+    def _one_source(self) -> Draft:
+        if (self.path is None) == (self.quantized is None):
+            raise PydanticCustomError(
+                "draft_source", "name exactly one of draft.path (a draft model) and draft.quantized (int4 or "
+                                "int8: the serving checkpoint quantized as its own draft)", {"at": ""})
+        return self
+
+
+class Speculative(Strict):
+    """Speculative decoding: drafted tokens verified by the serving model in one forward. Greedy answers are
+    identical with and without it; sampled answers follow the serving model's distribution."""
+
+    method: Literal["ngram", "draft"] = Field(
+        description="ngram: drafts looked up in the prompt and output so far (no second model); draft: drafts "
+                    "from spec.speculative.draft.")
+    num_tokens: int = Field(
+        8, ge=1, le=MAX_DRAFT_TOKENS, strict=True,
+        description="Most tokens drafted per step; each is one more position in the verification forward.")
+    ngram_min: int = Field(
+        1, ge=1, le=MAX_NGRAM, strict=True,
+        description="ngram: the shortest match of the last tokens that proposes a draft.")
+    ngram_max: int = Field(
+        4, ge=1, le=MAX_NGRAM, strict=True,
+        description="ngram: the longest match tried first.")
+    draft: Draft | None = Field(None, description="method draft: the draft model.")
+
+    @model_validator(mode="after")
+    def _consistent(self) -> Speculative:
+        if self.ngram_min > self.ngram_max:
+            raise PydanticCustomError(
+                "ngram_range", "ngram_min ({lo}) is above ngram_max ({hi})",
+                {"lo": self.ngram_min, "hi": self.ngram_max, "at": "ngram_min"})
+        if self.method == "draft" and self.draft is None:
+            raise PydanticCustomError(
+                "draft_missing", "method draft needs spec.speculative.draft (a path, or quantized: int4)",
+                {"at": "method"})
+        if self.method == "ngram" and self.draft is not None:
+            raise PydanticCustomError(
+                "draft_unused", "method ngram drafts from the token history; remove draft, or set method: draft",
+                {"at": "draft"})
+        return self
+
+
+def speculative_problem(spec: Any) -> tuple[str, str] | None:
+    """(field under ``spec``, why) for a ``spec.speculative`` the deployment's engine cannot honour."""
+    speculative = spec.speculative
+    if speculative is None:
+        return None
+    if spec.model.task != "causal-lm":
+        return "speculative", f"speculative decoding drafts text; a {spec.model.task} model generates none"
+    draft = speculative.draft
+    if spec.engine.name == "llama.cpp":
+        if draft is not None and draft.quantized is not None:
+            return ("speculative.draft.quantized", "llama.cpp drafts with a GGUF model of its own: set "
+                    "draft.path to a GGUF file (a smaller model, or this one quantized with llama-quantize)")
+        if draft is not None and draft.path is not None and draft.path.suffix.lower() != ".gguf":
+            return "speculative.draft.path", "the llama.cpp engine's draft model is a GGUF file"
+        return None
+    if draft is not None and draft.path is not None and draft.path.suffix.lower() == ".gguf":
+        return ("speculative.draft.path", "the transformers engine's draft model is a checkpoint directory "
+                "(config.json + *.safetensors), not a GGUF file")
+    if spec.serving.batching == "continuous":
+        return ("speculative", "transformers' continuous batching has no speculative decoding; use batching: "
+                "padded (deploykit's batch loop)")
+    if spec.cluster is not None or spec.placement.tensor_parallel > 1:
+        return "speculative", "speculative decoding runs in one process: remove spec.cluster and tensor_parallel"
+    return None
