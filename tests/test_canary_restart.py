@@ -159,3 +159,32 @@ def test_an_on_demand_deployment_restarted_mid_canary_loads_the_promoted_revisio
         assert now["serving_revision"] == 1 and now["phase"] == "Progressing", now
         history = [(r.revision, r.phase) for r in StateStore(state).history("chat")]
         assert history == [(1, "Ready"), (2, "Failed"), (3, "Progressing")], history
+
+
+def test_an_on_demand_file_whose_change_rolled_out_from_the_promoted_revision_still_follows_the_file(
+        tmp_path: Path) -> None:
+    """`load: on-demand` and a watched file changed while the server was down: the first request loads the
+    promoted revision and the file's change rolls out from it through its canary. The file still rules
+    afterwards: an edit is a new revision (the rolled-out manifest is not kept as if the API had given it)."""
+    model = build_chat_model(tmp_path / "model")
+    state, path = tmp_path / "state", tmp_path / "chat.yaml"
+    on_demand = "  lifecycle: {load: on-demand}\n"
+    path.write_text(manifest(model, "2GiB", step_seconds="1s") + on_demand)
+    client = lambda server: openai.OpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0)  # noqa: E731
+    with Server(path, state) as server:
+        first = client(server).completions.with_raw_response.create(model="chat", prompt="hello", max_tokens=2)
+        assert first.headers["x-deploykit-revision"] == "1"
+    path.write_text(manifest(model, "1MiB", step_seconds="1s") + on_demand)  # changed while nothing runs
+
+    with Server(path, state) as server:
+        load = Load(server.url, model="chat").run()  # the canary's steps each need a request
+        try:
+            wait_until(lambda: chat_status(server)["serving_revision"] == 2, timeout=180,
+                       what="the file's change rolled out from the promoted revision and promoted")
+            path.write_text(manifest(model, "3MiB", step_seconds="1s") + on_demand)
+            wait_until(lambda: chat_status(server)["serving_revision"] == 3, timeout=180,
+                       what="the next edit of the file rolled out too")
+        finally:
+            load.stop.set()
+            load.join()
+        assert load.failures == []

@@ -151,7 +151,8 @@ class ChangeRunner:
         """On the worker, after ``load_for_request`` said so: the pending gated change rolls out from what
         serves, through its gates (a failure goes to status, as a reload's)."""
         pending = None if self.closed else self.loads.take_pending()
-        if pending is not None and self._reload_once(pending) is True:
+        from_file = self.given is None  # a watched file's change: the file, not this copy, rules after it
+        if pending is not None and self._reload_once(pending, adopt=not from_file) is True:
             self._notify()
 
     def load_on_demand(self, grant: Grant | None = None) -> None:
@@ -208,7 +209,10 @@ class ChangeRunner:
 
     def _reload_once(self, given: LoadedManifest | None = None, *, force: bool = False,
                      progress: ProgressSink | None = None, on_step: StepSink = None,
-                     raise_errors: bool = False, change: Change | None = None) -> bool | RolloutResult:
+                     raise_errors: bool = False, change: Change | None = None,
+                     adopt: bool = True) -> bool | RolloutResult:
+        """One change rolled out. ``given``: a manifest handed over rather than read from the file, kept as
+        what this deployment follows from then on when ``adopt`` (the control API's); None: the file now."""
         clock = ReloadClock()
         loaded: LoadedManifest | None = given
         strategy = "none"
@@ -230,7 +234,7 @@ class ChangeRunner:
             if raise_errors:
                 raise
             return False
-        if given is not None:
+        if given is not None and adopt:
             self.given = given
         swapped = self._finish_reload(result, clock)
         return result if raise_errors else swapped
