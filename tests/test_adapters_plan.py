@@ -107,3 +107,34 @@ def test_adapters_on_layers_a_gpu_plan_offloads_to_cpu_are_refused_at_plan_time(
     assert all(device == 0 for a in on_gpu.adapters for device, _ in a.devices)
     [cpu_only] = load_manifests(_manifest(tmp_path, lora))
     assert plan_manifest(cpu_only, devices="cpu=64MiB").adapters
+
+
+def test_the_prefix_cache_is_sized_from_the_room_the_adapters_leave(lora: Any, tmp_path: Path) -> None:
+    """A prefix cache of exactly the room beside the weights less the batch's 64 MiB fits without adapters;
+    with them it would push the host past its memory: refused at max_bytes. The default cache is a quarter
+    of the room the adapters leave."""
+    import pytest
+
+    from deploykit.errors import PlanInfeasible
+    from deploykit.placement.kv import MIN_KV_BYTES, kv_budget
+
+    bare = tmp_path / "bare.yaml"
+    bare.write_text(MANIFEST.split("  adapters:")[0].format(base=lora.base, dtype="float32", gpus="[]")
+                    + "  serving: {prefix_cache: {enabled: false}}\n")
+    devices = "cpu=600MiB"
+    room = kv_budget(plan_manifest(load_manifests(bare)[0], devices=devices))
+    assert room is not None and room > MIN_KV_BYTES
+    sized = (f"  serving: {{prefix_cache: {{max_bytes: {room - MIN_KV_BYTES}}}}}\n")
+    bare.write_text(bare.read_text().replace("  serving: {prefix_cache: {enabled: false}}\n", sized))
+    assert plan_manifest(load_manifests(bare)[0], devices=devices).prefix_cache_bytes == room - MIN_KV_BYTES
+
+    with_adapters = _manifest(tmp_path, lora)
+    with_adapters.write_text(with_adapters.read_text() + sized)
+    with pytest.raises(PlanInfeasible) as err:
+        plan_manifest(load_manifests(with_adapters)[0], devices=devices)
+    assert err.value.field == "spec.serving.prefix_cache.max_bytes"
+
+    default = _manifest(tmp_path, lora)
+    planned = plan_manifest(load_manifests(default)[0], devices=devices)
+    adapters = sum(a.bytes for a in planned.adapters)
+    assert planned.prefix_cache_bytes == (room - adapters) // 4 >> 20 << 20

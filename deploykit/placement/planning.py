@@ -54,14 +54,22 @@ def plan_manifest(loaded: LoadedManifest, *, devices: str | None = None,
     if spec.placement.tensor_parallel > 1:
         return _plan_tensor_parallel(loaded, inv)
     structure = structure_for(loaded)
-    planned = with_prefix_cache(plan(structure, spec, inv, name=loaded.name), spec, inv)
+    # the adapters first: the prefix cache is sized from (and checked against) the KV room they leave
+    planned = with_prefix_cache(_with_adapters(plan(structure, spec, inv, name=loaded.name), loaded), spec, inv)
     if spec.engine.name == LLAMA_CPP and spec.placement.nodes == 1:  # the layers where llama.cpp holds them
         planned = as_llama_cpp_places(planned, structure, block_sizes(structure, spec))
-    if not spec.adapters:
+    return planned
+
+
+def _with_adapters(planned: Plan, loaded: LoadedManifest) -> Plan:
+    """``planned`` with ``spec.adapters`` on the devices of the layers they adapt (PlanInfeasible where they do
+    not fit beside the weights)."""
+    adapters_spec = loaded.manifest.spec.adapters
+    if not adapters_spec:
         return planned
     from .adapters import plan_adapters
 
-    adapters = plan_adapters(planned, [(a.name, loaded.resolve(a.path)) for a in spec.adapters])
+    adapters = plan_adapters(planned, [(a.name, loaded.resolve(a.path)) for a in adapters_spec])
     return replace(planned, adapters=adapters, total_bytes=planned.total_bytes + sum(a.bytes for a in adapters))
 
 
