@@ -37,8 +37,8 @@ class PrefixCache(Strict):
                           "device that runs it); least recently used evicted first. Part of the plan's bytes "
                           "(and of the host budget). Default: a quarter of the KV room the plan leaves beside "
                           "the weights and LoRA adapters on the devices holding the KV (on the CPU also bounded "
-                          "by the machine's memory and a serve --budget's cpu tier), at most 1 GiB, in whole MiB (1 GiB where nothing "
-                          "bounds them; 0, none kept, where a quarter is under 1 MiB). A value "
+                          "by the machine's memory and a serve --budget's cpu tier), at most 1 GiB, in whole "
+                          "MiB (1 GiB where nothing bounds them; 0, none kept, where a quarter is under 1 MiB). A value "
                           "that leaves the running batch less than 64 MiB of KV is a plan error.")
 
 
