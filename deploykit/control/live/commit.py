@@ -14,6 +14,7 @@ must never record Ready before the runtime exists.
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 from ...errors import DeploykitError
@@ -31,16 +32,20 @@ log = logging.getLogger(__name__)
 
 
 def serve_applied(pool: GenerationPool, store: StateStore, loaded: LoadedManifest, outcome: ApplyOutcome,
-                  strategy: str, serving: ServingSpec) -> Generation:
+                  strategy: str, serving: ServingSpec, *, commit: Callable[[], None] | None = None) -> Generation:
     """Make ``outcome``'s model (applied with ``ApplyOptions(gated=True)``: loaded, checked, left
     Progressing) the current generation of ``pool``, recording its revision Ready just before the swap;
-    an outcome without a new revision (a restart loading the current one) is installed as it is."""
+    an outcome without a new revision (a restart loading the current one) is installed as it is.
+    ``commit``: the rollout's point of no return, which raises when it was aborted meanwhile (the model is
+    then closed and the revision recorded Failed, as for a runtime that cannot be built)."""
     model, revision = outcome.loaded, outcome.revision
     assert model is not None
     outcome.loaded = None  # the pool owns the model from here: a kept outcome must not pin it
     if outcome.status != "applied" or revision is None:
         return pool.install(model, outcome.plan, revision or 0, strategy, serving)
     try:
+        if commit is not None:
+            commit()
         gen = pool.build(model, outcome.plan, revision, strategy, serving)
     except BaseException as exc:
         _close(model)

@@ -128,13 +128,20 @@ class Rollout:
         return self._recreate(loaded, how)
 
     def _blue_green(self, loaded: LoadedManifest, beside: Inventory, how: _How) -> RolloutResult:
-        with self.store.rollout_lock(loaded.name):  # Progressing from its apply until it serves
-            outcome = apply(loaded, store=self.store, options=ApplyOptions(inventory=beside, keep_model=True,
-                                                                           force=how.force, gated=True),
-                            progress=how.progress, on_step=how.on_step, change=how.change)
-            if outcome.status == "unchanged" or outcome.loaded is None:
-                return RolloutResult(False, "none", outcome)
-            serve_applied(self.pool, self.store, loaded, outcome, "blue-green", serving_of(loaded))
+        # armed before the load, as a gated rollout is: a rollback, a newer change or SIGTERM while the
+        # candidate is laid out or loads ends it (before its weights load, or before it is swapped in)
+        self.abort.arm(loaded.digest)
+        try:
+            with self.store.rollout_lock(loaded.name):  # Progressing from its apply until it serves
+                outcome = apply(loaded, store=self.store, options=ApplyOptions(
+                    inventory=beside, keep_model=True, force=how.force, gated=True, interrupted=self.abort.check),
+                                progress=how.progress, on_step=how.on_step, change=how.change)
+                if outcome.status == "unchanged" or outcome.loaded is None:
+                    return RolloutResult(False, "none", outcome)
+                serve_applied(self.pool, self.store, loaded, outcome, "blue-green", serving_of(loaded),
+                              commit=self.abort.commit)
+        finally:
+            self.abort.disarm()
         return RolloutResult(True, "blue-green", outcome)
 
     def _gated(self, loaded: LoadedManifest, beside: Inventory, how: _How, gated: GatedPlan) -> RolloutResult:

@@ -1,0 +1,81 @@
+"""A plain blue-green rollout is armed like a gated one: a rollback, a newer change or the server stopping
+while its candidate is laid out or loads ends that rollout (before its weights load, or before the swap),
+never the revision that serves; the candidate is recorded Failed and nothing of it is left loaded."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+from chatmodel import build_chat_model
+
+from deploykit import Deployment
+from deploykit.control.revisions.state import StateStore
+from deploykit.errors import ApplyError
+from deploykit.spec.manifest import load_manifests
+
+
+def manifest(model: Path, shard: str = "2GiB") -> str:
+    return (f"apiVersion: deploykit/v1\nkind: ModelDeployment\nmetadata: {{name: chat}}\nspec:\n"
+            f"  model: {{path: {model}, dtype: float32}}\n  placement: {{gpus: []}}\n"
+            f"  sharding: {{max_shard_size: {shard}}}\n  rollout: {{strategy: blue-green}}\n")
+
+
+class AbortedOnPlan(StateStore):
+    """Aborts revision 2's rollout right after its plan is recorded (laid out, before its weights load)."""
+
+    owner: Deployment | None = None
+    aborted: list[bool] = []
+
+    def set_plan(self, name: str, revision: int, **fields) -> None:  # type: ignore[no-untyped-def]
+        super().set_plan(name, revision, **fields)
+        if revision == 2 and self.owner is not None:
+            self.aborted.append(self.owner.abort_rollout("rolled back by hand"))
+
+
+def test_a_rollback_while_a_blue_green_candidate_is_laid_out_ends_it_before_its_weights_load(
+        tmp_path: Path) -> None:
+    model = build_chat_model(tmp_path / "model")
+    path = tmp_path / "chat.yaml"
+    path.write_text(manifest(model))
+    store = AbortedOnPlan(tmp_path / "state")
+    store.aborted = []
+    dep = Deployment.from_manifest(path, store=store)
+    store.owner = dep
+    try:
+        path.write_text(manifest(model, shard="1MiB"))
+        assert dep.reload() is False
+        assert store.aborted == [True]
+        last = store.history("chat")[-1]
+        assert (last.revision, last.phase, last.reason) == (
+            2, "Failed", "rollout aborted before its candidate loaded: rolled back by hand")
+        assert dep.status()["revision"] == 1 and dep.generation == 1 and dep.pool.candidate is None
+        assert dep.abort_rollout("nothing to abort") is False  # disarmed once it ended
+    finally:
+        dep.close()
+
+
+def test_an_abort_after_the_candidate_loaded_ends_it_before_the_swap(tmp_path: Path) -> None:
+    """The abort comes while the candidate's health check runs (its weights loaded): it is closed, never
+    swapped in, and recorded Failed; the serving generation answers on."""
+    model = build_chat_model(tmp_path / "model")
+    path = tmp_path / "chat.yaml"
+    path.write_text(manifest(model))
+    dep = Deployment.from_manifest(path, store=StateStore(tmp_path / "state"))
+    try:
+        aborted: list[bool] = []
+
+        def on_step(step: str) -> None:
+            if step == "health-check":
+                aborted.append(dep.abort_rollout("the server is stopping"))
+
+        path.write_text(manifest(model, shard="1MiB"))
+        with pytest.raises(ApplyError, match="rollout aborted before its promotion: the server is stopping"):
+            dep.roll_to(load_manifests(path)[0], on_step=on_step)  # as the control API hands it over
+        assert aborted == [True]
+        last = dep.store.history("chat")[-1]
+        assert (last.revision, last.phase) == (2, "Failed"), last
+        assert dep.status()["revision"] == 1 and dep.generation == 1 and dep.pool.candidate is None
+        assert dep.generate("hello", max_tokens=2).text is not None
+    finally:
+        dep.close()
