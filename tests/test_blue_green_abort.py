@@ -13,6 +13,7 @@ from deploykit import Deployment
 from deploykit.control.revisions.state import StateStore
 from deploykit.errors import ApplyError
 from deploykit.spec.manifest import load_manifests
+from test_canary_library import AbortedWhileLoading  # aborts revision 2 once its plan is recorded
 
 
 def manifest(model: Path, shard: str = "2GiB") -> str:
@@ -21,24 +22,12 @@ def manifest(model: Path, shard: str = "2GiB") -> str:
             f"  sharding: {{max_shard_size: {shard}}}\n  rollout: {{strategy: blue-green}}\n")
 
 
-class AbortedOnPlan(StateStore):
-    """Aborts revision 2's rollout right after its plan is recorded (laid out, before its weights load)."""
-
-    owner: Deployment | None = None
-    aborted: list[bool] = []
-
-    def set_plan(self, name: str, revision: int, **fields) -> None:  # type: ignore[no-untyped-def]
-        super().set_plan(name, revision, **fields)
-        if revision == 2 and self.owner is not None:
-            self.aborted.append(self.owner.abort_rollout("rolled back by hand"))
-
-
 def test_a_rollback_while_a_blue_green_candidate_is_laid_out_ends_it_before_its_weights_load(
         tmp_path: Path) -> None:
     model = build_chat_model(tmp_path / "model")
     path = tmp_path / "chat.yaml"
     path.write_text(manifest(model))
-    store = AbortedOnPlan(tmp_path / "state")
+    store = AbortedWhileLoading(tmp_path / "state")
     store.aborted = []
     dep = Deployment.from_manifest(path, store=store)
     store.owner = dep
