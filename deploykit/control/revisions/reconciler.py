@@ -89,8 +89,16 @@ class ApplyOutcome:
     health: str | None = None
 
 
+COMMIT_MARKER = ".deploykit-commit"  # beside a git source's published manifests: the commit they came from
+
+
 def git_commit(path: Path) -> str | None:
-    """HEAD of the git work tree holding ``path``, if any."""
+    """The commit ``path`` came from: a git source's commit (its marker beside the file), else HEAD of the
+    git work tree holding ``path``, if any."""
+    try:
+        return (path.parent / COMMIT_MARKER).read_text().strip() or None
+    except OSError:
+        pass
     try:
         out = subprocess.run(["git", "-C", str(path.parent), "rev-parse", "HEAD"], capture_output=True,
                              text=True, timeout=5)
