@@ -23,7 +23,7 @@ SOURCE_KIND = "GitSource"
 MAX_SOURCE_BYTES = 64 << 10
 MIN_INTERVAL, MAX_INTERVAL = 1.0, 86400.0  # a fetch a second at most; at least one a day
 MIN_TIMEOUT, MAX_TIMEOUT = 1.0, 3600.0
-_URL_RE = re.compile(r"^(https://|ssh://|file://|/)\S+$")
+_URL_RE = re.compile(r"^(https://|ssh://|git://|file://|/)\S+$")
 _SHA_RE = re.compile(r"^[0-9a-f]{40}$|^[0-9a-f]{64}$")
 _REF_RE = re.compile(r"^[A-Za-z0-9._/-]{1,200}$")
 _SEMVER_TERM = re.compile(r"^(>=|<=|>|<|=)?v?(\d{1,9})(?:\.(\d{1,9}))?(?:\.(\d{1,9}))?$")
@@ -39,7 +39,7 @@ def _bounded(low: float, high: float) -> AfterValidator:
 
 def _url(value: str) -> str:
     if not _URL_RE.fullmatch(value):
-        raise PydanticCustomError("url", "a repository is an https://, ssh://, file:// URL or an absolute path")
+        raise PydanticCustomError("url", "a repository is an https://, ssh://, git://, file:// URL or an absolute path")
     if value.startswith("https://") and "@" in value.split("/")[2]:
         raise PydanticCustomError("url", "no credentials in the URL: name a token_file")
     return value

@@ -79,13 +79,14 @@ class GitRunner:
             os.replace(tmp, program)
         return program
 
-    def run(self, args: list[str], *, cwd: Path | None = None, timeout: float | None = None) -> bytes:
+    def run(self, args: list[str], *, git_dir: Path | None = None, timeout: float | None = None) -> bytes:
         """git ``args``; its stdout. Raises GitError when it fails, runs past ``timeout`` (default: the
         source's) or the runner is stopped; the whole process group (ssh, remote helpers) is killed then."""
         if self._stopped.is_set():
             raise GitError("stopped")
         limit = self.timeout if timeout is None else timeout
-        proc = subprocess.Popen(["git", *args], cwd=cwd, env=self.env(), stdin=subprocess.DEVNULL,
+        env = self.env() if git_dir is None else {**self.env(), "GIT_DIR": str(git_dir)}
+        proc = subprocess.Popen(["git", *args], env=env, stdin=subprocess.DEVNULL,
                                 stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True)
         out, err = self._wait(proc, args, limit)
         if proc.returncode != 0:
@@ -116,5 +117,5 @@ def _kill_group(proc: subprocess.Popen[bytes]) -> None:
 
 
 def _last_lines(err: bytes, lines: int = 3) -> str:
-    text = err.decode("utf-8", "replace").strip().splitlines()
+    text = [line for line in err.decode("utf-8", "replace").splitlines() if line.strip()]
     return " / ".join(text[-lines:]) or "no message"

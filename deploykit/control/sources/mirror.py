@@ -27,7 +27,7 @@ class Mirror:
         self.git = runner
 
     def _git(self, *args: str) -> bytes:
-        return self.git.run(["--git-dir", str(self.directory), *args])
+        return self.git.run(list(args), git_dir=self.directory)
 
     def fetch(self) -> None:
         """Bring the mirror up to the remote's branches and tags; a corrupt mirror is made again once."""

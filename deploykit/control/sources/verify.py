@@ -24,9 +24,9 @@ def verify_commit(git: GitRunner, mirror: Path, commit: str, allowed_signers: Pa
     if not allowed_signers.is_file():
         raise UnverifiedCommit(commit, f"the allowed_signers file {allowed_signers} is missing")
     try:
-        git.run(["--git-dir", str(mirror), "-c", f"gpg.ssh.allowedSignersFile={allowed_signers}",
-                 "verify-commit", commit])
+        git.run(["-c", f"gpg.ssh.allowedSignersFile={allowed_signers}", "verify-commit", commit], git_dir=mirror)
     except GitError as exc:
-        message = str(exc).removeprefix("git --git-dir failed: ")
-        why = "unsigned" if "no signature found" in message else message
+        message = str(exc).removeprefix("git -c failed: ")
+        # an unsigned commit: git says nothing (or "no signature found") and fails
+        why = "unsigned" if message in ("no message", "") or "no signature found" in message else message
         raise UnverifiedCommit(commit, why) from None

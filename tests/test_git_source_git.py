@@ -1,0 +1,150 @@
+"""The git side of a GitSource, on real repositories: the schema's located errors, the mirror fetched over
+file:// and `git daemon` (a force-push followed, a deleted branch said, a corrupt mirror cloned again), a
+hung remote killed at the timeout with its process group, and SSH-signed commits verified."""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+import pytest
+
+from deploykit.control.sources.gitcmd import Credentials, GitError, GitRunner
+from deploykit.control.sources.mirror import Mirror, newest_matching
+from deploykit.control.sources.verify import UnverifiedCommit, verify_commit
+from deploykit.errors import ManifestError
+from deploykit.spec.source import GitRef, parse_source
+from gitrepos import GitDaemon, SilentListener, allowed_signers, commit_files, git, new_repo, ssh_key
+
+SOURCE = """\
+apiVersion: deploykit/v1
+kind: GitSource
+metadata: {name: models}
+spec:
+  url: file:///srv/models.git
+  ref: {branch: main}
+  interval: 30s
+"""
+
+
+def runner(tmp_path: Path, timeout: float = 30.0) -> GitRunner:
+    return GitRunner(Credentials(), tmp_path / "scratch", timeout=timeout)
+
+
+def test_source_errors_name_line_and_field():
+    bad = SOURCE.replace("{branch: main}", "{branch: main, tag: v1}").replace("30s", "0.1s") + "  ttl: 3\n"
+    with pytest.raises(ManifestError) as caught:
+        parse_source(bad.encode(), source="models.yaml")
+    text = str(caught.value)
+    assert "models.yaml:6:8: spec.ref: give exactly one of branch, tag, semver, commit" in text
+    assert "models.yaml:7:13: spec.interval: must be between 1s and 86400s" in text
+    assert "models.yaml:8:3: spec.ttl: unknown field 'ttl'" in text
+
+
+@pytest.mark.parametrize("line, message", [
+    ("  url: https://user:secret@example.com/r.git\n", "no credentials in the URL"),
+    ("  token_file: /run/token\n", "token_file is for https:// repositories"),
+    ("  timeout: 2h\n", "must be between 1s and 3600s"),
+])
+def test_source_refuses(line, message):
+    text = SOURCE.replace("  url: file:///srv/models.git\n", "") if "url:" in line else SOURCE
+    with pytest.raises(ManifestError, match=message):
+        parse_source((text + line).encode(), source="s.yaml")
+
+
+def test_semver_picks_the_newest_tag_in_range():
+    tags = ["v1.0.0", "v1.4.2", "v1.10.0", "v2.0.0", "latest", "v1.5"]
+    assert newest_matching(tags, ">=1.0.0 <2.0.0") == "v1.10.0"
+    assert newest_matching(tags, ">=1.4, <1.6") == "v1.5"
+    assert newest_matching(tags, ">=3") is None
+
+
+@pytest.fixture
+def upstream(tmp_path) -> Path:
+    repo = new_repo(tmp_path / "remote" / "models")
+    commit_files(repo, {"hosts/a/one.yaml": "one: 1\n"}, "first")
+    return repo
+
+
+@pytest.mark.parametrize("transport", ["file", "daemon"])
+def test_mirror_follows_pushes_and_force_pushes(tmp_path, upstream, transport):
+    daemon = GitDaemon(tmp_path / "remote").start() if transport == "daemon" else None
+    try:
+        url = daemon.url(upstream) if daemon else f"file://{upstream}"
+        mirror = Mirror(tmp_path / "mirror.git", url, runner(tmp_path))
+        mirror.fetch()
+        first = mirror.resolve(GitRef(branch="main"))
+        assert first == git(upstream, "rev-parse", "HEAD")
+        assert mirror.files(first, "hosts/a") == ["hosts/a/one.yaml"]
+        assert mirror.read(first, "hosts/a/one.yaml") == b"one: 1\n"
+        second = commit_files(upstream, {"hosts/a/two.yml": "two: 2\n"}, "second")
+        mirror.fetch()
+        assert mirror.resolve(GitRef(branch="main")) == second
+        git(upstream, "reset", "-q", "--hard", first)  # a force-push rewrites history
+        rewritten = commit_files(upstream, {"hosts/a/three.yaml": "3\n"}, "rewritten")
+        mirror.fetch()
+        assert mirror.resolve(GitRef(branch="main")) == rewritten
+        assert mirror.files(rewritten, "hosts/a") == ["hosts/a/one.yaml", "hosts/a/three.yaml"]
+    finally:
+        if daemon:
+            daemon.stop()
+
+
+def test_mirror_says_a_deleted_branch_and_an_unreachable_remote(tmp_path, upstream):
+    git(upstream, "branch", "-q", "release")
+    mirror = Mirror(tmp_path / "mirror.git", f"file://{upstream}", runner(tmp_path))
+    mirror.fetch()
+    assert mirror.resolve(GitRef(branch="release"))
+    git(upstream, "branch", "-q", "-D", "release")
+    mirror.fetch()
+    with pytest.raises(GitError, match="branch 'release' is not in the repository"):
+        mirror.resolve(GitRef(branch="release"))
+    gone = Mirror(tmp_path / "mirror.git", f"file://{tmp_path / 'nowhere'}", runner(tmp_path))
+    with pytest.raises(GitError, match="git fetch failed"):
+        gone.fetch()
+    assert mirror.resolve(GitRef(branch="main"))  # the mirror kept what it had
+
+
+def test_a_corrupt_mirror_is_cloned_again(tmp_path, upstream):
+    mirror = Mirror(tmp_path / "mirror.git", f"file://{upstream}", runner(tmp_path))
+    mirror.fetch()
+    for obj in (mirror.directory / "objects").rglob("*"):
+        if obj.is_file() and obj.parent.name not in ("info", "pack"):
+            obj.write_bytes(b"garbage")
+    for pack in (mirror.directory / "objects" / "pack").glob("*"):
+        pack.write_bytes(b"garbage")
+    head = commit_files(upstream, {"hosts/a/four.yaml": "4\n"}, "after the corruption")
+    mirror.fetch()
+    assert mirror.resolve(GitRef(branch="main")) == head
+    assert mirror.read(head, "hosts/a/four.yaml") == b"4\n"
+
+
+def test_a_hung_remote_is_killed_at_the_timeout(tmp_path):
+    listener = SilentListener()
+    try:
+        mirror = Mirror(tmp_path / "mirror.git", f"git://127.0.0.1:{listener.port}/models",
+                        runner(tmp_path, timeout=1.5))
+        started = time.monotonic()
+        with pytest.raises(GitError, match="timed out after 1.5s"):
+            mirror.fetch()
+        assert time.monotonic() - started < 10
+        assert listener.accepted, "git connected to the hung remote"
+    finally:
+        listener.close()
+
+
+def test_only_commits_signed_by_an_allowed_key_verify(tmp_path, upstream):
+    good, good_pub = ssh_key(tmp_path / "keys", "good")
+    other, _ = ssh_key(tmp_path / "keys", "other")
+    signers = allowed_signers(tmp_path / "allowed_signers", good_pub)
+    mirror = Mirror(tmp_path / "mirror.git", f"file://{upstream}", runner(tmp_path))
+    unsigned = git(upstream, "rev-parse", "HEAD")
+    signed = commit_files(upstream, {"hosts/a/s.yaml": "s\n"}, "signed", signing_key=good)
+    wrong = commit_files(upstream, {"hosts/a/w.yaml": "w\n"}, "wrongly signed", signing_key=other)
+    mirror.fetch()
+    verify_commit(mirror.git, mirror.directory, signed, signers)
+    with pytest.raises(UnverifiedCommit, match="unsigned"):
+        verify_commit(mirror.git, mirror.directory, unsigned, signers)
+    with pytest.raises(UnverifiedCommit) as caught:
+        verify_commit(mirror.git, mirror.directory, wrong, signers)
+    assert caught.value.commit == wrong and "unsigned" not in caught.value.why
