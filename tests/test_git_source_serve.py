@@ -111,3 +111,30 @@ def test_a_hung_fetch_times_out_and_sigterm_ends_it_without_showing_the_token(tm
         assert token not in server.stderr and "timed out" in server.stderr
     finally:
         listener.close()
+
+
+def test_zero_failed_streams_across_a_pushed_commit(tmp_path):
+    from chatmodel import build_chat_model
+    from test_serve import chat_manifest
+    from test_serve_reload import Streams
+
+    model = build_chat_model(tmp_path / "model")
+    repo = new_repo(tmp_path / "upstream")
+    commit_files(repo, {"manifests/chat.yaml": chat_manifest(model, strategy="blue-green")}, "chat")
+    source = write_source(tmp_path / "source.yaml", f"file://{repo}")
+    with Server(None, tmp_path / "state", "--source", str(source), "--control-token", TOKEN) as server, \
+            Streams(server.url) as streams:
+        wait_until(lambda: len(streams.texts) >= 3, 90, "streams are answered")
+        broken = commit_files(repo, {"manifests/chat.yaml": chat_manifest(model, strategy="blue-green", shard="300KiB"),
+                                     "manifests/bad.yaml": "apiVersion: deploykit/v1\nkind: Nope\n"}, "broken")
+        post(f"{server.url}/control/v1/sources/models/sync", b"", HEADERS)
+        wait_until(lambda: source_status(server)["error_commit"] == broken, 30, "the broken commit is refused")
+        pushed = commit_files(repo, {"manifests/bad.yaml": None}, "fixed")
+        post(f"{server.url}/control/v1/sources/models/sync", b"", HEADERS)
+        wait_until(lambda: source_status(server)["deployments"][0]["serving_commit"] == pushed, 90, "the push serves")
+        served = len(streams.texts)
+        wait_until(lambda: len(streams.texts) >= served + 3, 90, "streams go on")
+        generation = get(f"{server.url}/status", HEADERS)[1][0]["generation"]
+    assert generation == 2  # the broken commit loaded nothing; the fixed one, once
+    assert streams.failures == []
+    assert len(set(streams.texts)) == 1
