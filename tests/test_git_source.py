@@ -6,14 +6,17 @@ verified; a restart serves the last applied commit without fetching."""
 from __future__ import annotations
 
 import logging
+from dataclasses import replace
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
 from deploykit.control.live.supervisor import Supervisor
+from deploykit.control.revisions.loading import recorded_manifest
 from deploykit.control.revisions.state import StateStore
 from deploykit.control.sources.worker import SourceSync, live_directory, source_root
+from deploykit.errors import DeploykitError
 from deploykit.spec.source import parse_source
 from gitrepos import allowed_signers, commit_files, new_repo, ssh_key
 from helpers import wait_until
@@ -44,7 +47,7 @@ class Followed:
         root = source_root(state, source.name)
         live_directory(root).mkdir(parents=True, exist_ok=True)
         self.supervisor = Supervisor(live_directory(root), store=self.store, debounce=0.1,
-                                     prune=source.spec.prune)
+                                     prune=source.spec.prune, rollback_owned=True)
         self.sync = SourceSync(source, root=root, supervisor=self.supervisor)
         self.supervisor.start()
         self.sync.start()
@@ -154,3 +157,30 @@ def test_a_restart_serves_the_last_applied_commit_without_fetching(tmp_path, mod
     assert again.sync.record().applied_commit == first and again.phase() == "Degraded"
     moved.rename(repo)  # the remote is back: the next retry (backoff) fetches
     wait_until(lambda: again.phase() == "Synced", 30, "the source is synced again")
+
+
+@pytest.mark.parametrize("self_heal", [False, True])
+def test_a_rollback_shows_out_of_sync_and_self_heal_applies_the_commit_again(tmp_path, model_text, followed,
+                                                                              self_heal):
+    repo = new_repo(tmp_path / "upstream")
+    first = commit_files(repo, {"hosts/a/tiny.yaml": model_text}, "tiny")
+    f = follow(followed, tmp_path / "state", source_text(f"file://{repo}", self_heal=str(self_heal).lower()))
+    wait_until(lambda: f.commit_of("tiny") == first and f.phase() == "Synced", 120, "the first commit serves")
+    second = commit_files(repo, {"hosts/a/tiny.yaml": model_text.replace("200KiB", "100KiB")}, "smaller shards")
+    f.sync.sync_now()
+    wait_until(lambda: f.commit_of("tiny") == second and f.phase() == "Synced", 120, "the second commit serves")
+
+    elsewhere = replace(recorded_manifest(f.store.current("tiny")), source=str(tmp_path / "elsewhere.yaml"))
+    with pytest.raises(DeploykitError, match="owned by the watched file"):  # an API apply of the name: refused
+        f.supervisor.apply_manifest(elsewhere)
+    target, _ = f.supervisor.rollback("tiny")  # the emergency brake: the first commit's content serves
+    assert f.store.current("tiny").git_commit == first == target.git_commit
+    if not self_heal:
+        wait_until(lambda: f.phase() == "OutOfSync", 30, "the source shows the drift")
+        drift = f.sync.status().to_dict()
+        assert drift["out_of_sync"] == ["tiny"]
+        assert {"field": "spec.sharding.max_shard_size", "serving": 200 << 10, "commit": 100 << 10} in \
+            drift["deployments"][0]["differs"]
+        return
+    wait_until(lambda: f.commit_of("tiny") == second and f.phase() == "Synced", 60, "self-heal applies the commit")
+    assert f.store.current("tiny").manifest_digest != target.manifest_digest

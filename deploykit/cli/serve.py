@@ -130,7 +130,7 @@ def serve(path: str | None, source_file: str | None, host: str, port: int, api_k
         followed.mkdir(parents=True, exist_ok=True, mode=0o700)
     watched = live_directory(followed) if followed is not None else Path(path) if path else None
     supervisor = Supervisor(watched, store=states, devices=devices, prune=prune or bool(source and source.spec.prune),
-                            debounce=debounce, host=budgeted, policy=policy)
+                            debounce=debounce, host=budgeted, policy=policy, rollback_owned=source is not None)
     sources = Sources([SourceSync(source, root=followed, supervisor=supervisor)]
                       if source is not None and followed is not None else [])
     sock = bind(host, port)

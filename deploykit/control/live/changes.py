@@ -188,12 +188,14 @@ class ChangeRunner:
         return swapped
 
     def roll(self, given: LoadedManifest | None, *, force: bool, progress: ProgressSink | None,
-              on_step: StepSink, change: Change | None) -> RolloutResult:
-        """``roll_to`` (``given``) or ``reconcile`` (None: the file as it is now), raising on failure."""
+              on_step: StepSink, change: Change | None, adopt: bool = True) -> RolloutResult:
+        """``roll_to`` (``given``) or ``reconcile`` (None: the file as it is now), raising on failure.
+        ``adopt`` False: ``given`` serves but the file stays this deployment's manifest (its next reload
+        reads the file again: an emergency rollback of a git source's deployment)."""
         if self.closed:
             raise ApplyError(f"{self.name!r} is being deleted")
         result = self._reload_once(given, force=force, progress=progress, on_step=on_step, raise_errors=True,
-                                   change=change)
+                                   change=change, adopt=adopt)
         assert isinstance(result, RolloutResult)
         if result.swapped:
             self._notify()
@@ -208,7 +210,8 @@ class ChangeRunner:
 
     def _reload_once(self, given: LoadedManifest | None = None, *, force: bool = False,
                      progress: ProgressSink | None = None, on_step: StepSink = None,
-                     raise_errors: bool = False, change: Change | None = None) -> bool | RolloutResult:
+                     raise_errors: bool = False, change: Change | None = None,
+                     adopt: bool = True) -> bool | RolloutResult:
         clock = ReloadClock()
         loaded: LoadedManifest | None = given
         strategy = "none"
@@ -230,7 +233,7 @@ class ChangeRunner:
             if raise_errors:
                 raise
             return False
-        if given is not None:
+        if given is not None and adopt:
             self.given = given
         swapped = self._finish_reload(result, clock)
         return result if raise_errors else swapped

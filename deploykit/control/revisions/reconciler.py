@@ -204,7 +204,7 @@ def _act(change: Change, store: StateStore, checkpoint: Checkpoint | None, finge
     source = Path(loaded.source).resolve()
     revision = store.begin_revision(
         name=loaded.name, manifest_path=str(source), manifest_text=loaded.text, manifest_digest=loaded.digest,
-        checkpoint_fingerprint=fingerprint, git_commit=git_commit(source))
+        checkpoint_fingerprint=fingerprint, git_commit=loaded.commit or git_commit(source))
     if decision.actions:  # why this revision exists (a damaged shard is named here), for `deploykit history`
         store.record_event(loaded.name, "Decided", f"revision {revision}: {decision.actions[0].reason}")
     try:

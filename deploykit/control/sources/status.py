@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING, Any
 
 from ...errors import DeploykitError
 from ...spec.manifest import load_manifests, manifest_files
+from ..revisions.differ import field_changes
 
 if TYPE_CHECKING:
     from ..live.supervisor import Supervisor
@@ -52,6 +53,7 @@ class DeploymentSync:
     serving_revision: int | None
     progressing: bool
     error: str | None
+    differs: list[dict[str, Any]] = field(default_factory=list)  # {"field", "serving", "commit"} when not in sync
 
 
 @dataclass
@@ -80,18 +82,20 @@ def deployments_of(live: Path, supervisor: Supervisor) -> list[DeploymentSync]:
         except DeploykitError:
             continue  # a file written meanwhile: the next look reads it whole
         for loaded in manifests:
-            out.append(_one(loaded.name, loaded.digest, supervisor))
+            out.append(_one(loaded.name, loaded.digest, loaded.text, supervisor))
     return out
 
 
-def _one(name: str, digest: str, supervisor: Supervisor) -> DeploymentSync:
+def _one(name: str, digest: str, text: str, supervisor: Supervisor) -> DeploymentSync:
     current = supervisor.store.current(name)
     dep = supervisor.get(name)
     live = dep.state() if dep is not None else None
     progressing = name in supervisor.loading_names() or (live is not None and live.phase.value == "Progressing")
-    return DeploymentSync(name, current is not None and current.manifest_digest == digest,
-                          current.git_commit if current else None, live.revision if live else None, progressing,
-                          live.last_error if live else supervisor.why_not_served(name))
+    in_sync = current is not None and current.manifest_digest == digest
+    differs = [] if in_sync or current is None else [
+        {"field": f, "serving": old, "commit": new} for f, old, new in field_changes(current.manifest_text, text)]
+    return DeploymentSync(name, in_sync, current.git_commit if current else None, live.revision if live else None,
+                          progressing, live.last_error if live else supervisor.why_not_served(name), differs)
 
 
 def phase_of(record: SyncRecord, deployments: list[DeploymentSync], now: float | None = None) -> SourcePhase:

@@ -29,6 +29,7 @@ if TYPE_CHECKING:
     from ..live.supervisor import Supervisor
 
 log = logging.getLogger(__name__)
+HEAL_PERIOD = 2.0  # seconds between looks for drift with self_heal
 FIRST_RETRY = 1.0  # seconds before the first retry after a failure; doubled on each one after
 
 
@@ -96,10 +97,30 @@ class SourceSync:
 
     def _loop(self) -> None:
         while not self._stop.is_set():
-            delay = self._attempt()
-            self._update(next_fetch=time.time() + delay)
-            self._wake.wait(delay)
+            deadline = time.time() + self._attempt()
+            self._update(next_fetch=deadline)
+            self._wait_until(deadline)
             self._wake.clear()
+
+    def _wait_until(self, deadline: float) -> None:
+        """Sleep until ``deadline`` or a wake; with ``self_heal``, look for drift every ``HEAL_PERIOD``."""
+        heal = self.source.spec.self_heal
+        while not self._wake.is_set() and (left := deadline - time.time()) > 0:
+            if self._wake.wait(min(left, HEAL_PERIOD) if heal else left) or not heal:
+                return
+            self._heal()
+
+    def _heal(self) -> None:
+        """Apply the published commit again to each deployment that serves something else (a rollback),
+        unless it is loading or failed (a failed change is said, not retried in a loop)."""
+        for drift in deployments_of(self.live, self.supervisor):
+            dep = self.supervisor.get(drift.name)
+            if drift.in_sync or drift.progressing or drift.error or dep is None:
+                continue
+            log.warning("source %s: %s drifted from commit %s (%s); applying the commit again", self.name,
+                        drift.name, (self.record().applied_commit or "?")[:12],
+                        ", ".join(d["field"] for d in drift.differs) or "another revision")
+            dep.request_reload()
 
     def _attempt(self) -> float:
         """One sync; the seconds until the next."""
@@ -127,6 +148,8 @@ class SourceSync:
         commit = self.mirror.resolve(spec.ref)
         self._update(fetched_commit=commit, last_fetch=time.time())
         if commit == self.record().applied_commit:
+            if spec.self_heal:
+                self._heal()
             return
         if spec.verify is not None:
             self._verify(commit, spec.verify.allowed_signers)
