@@ -77,6 +77,13 @@ def test_webhook_and_sync_route_apply_a_push_now(tmp_path, model):
                              env={**os.environ, "DEPLOYKIT_STATE": str(tmp_path / "state")}, timeout=60)
         assert cli.returncode == 0, cli.stderr
         assert f"applied {third[:12]}" in cli.stdout and "models" in cli.stdout
+        status = subprocess.run([sys.executable, "-m", "deploykit.cli", "status"], capture_output=True, text=True,
+                                env={**os.environ, "DEPLOYKIT_STATE": str(tmp_path / "state")}, timeout=60)
+        assert f"commit {third[:12]}" in status.stdout and "git source models  Synced" in status.stdout, status.stdout
+
+        fourth = commit_files(repo, {"manifests/tiny.yaml": manifest_text(model, shard="150KiB")}, "gitlab")
+        assert post(hook, b"{}", {"X-Gitlab-Token": "s3cret-webhook-key"}) == 202
+        wait_until(lambda: source_status(server)["applied_commit"] == fourth, 30, "GitLab's hook syncs")
         assert server.metric("deploykit_source_syncs_total", source="models") >= 3
 
 

@@ -3,7 +3,6 @@
 
 from __future__ import annotations
 
-import time
 import urllib.parse
 from typing import Any
 
@@ -12,6 +11,7 @@ import click
 from ..errors import DeploykitError
 from .console import OUTPUT_OPTION, STATE_OPTION, handle_errors, out, print_json
 from .remote import SERVER_OPTION, connect
+from .source_lines import source_lines
 
 
 @click.command()
@@ -37,26 +37,5 @@ def sources(sync_name: str | None, output: str, server: str | None, state_dir: s
     if not reports:
         out.print("no git sources")
     for r in reports:
-        out.print(_summary(r), markup=False)
-        for d in r["deployments"]:
-            state = "in sync" if d["in_sync"] else "differs"
-            out.print(f"  {d['name']}: serves {_short(d['serving_commit'])} ({state})", markup=False)
-
-
-def _summary(r: dict[str, Any]) -> str:
-    lines = [f"{r['name']}  {r['phase']}  {r['url']} ({r['ref']}, path {r['path']})",
-             f"  fetched {_short(r['fetched_commit'])}  applied {_short(r['applied_commit'])}  "
-             f"next fetch {_when(r['next_fetch'])}"]
-    if r.get("verified") and not r["verified"]["status"]:
-        lines.append(f"  SourceVerified=False: commit {_short(r['verified']['commit'])}: {r['verified']['reason']}")
-    if r["last_error"]:
-        lines.append(f"  error: {r['last_error']}")
-    return "\n".join(lines)
-
-
-def _short(commit: str | None) -> str:
-    return commit[:12] if commit else "-"
-
-
-def _when(at: float | None) -> str:
-    return "-" if at is None else f"in {max(0.0, at - time.time()):.0f}s"
+        for line in source_lines(r):
+            out.print(line, markup=False)

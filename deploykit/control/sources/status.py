@@ -70,6 +70,10 @@ class SourceStatus:
         out = {"name": self.name, "url": self.url, "ref": self.ref, "path": self.path, "phase": self.phase.value,
                **asdict(self.record), "deployments": [asdict(d) for d in self.deployments]}
         out["out_of_sync"] = [d.name for d in self.deployments if not d.in_sync]
+        verified = self.record.verified
+        out["conditions"] = [] if verified is None else [{
+            "type": "SourceVerified", "status": verified["status"], "commit": verified["commit"],
+            "message": verified["reason"] or "signed by an allowed key"}]
         return out
 
 
