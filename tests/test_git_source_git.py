@@ -148,3 +148,12 @@ def test_only_commits_signed_by_an_allowed_key_verify(tmp_path, upstream):
     with pytest.raises(UnverifiedCommit) as caught:
         verify_commit(mirror.git, mirror.directory, wrong, signers)
     assert caught.value.commit == wrong and "unsigned" not in caught.value.why
+
+
+def test_a_symlinked_manifest_is_refused_not_followed(tmp_path, upstream):
+    (upstream / "hosts" / "a" / "link.yaml").symlink_to("/etc/passwd")
+    head = commit_files(upstream, {}, "a link")
+    mirror = Mirror(tmp_path / "mirror.git", f"file://{upstream}", runner(tmp_path))
+    mirror.fetch()
+    with pytest.raises(GitError, match="link.yaml at .* is a symbolic link"):
+        mirror.files(head, "hosts/a")

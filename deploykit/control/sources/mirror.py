@@ -90,6 +90,9 @@ class Mirror:
             raise GitError(f"path {path!r} is not in commit {commit[:12]}") from None
         entries = [e.split("\t", 1) for e in out.decode("utf-8", "replace").split("\0") if "\t" in e]
         found = [name for head, name in entries if head.split()[1] == "blob" and name.endswith((".yaml", ".yml"))]
+        links = [name for head, name in entries if head.split()[0] == "120000" and name in found]
+        if links:  # its content would be a path, not a manifest: said, never followed
+            raise GitError(f"{path}/{links[0]} at {commit[:12]} is a symbolic link; a manifest is a regular file")
         if len(found) > MAX_FILES:
             raise GitError(f"more than {MAX_FILES} manifests under {path!r}")
         return sorted(found if path == "." else [f"{path}/{name}" for name in found])
