@@ -157,3 +157,16 @@ def test_a_symlinked_manifest_is_refused_not_followed(tmp_path, upstream):
     mirror.fetch()
     with pytest.raises(GitError, match="link.yaml at .* is a symbolic link"):
         mirror.files(head, "hosts/a")
+
+
+def test_validate_checks_a_source_file(tmp_path):
+    from click.testing import CliRunner
+
+    from deploykit.cli import main
+
+    good, bad = tmp_path / "good.yaml", tmp_path / "bad.yaml"
+    good.write_text(SOURCE)
+    bad.write_text(SOURCE.replace("30s", "25h"))
+    assert CliRunner().invoke(main, ["validate", str(good)]).exit_code == 0
+    result = CliRunner().invoke(main, ["validate", str(bad)])
+    assert result.exit_code == 2 and "bad.yaml:7:13: spec.interval: must be between 1s and 86400s" in result.output
