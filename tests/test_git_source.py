@@ -6,6 +6,7 @@ verified; a restart serves the last applied commit without fetching."""
 from __future__ import annotations
 
 import logging
+import threading
 from dataclasses import replace
 from collections.abc import Iterator
 from pathlib import Path
@@ -75,6 +76,8 @@ def followed(tmp_path) -> Iterator[list[Followed]]:
     yield made
     for f in made:
         f.close()
+    left = [t.name for t in threading.enumerate() if t.name.startswith(("deploykit-source", "deploykit-watch"))]
+    assert not left, f"threads left after close: {left}"
 
 
 def follow(made: list[Followed], state: Path, text: str) -> Followed:
