@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 from dataclasses import replace
 from collections.abc import Iterator
 from pathlib import Path
@@ -19,7 +20,7 @@ from deploykit.control.revisions.state import StateStore
 from deploykit.control.sources.worker import SourceSync, live_directory, source_root
 from deploykit.errors import DeploykitError
 from deploykit.spec.source import parse_source
-from gitrepos import allowed_signers, commit_files, new_repo, ssh_key
+from gitrepos import GitDaemon, allowed_signers, commit_files, new_repo, ssh_key
 from helpers import wait_until
 from manifests import manifest_text
 
@@ -187,3 +188,25 @@ def test_a_rollback_shows_out_of_sync_and_self_heal_applies_the_commit_again(tmp
         return
     wait_until(lambda: f.commit_of("tiny") == second and f.phase() == "Synced", 60, "self-heal applies the commit")
     assert f.store.current("tiny").manifest_digest != target.manifest_digest
+
+
+def test_a_remote_stopped_then_started_again_is_retried_with_backoff(tmp_path, model_text, followed):
+    repo = new_repo(tmp_path / "remote" / "models")
+    first = commit_files(repo, {"hosts/a/tiny.yaml": model_text}, "tiny")
+    daemon = GitDaemon(tmp_path / "remote").start()
+    try:
+        f = follow(followed, tmp_path / "state", source_text(daemon.url(repo)))
+        wait_until(lambda: f.commit_of("tiny") == first and f.phase() == "Synced", 120, "the first commit serves")
+        daemon.stop()
+        second = commit_files(repo, {"hosts/a/tiny.yaml": model_text.replace("200KiB", "100KiB")}, "while down")
+        f.sync.sync_now()
+        record = wait_until(lambda: f.sync.record() if f.sync.record().failures >= 2 else None, 30,
+                            "the fetch fails and is retried")
+        assert "git fetch failed" in record.last_error and f.phase() == "Degraded"
+        assert record.next_fetch - time.time() < 60  # backoff, not the 1h interval
+        assert f.supervisor.get("tiny").state().serving and f.commit_of("tiny") == first
+        daemon.start()  # no sync asked: the retry finds it
+        wait_until(lambda: f.commit_of("tiny") == second and f.phase() == "Synced", 120, "the push serves")
+        assert f.sync.record().failures == 0
+    finally:
+        daemon.stop()
