@@ -72,7 +72,8 @@ def test_webhook_and_sync_route_apply_a_push_now(tmp_path, model):
         third = commit_files(repo, {"manifests/tiny.yaml": manifest_text(model)}, "revert")
         assert post(f"{server.url}/control/v1/sources/models/sync", b"", {}) == 401
         assert post(f"{server.url}/control/v1/sources/models/sync", b"", HEADERS) == 202
-        wait_until(lambda: source_status(server)["applied_commit"] == third, 30, "the sync route fetches")
+        wait_until(lambda: source_status(server)["phase"] == "Synced" and
+                   source_status(server)["deployments"][0]["serving_commit"] == third, 60, "the sync route fetches")
         cli = subprocess.run([sys.executable, "-m", "deploykit.cli", "sources"], capture_output=True, text=True,
                              env={**os.environ, "DEPLOYKIT_STATE": str(tmp_path / "state")}, timeout=60)
         assert cli.returncode == 0, cli.stderr
