@@ -112,3 +112,80 @@ class SilentListener:
         for conn in self.accepted:
             conn.close()
         self._thread.join(5)
+
+
+def self_signed(directory: Path) -> tuple[Path, Path]:
+    """A certificate for 127.0.0.1 and its key (openssl), the certificate its own CA."""
+    cert, key = directory / "git-cert.pem", directory / "git-key.pem"
+    subprocess.run(["openssl", "req", "-x509", "-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:P-256", "-nodes",
+                    "-days", "1", "-subj", "/CN=127.0.0.1", "-addext", "subjectAltName=IP:127.0.0.1",
+                    "-keyout", str(key), "-out", str(cert)], check=True, capture_output=True)
+    return cert, key
+
+
+class HttpsGit:
+    """`git http-backend` behind HTTPS on a loopback port, answering only requests that carry
+    ``x-access-token:TOKEN`` as Basic credentials (as GitHub does); ``seen`` collects every Authorization."""
+
+    def __init__(self, base: Path, token: str, cert: Path, key: Path) -> None:
+        import base64
+        import http.server
+        import ssl
+
+        outer = self
+        self.base = base
+        self.seen: list[str] = []
+        want = "Basic " + base64.b64encode(f"x-access-token:{token}".encode()).decode()
+
+        class Handler(http.server.BaseHTTPRequestHandler):
+            def log_message(self, *args: object) -> None:
+                pass
+
+            def do_GET(self) -> None:
+                self._cgi()
+
+            def do_POST(self) -> None:
+                self._cgi()
+
+            def _cgi(self) -> None:
+                auth = self.headers.get("Authorization", "")
+                outer.seen.append(auth)
+                if auth != want:
+                    self.send_response(401)
+                    self.send_header("WWW-Authenticate", 'Basic realm="git"')
+                    self.send_header("Content-Length", "0")
+                    self.end_headers()
+                    return
+                path, _, query = self.path.partition("?")
+                body = self.rfile.read(int(self.headers.get("Content-Length") or 0))
+                env = {"GIT_PROJECT_ROOT": str(outer.base), "GIT_HTTP_EXPORT_ALL": "1", "PATH_INFO": path,
+                       "QUERY_STRING": query, "REQUEST_METHOD": self.command, "REMOTE_USER": "ci",
+                       "CONTENT_TYPE": self.headers.get("Content-Type", ""), "CONTENT_LENGTH": str(len(body)),
+                       "PATH": "/usr/bin:/bin"}
+                out = subprocess.run(["git", "http-backend"], input=body, env=env, capture_output=True).stdout
+                head, _, payload = out.partition(b"\r\n\r\n")
+                headers = [line.split(": ", 1) for line in head.decode().split("\r\n") if ": " in line]
+                status = next((int(v.split()[0]) for k, v in headers if k.lower() == "status"), 200)
+                self.send_response(status)
+                for name, value in headers:
+                    if name.lower() != "status":
+                        self.send_header(name, value)
+                self.send_header("Content-Length", str(len(payload)))
+                self.end_headers()
+                self.wfile.write(payload)
+
+        self.server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        context = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+        context.load_cert_chain(cert, key)
+        self.server.socket = context.wrap_socket(self.server.socket, server_side=True)
+        self.port = self.server.server_address[1]
+        self._thread = threading.Thread(target=self.server.serve_forever, name="https-git", daemon=True)
+        self._thread.start()
+
+    def url(self, repo: Path) -> str:
+        return f"https://127.0.0.1:{self.port}/{repo.relative_to(self.base)}"
+
+    def close(self) -> None:
+        self.server.shutdown()
+        self.server.server_close()
+        self._thread.join(10)

@@ -4,6 +4,7 @@ hung remote killed at the timeout with its process group, and SSH-signed commits
 
 from __future__ import annotations
 
+import json
 import time
 from pathlib import Path
 
@@ -14,7 +15,8 @@ from deploykit.control.sources.mirror import Mirror, newest_matching
 from deploykit.control.sources.verify import UnverifiedCommit, verify_commit
 from deploykit.errors import ManifestError
 from deploykit.spec.source import GitRef, parse_source
-from gitrepos import GitDaemon, SilentListener, allowed_signers, commit_files, git, new_repo, ssh_key
+from gitrepos import (GitDaemon, HttpsGit, SilentListener, allowed_signers, commit_files, git, new_repo,
+                      self_signed, ssh_key)
 
 SOURCE = """\
 apiVersion: deploykit/v1
@@ -170,3 +172,30 @@ def test_validate_checks_a_source_file(tmp_path):
     assert CliRunner().invoke(main, ["validate", str(good)]).exit_code == 0
     result = CliRunner().invoke(main, ["validate", str(bad)])
     assert result.exit_code == 2 and "bad.yaml:7:13: spec.interval: must be between 1s and 86400s" in result.output
+
+
+def test_an_https_token_is_sent_only_when_the_server_asks(tmp_path, upstream):
+    cert, key = self_signed(tmp_path)
+    token = "ghp_" + "k9" * 18
+    server = HttpsGit(tmp_path / "remote", token, cert, key)
+    try:
+        token_file = tmp_path / "token"
+        token_file.write_text(token + "\n")
+        good = GitRunner(Credentials(token_file=token_file, ca_file=cert), tmp_path / "scratch", timeout=30)
+        mirror = Mirror(tmp_path / "mirror.git", server.url(upstream), good)
+        mirror.fetch()
+        assert mirror.resolve(GitRef(branch="main")) == git(upstream, "rev-parse", "HEAD")
+        assert server.seen[0] == "" and server.seen[-1].startswith("Basic ")  # asked first, then sent
+        written = "".join(f.read_text() for f in good.scratch.rglob("*") if f.is_file())
+        assert token not in json.dumps(good.env()) and token not in written
+        wrong_file = tmp_path / "wrong"
+        wrong_file.write_text("ghp_wrong\n")
+        wrong = GitRunner(Credentials(token_file=wrong_file, ca_file=cert), tmp_path / "scratch2", timeout=30)
+        with pytest.raises(GitError, match="git fetch failed") as caught:
+            Mirror(tmp_path / "other.git", server.url(upstream), wrong).fetch()
+        assert "ghp_wrong" not in str(caught.value)
+        untrusted = GitRunner(Credentials(token_file=token_file), tmp_path / "scratch3", timeout=30)
+        with pytest.raises(GitError, match="certificate"):  # the system's CAs do not know this server
+            Mirror(tmp_path / "third.git", server.url(upstream), untrusted).fetch()
+    finally:
+        server.close()

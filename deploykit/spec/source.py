@@ -134,10 +134,12 @@ class GitSourceSpec(Strict):
     ssh_key_file: Path | None = None
     known_hosts_file: Path | None = None
     token_file: Path | None = None
+    ca_file: Path | None = Field(default=None, description="PEM certificates an https:// server's is checked "
+                                 "against (a private CA); default: the system's.")
     verify: Verify | None = None
     webhook: Webhook | None = None
 
-    @field_validator("ssh_key_file", "known_hosts_file", "token_file")
+    @field_validator("ssh_key_file", "known_hosts_file", "token_file", "ca_file")
     @classmethod
     def _absolute(cls, value: Path | None) -> Path | None:
         if value is not None and not value.is_absolute():
@@ -151,6 +153,8 @@ class GitSourceSpec(Strict):
                                       {"at": "ssh_key_file"})
         if self.token_file is not None and not self.url.startswith("https://"):
             raise PydanticCustomError("credentials", "token_file is for https:// repositories", {"at": "token_file"})
+        if self.ca_file is not None and not self.url.startswith("https://"):
+            raise PydanticCustomError("credentials", "ca_file is for https:// repositories", {"at": "ca_file"})
         if self.ssh_key_file is not None and not self.url.startswith("ssh://"):
             raise PydanticCustomError("credentials", "ssh_key_file is for ssh:// repositories", {"at": "ssh_key_file"})
         return self

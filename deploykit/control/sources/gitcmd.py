@@ -39,6 +39,7 @@ class Credentials:
     ssh_key_file: Path | None = None
     known_hosts_file: Path | None = None
     token_file: Path | None = None
+    ca_file: Path | None = None  # not a secret: the CA an https server's certificate is checked against
 
 
 class GitRunner:
@@ -64,6 +65,8 @@ class GitRunner:
             env["GIT_SSH_COMMAND"] = " ".join(shlex.quote(a) for a in (
                 "ssh", "-i", str(creds.ssh_key_file), "-o", "IdentitiesOnly=yes", "-o", "BatchMode=yes",
                 "-o", f"UserKnownHostsFile={creds.known_hosts_file}", "-o", "StrictHostKeyChecking=yes"))
+        if creds.ca_file is not None:
+            env["GIT_SSL_CAINFO"] = str(creds.ca_file)
         if creds.token_file is not None:
             env["GIT_ASKPASS"] = str(self._askpass())
             env["DEPLOYKIT_GIT_TOKEN_FILE"] = str(creds.token_file)

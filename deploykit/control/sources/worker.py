@@ -53,7 +53,7 @@ class SourceSync:
         self.live = live_directory(root)
         self.live.mkdir(parents=True, exist_ok=True)
         self.supervisor = supervisor
-        credentials = Credentials(spec.ssh_key_file, spec.known_hosts_file, spec.token_file)
+        credentials = Credentials(spec.ssh_key_file, spec.known_hosts_file, spec.token_file, spec.ca_file)
         self.git = GitRunner(credentials, root / "scratch", timeout=spec.timeout)
         self.mirror = Mirror(root / "mirror.git", spec.url, self.git)
         self._lock = threading.Lock()
