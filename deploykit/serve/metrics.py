@@ -198,7 +198,8 @@ class SourceCollector:
         self.sources = sources
 
     def collect(self) -> Iterator[Any]:
-        phase = GaugeMetricFamily("deploykit_source_phase", "1 for the phase a git source is in", labels=["source", "phase"])
+        phase = GaugeMetricFamily("deploykit_source_phase", "1 for the phase a git source is in",
+                                  labels=["source", "phase"])
         syncs = CounterMetricFamily("deploykit_source_syncs", "Fetches that ended without an error", labels=["source"])
         errors = CounterMetricFamily("deploykit_source_errors", "Fetches or commits that failed", labels=["source"])
         fetched = GaugeMetricFamily("deploykit_source_last_fetch_timestamp_seconds", "When the source last fetched",
