@@ -80,7 +80,8 @@ if TYPE_CHECKING:
 @STATE_OPTION
 @handle_errors
 def serve(path: str | None, source_file: str | None, host: str, port: int, api_key: str | None,
-          api_key_file: str | None, control_token: str | None, control_token_file: str | None, control_socket: str | None, prune: bool,
+          api_key_file: str | None, control_token: str | None, control_token_file: str | None,
+          control_socket: str | None, prune: bool,
           devices: str | None, budget: str | None, budget_timeout: float, debounce: float, drain_timeout: float,
           header_timeout: float, allow_paths: tuple[str, ...], allow_engine_binary: bool, allow_remote_code: bool,
           allow_cluster: bool, tls_cert: str | None, tls_key: str | None, body_timeout: float,
