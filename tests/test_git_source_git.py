@@ -12,6 +12,7 @@ import pytest
 
 from deploykit.control.sources.gitcmd import Credentials, GitError, GitRunner
 from deploykit.control.sources.mirror import Mirror, newest_matching
+from deploykit.control.sources.status import DeploymentSync, SyncRecord, phase_of
 from deploykit.control.sources.verify import UnverifiedCommit, verify_commit
 from deploykit.errors import ManifestError
 from deploykit.spec.source import GitRef, parse_source
@@ -199,3 +200,21 @@ def test_an_https_token_is_sent_only_when_the_server_asks(tmp_path, upstream):
             Mirror(tmp_path / "third.git", server.url(upstream), untrusted).fetch()
     finally:
         server.close()
+
+
+def _dep(in_sync: bool = True, progressing: bool = False, error: str | None = None) -> DeploymentSync:
+    return DeploymentSync("tiny", in_sync, "c0ffee", 1, progressing, error)
+
+
+@pytest.mark.parametrize("record, deployments, phase", [
+    (SyncRecord(), [], "Synced"),
+    (SyncRecord(), [_dep()], "Synced"),
+    (SyncRecord(last_error="git fetch failed"), [_dep()], "Degraded"),
+    (SyncRecord(applied_at=1000.0), [_dep(in_sync=False)], "Progressing"),  # just published
+    (SyncRecord(applied_at=0.0), [_dep(in_sync=False, progressing=True)], "Progressing"),
+    (SyncRecord(applied_at=0.0), [_dep(in_sync=False, error="plan infeasible")], "Degraded"),
+    (SyncRecord(applied_at=0.0), [_dep(in_sync=False)], "OutOfSync"),  # rolled back by hand
+    (SyncRecord(applied_at=0.0), [_dep(), _dep(in_sync=False)], "OutOfSync"),
+])
+def test_a_source_phase_is_decided_by_its_record_and_deployments(record, deployments, phase):
+    assert phase_of(record, deployments, now=1001.0).value == phase
