@@ -218,3 +218,18 @@ def _dep(in_sync: bool = True, progressing: bool = False, error: str | None = No
 ])
 def test_a_source_phase_is_decided_by_its_record_and_deployments(record, deployments, phase):
     assert phase_of(record, deployments, now=1001.0).value == phase
+
+
+def test_with_an_api_key_the_webhook_needs_only_its_signature_and_sources_the_control_token():
+    from fastapi.testclient import TestClient
+
+    from deploykit.control.sources.worker import Sources
+    from deploykit.serve.app import Deployments, create_app
+
+    client = TestClient(create_app(Deployments([]), api_key="k" * 20, control_token="t" * 20, sources=Sources([])))
+    assert client.post("/hooks/sources/models", content=b"{}").status_code == 404  # past the key: no such source
+    assert client.get("/sources").status_code == 401
+    assert client.get("/sources", headers={"Authorization": "Bearer " + "k" * 20}).status_code == 401
+    assert client.get("/sources", headers={"Authorization": "Bearer " + "t" * 20}).json() == []
+    assert client.post("/control/v1/sources/models/sync",
+                       headers={"Authorization": "Bearer " + "t" * 20}).status_code == 404
