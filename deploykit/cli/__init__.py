@@ -23,6 +23,7 @@ from .rollback import rollback
 from .rollout import rollout
 from .schema import schema
 from .serve import serve
+from .sources import sources
 from .status import history, status
 from .validate import validate
 
@@ -37,7 +38,7 @@ def main(verbose: int) -> None:
 
 
 for _verb in (validate, plan, reshard, verify, apply, diff, status, history, rollback, rollout, golden, delete,
-              serve, schema):
+              serve, schema, sources):
     main.add_command(_verb)
 
 __all__ = ["main"]

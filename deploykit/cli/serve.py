@@ -6,12 +6,16 @@ import logging
 import os
 from collections.abc import Callable
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import click
 
 from ..errors import DeploykitError
 from ..files import read_regular_file
 from .console import STATE_OPTION, err, handle_errors, store
+
+if TYPE_CHECKING:
+    from ..spec.source import GitSource
 
 
 @click.command()
@@ -35,6 +39,9 @@ from .console import STATE_OPTION, err, handle_errors, store
               help="Serve the control API on this unix socket only (mode 0600: this user alone), not on --host: "
                    "/control there answers 404, so /v1 can face the network while /control does not. The CLI "
                    "finds it through server.json.")
+@click.option("--source", "source_file", type=click.Path(exists=True, dir_okay=False), default=None, metavar="FILE",
+              help="Follow the git repository a `kind: GitSource` file declares (instead of PATH): fetched into "
+                   "the state directory, each commit checked whole before it applies. docs/gitops.md.")
 @click.option("--prune", is_flag=True, help="Remove deployments whose manifest files are removed.")
 @click.option("--devices", metavar="SPEC", default=None, help="Simulated inventory (CPU-only plans).")
 @click.option("--debounce", type=float, default=0.3, show_default=True, help="Seconds a burst of file "
@@ -72,8 +79,9 @@ from .console import STATE_OPTION, err, handle_errors, store
               show_default=True, help="Least severe log lines written to stderr (loads, frees, client disconnects).")
 @STATE_OPTION
 @handle_errors
-def serve(path: str | None, host: str, port: int, api_key: str | None, api_key_file: str | None,
-          control_token: str | None, control_token_file: str | None, control_socket: str | None, prune: bool,
+def serve(path: str | None, source_file: str | None, host: str, port: int, api_key: str | None,
+          api_key_file: str | None, control_token: str | None, control_token_file: str | None,
+          control_socket: str | None, prune: bool,
           devices: str | None, budget: str | None, budget_timeout: float, debounce: float, drain_timeout: float,
           header_timeout: float, allow_paths: tuple[str, ...], allow_engine_binary: bool, allow_remote_code: bool,
           allow_cluster: bool, tls_cert: str | None, tls_key: str | None, body_timeout: float,
@@ -92,6 +100,7 @@ def serve(path: str | None, host: str, port: int, api_key: str | None, api_key_f
     from ..control.budget.host import Host
     from ..control.revisions.state import open_store
     from ..control.live.supervisor import Supervisor
+    from ..control.sources.worker import SourceSync, Sources, live_directory, source_root
     from ..serve.app import WithoutControl, create_app
     from ..serve.auth import check_bind, loopback_hosts
     from ..serve.discovery import find_server, new_token, remove_server_file, server_info, write_server_file
@@ -109,6 +118,7 @@ def serve(path: str | None, host: str, port: int, api_key: str | None, api_key_f
                               remote_code=allow_remote_code, cluster=allow_cluster)
     _log_to_stderr(log_level)
     states = open_store(store(state_dir).directory)
+    source = _load_source(source_file, path)
     other = find_server(states.directory)
     if other is not None:
         raise DeploykitError(f"another deploykit serve (pid {other.pid}, {other.url}) already owns the state "
@@ -116,8 +126,14 @@ def serve(path: str | None, host: str, port: int, api_key: str | None, api_key_f
     token = control_token or new_token()
     budget_source = "--budget" if budget is None or os.environ.get("DEPLOYKIT_BUDGET") != budget else "DEPLOYKIT_BUDGET"
     budgeted = Host(serve_budget(budget, devices, source=budget_source), wait_timeout=budget_timeout)
-    supervisor = Supervisor(Path(path) if path else None, store=states, devices=devices, prune=prune,
-                            debounce=debounce, host=budgeted, policy=policy)
+    followed = source_root(states.directory, source.name) if source is not None else None
+    if followed is not None:
+        followed.mkdir(parents=True, exist_ok=True, mode=0o700)
+    watched = live_directory(followed) if followed is not None else Path(path) if path else None
+    supervisor = Supervisor(watched, store=states, devices=devices, prune=prune or bool(source and source.spec.prune),
+                            debounce=debounce, host=budgeted, policy=policy, rollback_owned=source is not None)
+    sources = Sources([SourceSync(source, root=followed, supervisor=supervisor)]
+                      if source is not None and followed is not None else [])
     sock = bind(host, port)
     control_sock = bind_unix(control_socket) if control_socket else None
     scheme = "https" if tls_cert else "http"
@@ -131,10 +147,13 @@ def serve(path: str | None, host: str, port: int, api_key: str | None, api_key_f
         write_server_file(states.directory, server_info(local_url, token, cacert=tls_cert,
                                                         control_socket=control_socket))
         written = True
-        supervisor.start()
+        supervisor.start()  # a source's last applied commit serves from disk: nothing is fetched first
+        sources.start()
         names = ", ".join(n for n, _ in supervisor.items()) or "none"
-        source = f"watching {supervisor.path}" if supervisor.path else "restored from the state store"
-        err.print(f"deploykit serve: serving {len(supervisor.items())} deployment(s): {names}; {source}; "
+        following = (f"following the git source {source.name} ({source.spec.url}, {source.spec.ref.describe()})"
+                     if source is not None else f"watching {supervisor.path}" if supervisor.path
+                     else "restored from the state store")
+        err.print(f"deploykit serve: serving {len(supervisor.items())} deployment(s): {names}; {following}; "
                   f"under {budgeted.budget.describe()}", markup=False)
         for file, problem in supervisor.problems().items():
             err.print(f"deploykit serve: {file}: not deployed: {problem}", markup=False)
@@ -145,7 +164,7 @@ def serve(path: str | None, host: str, port: int, api_key: str | None, api_key_f
     listening = Listening(drain_timeout=drain_timeout, header_timeout=header_timeout, tls_cert=tls_cert,
                           tls_key=tls_key)
     try:
-        app = create_app(supervisor, api_key=api_key, control_token=token, openapi=openapi,
+        app = create_app(supervisor, api_key=api_key, control_token=token, openapi=openapi, sources=sources,
                          allowed_hosts=loopback_hosts(host, api_key), body_timeout=body_timeout,
                          stream_send_timeout=stream_send_timeout)
         main, control = (app, None) if control_sock is None else (WithoutControl(app), (app, control_sock))
@@ -158,6 +177,7 @@ def serve(path: str | None, host: str, port: int, api_key: str | None, api_key_f
             remove_server_file(states.directory, token)
         err.print("deploykit serve: stopping: draining in-flight work")
         try:
+            sources.close()  # a fetch under way is killed: nothing is published while the deployments close
             supervisor.close()  # waits for loads under way: nothing uses Ray after this
             _report_left(owned.join(drain_timeout))
         finally:
@@ -166,6 +186,17 @@ def serve(path: str | None, host: str, port: int, api_key: str | None, api_key_f
         # daemon threads (Ray's, engines') may still log while the interpreter shuts down; a write to
         # stderr then aborts the process ("could not acquire lock ... at interpreter shutdown")
         logging.getLogger("deploykit").handlers.clear()
+
+
+def _load_source(source_file: str | None, path: str | None) -> GitSource | None:
+    """The GitSource of ``--source`` (refused beside PATH: a server follows one or the other)."""
+    if source_file is None:
+        return None
+    if path is not None:
+        raise DeploykitError("give PATH or --source, not both: a server follows a directory or a git source")
+    from ..spec.source import load_source
+
+    return load_source(source_file)
 
 
 MIN_SECRET = 16  # characters of an API key or control token: guessing one online must be hopeless

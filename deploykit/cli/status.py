@@ -14,6 +14,7 @@ from ..units import format_size
 from .console import OUTPUT_OPTION, STATE_OPTION, handle_errors, out, print_json, store
 from .remote import SERVER_OPTION, connect
 from .rollout import rollout_lines
+from .source_lines import source_lines
 
 
 def _reports(name: str | None, server: str | None, state_dir: str | None) -> list[dict[str, Any]]:
@@ -39,6 +40,7 @@ def _reports(name: str | None, server: str | None, state_dir: str | None) -> lis
 def status(name: str | None, output: str, server: str | None, state_dir: str | None) -> None:
     """Phase, serving revision, conditions, plan summary and last error of NAME (default: all)."""
     reports = _reports(name, server, state_dir)
+    sources = _sources(server, state_dir) if name is None and output != "json" else []
     if output == "json":
         print_json(reports[0] if name else reports)
         return
@@ -63,8 +65,19 @@ def status(name: str | None, output: str, server: str | None, state_dir: str | N
         if r.get("rollout") and r["rollout"]["stage"] in ("golden", "traffic"):
             for line in rollout_lines(r["rollout"]):
                 out.print(f"  {line}", markup=False)
+        if r.get("git_commit"):
+            out.print(f"  commit {r['git_commit'][:12]}", markup=False)
         if r["last_error"]:
             out.print(f"  last error: {r['last_error']}", markup=False)
+    for source in sources:
+        for line in source_lines(source):
+            out.print(f"git source {line}" if not line.startswith(" ") else line, markup=False)
+
+
+def _sources(server: str | None, state_dir: str | None) -> list[dict[str, Any]]:
+    """The git sources of the server (none without one)."""
+    remote = connect(server, state_dir)
+    return list(remote.call("GET", "/sources")) if remote is not None else []
 
 
 def _memory_line(b: dict[str, Any]) -> str:

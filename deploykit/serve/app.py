@@ -21,6 +21,7 @@ from starlette.types import Receive, Scope, Send
 
 from ..control.live.status import not_ready
 from . import ops
+from . import sources as source_routes
 from .auth import BODY_TIMEOUT, DEFAULT_MAX_BODY, Guard
 from .errors import error_response, install_handlers
 from .metrics import new_registry
@@ -34,6 +35,7 @@ from .served_by import ServedBy
 
 if TYPE_CHECKING:
     from ..control.live.deployment import Deployment
+    from ..control.sources.worker import Sources
 
 
 class Deployments:
@@ -70,7 +72,7 @@ class Deployments:
 def create_app(registry: Registry, *, api_key: str | None = None, max_body: int = DEFAULT_MAX_BODY,
                control_token: str | None = None, openapi: bool = False,
                allowed_hosts: frozenset[str] | None = None, body_timeout: float = BODY_TIMEOUT,
-               stream_send_timeout: float = SEND_TIMEOUT) -> AnthropicWire:
+               stream_send_timeout: float = SEND_TIMEOUT, sources: Sources | None = None) -> AnthropicWire:
     """The API over ``registry`` (a ``Supervisor`` or ``Deployments``). ``api_key``: required bearer key.
     ``control_token``: serve the control API (``/control/v1``, docs/control.md) behind this bearer token;
     the registry must then be a ``Supervisor``, whose policy (``control/admission.py``) every manifest it
@@ -78,6 +80,7 @@ def create_app(registry: Registry, *, api_key: str | None = None, max_body: int 
     (behind the API key, if any; off by default: it maps every route for whoever asks).
     ``allowed_hosts``/``body_timeout``: ``auth.Guard``'s.
     ``stream_send_timeout``: seconds a stream waits for its client to take a chunk (``openai.stream``).
+    ``sources``: the git sources the server follows (``/sources``, their sync and webhook routes).
     Outermost, ``AnthropicWire`` gives ``/v1/messages`` Anthropic's key header and error shape."""
     from .. import __version__
 
@@ -85,14 +88,16 @@ def create_app(registry: Registry, *, api_key: str | None = None, max_body: int 
                   openapi_url="/openapi.json" if openapi else None)
     app.state.registry = registry
     app.state.stream_send_timeout = stream_send_timeout
-    app.state.prometheus, app.state.metrics = new_registry(registry)
+    app.state.sources = sources
+    app.state.prometheus, app.state.metrics = new_registry(registry, sources)
     install_handlers(app)
-    for module in (models, chat, completions, responses, messages, embeddings, ops):
+    for module in (models, chat, completions, responses, messages, embeddings, ops, source_routes):
         app.include_router(module.router)
     if control_token:
         from . import control
 
         app.include_router(control.router)
+        app.include_router(source_routes.control_router)
     return AnthropicWire(Guard(ServedBy(app), api_key=api_key, max_body=max_body, control_token=control_token,
                                allowed_hosts=allowed_hosts, body_timeout=body_timeout))
 

@@ -34,8 +34,9 @@ UNKNOWN_MODEL = ""  # deploykit_client_disconnects_total{model_name}: a client g
 log = logging.getLogger(__name__)
 
 OPEN_PATHS = frozenset({"/healthz", "/readyz"})
-OPERATOR_PATHS = frozenset({"/status"})  # with an API key: the control token's, not the key's
+OPERATOR_PATHS = frozenset({"/status", "/sources"})  # with an API key: the control token's, not the key's
 CONTROL_PREFIX = "/control/"
+WEBHOOK_PREFIX = "/hooks/"  # a git host's push notification: its route checks the source's webhook secret
 DEFAULT_MAX_BODY = 4 * 2**20
 BODY_TIMEOUT = 30.0
 LOOPBACK_NAMES = frozenset({"localhost", "127.0.0.1", "::1"})
@@ -129,7 +130,7 @@ class Guard:
     def _authorised(self, scope: Scope) -> bool:
         if scope["path"].startswith(CONTROL_PREFIX):  # never open: the control token or nothing
             return self._control(scope)
-        if not self.api_key or scope["path"] in OPEN_PATHS:
+        if not self.api_key or scope["path"] in OPEN_PATHS or scope["path"].startswith(WEBHOOK_PREFIX):
             return True
         if scope["path"] in OPERATOR_PATHS:
             return self._control(scope)

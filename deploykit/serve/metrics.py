@@ -16,6 +16,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Histo
 if TYPE_CHECKING:
     from ..control.budget.host import Host
     from ..control.live.status import LiveStatus
+    from ..control.sources.worker import Sources
     from .openai.common import Registry
 
 _LABELS = ("model_name", "generation")
@@ -179,7 +180,38 @@ def budget_metrics(host: Host, loaded_of: dict[str, str]) -> Iterator[Any]:
     yield from (loaded, loads, unloads, budget, used, seconds)
 
 
-def new_registry(deployments: Registry) -> tuple[CollectorRegistry, ServingMetrics]:
+def new_registry(deployments: Registry, sources: Sources | None = None) -> tuple[CollectorRegistry, ServingMetrics]:
     registry = CollectorRegistry(auto_describe=True)
     registry.register(DeploymentCollector(deployments))
+    if sources is not None:
+        registry.register(SourceCollector(sources))
     return registry, ServingMetrics(registry)
+
+
+_SOURCE_PHASES = ("Synced", "Progressing", "OutOfSync", "Degraded")
+
+
+class SourceCollector:
+    """The git sources at scrape time: phase, sync and error counts, when they last fetched and applied."""
+
+    def __init__(self, sources: Sources) -> None:
+        self.sources = sources
+
+    def collect(self) -> Iterator[Any]:
+        phase = GaugeMetricFamily("deploykit_source_phase", "1 for the phase a git source is in",
+                                  labels=["source", "phase"])
+        syncs = CounterMetricFamily("deploykit_source_syncs", "Fetches that ended without an error", labels=["source"])
+        errors = CounterMetricFamily("deploykit_source_errors", "Fetches or commits that failed", labels=["source"])
+        fetched = GaugeMetricFamily("deploykit_source_last_fetch_timestamp_seconds", "When the source last fetched",
+                                    labels=["source"])
+        applied = GaugeMetricFamily("deploykit_source_last_applied_timestamp_seconds",
+                                    "When this process last applied a commit of the source", labels=["source"])
+        for sync in self.sources.all():
+            status = sync.status()
+            for name in _SOURCE_PHASES:
+                phase.add_metric([sync.name, name], 1.0 if status.phase.value == name else 0.0)
+            syncs.add_metric([sync.name], status.record.syncs)
+            errors.add_metric([sync.name], status.record.errors)
+            fetched.add_metric([sync.name], status.record.last_fetch or 0.0)
+            applied.add_metric([sync.name], status.record.applied_at or 0.0)
+        yield from (phase, syncs, errors, fetched, applied)

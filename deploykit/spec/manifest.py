@@ -35,6 +35,7 @@ class LoadedManifest:
     source: str  # the file as the user named it
     base_dir: Path  # relative paths in the manifest resolve against this
     document: Document
+    commit: str | None = None  # the git commit it came from, when known apart from its file (a recorded revision)
 
     @property
     def name(self) -> str:

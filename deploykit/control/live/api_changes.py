@@ -39,9 +39,10 @@ class ApiChanges:
     """The changes the control API asks of ``roster`` (``files``: the followed files, if any, which own
     some names and inherit deleted ones)."""
 
-    def __init__(self, roster: Roster, files: FollowedFiles | None) -> None:
+    def __init__(self, roster: Roster, files: FollowedFiles | None, *, rollback_owned: bool = False) -> None:
         self.roster = roster
         self.files = files
+        self.rollback_owned = rollback_owned  # a git source's files: `deploykit rollback` is an emergency brake
 
     def restore(self) -> None:
         """Serve every deployment the state store records with a current revision: its recorded
@@ -183,11 +184,33 @@ class ApiChanges:
         aborted = self._abort_rollout(name, to_revision, on_step)
         if aborted is not None:
             return aborted
+        if self.rollback_owned and self.roster.owners.file_of(name) is not None:
+            return self._rollback_owned(name, to_revision, progress=progress, on_step=on_step, on_wait=on_wait)
         self.roster.owners.check_api_change(name, "roll back")
         target = rollback_target(self.roster.store, name, to_revision=to_revision)
         outcome = self.apply_manifest(recorded_manifest(target), force=True, progress=progress, on_step=on_step,
                                       on_wait=on_wait, what="rollback")
         return target, outcome
+
+    def _rollback_owned(self, name: str, to_revision: int | None, *, progress: ProgressSink | None,
+                        on_step: StepSink | None, on_wait: StepSink | None) -> tuple[Revision, ApplyOutcome]:
+        """Roll back a deployment a git source's file owns: the recorded revision serves, admitted like any
+        change, while the file stays its owner (the source shows OutOfSync; its next change of the file, or
+        its self-heal, applies the file again)."""
+        from ..revisions.lifecycle import rollback_target
+
+        target = rollback_target(self.roster.store, name, to_revision=to_revision)
+        loaded = recorded_manifest(target)
+        admit(loaded, self.roster.policy)
+        with self.roster.turns.exclusive(name, "rollback", on_wait):
+            dep = self.roster.get(name)
+            if dep is None:
+                raise DeploykitError(f"{name!r} does not serve here: nothing to roll back")
+            result = dep.roll_to(loaded, force=True, progress=progress, on_step=on_step, adopt=False)
+        log.warning("%s rolled back to revision %d; %s still owns it: its next change (or the source's self-heal) "
+                    "applies it again", name, target.revision, self.roster.owners.file_of(name))
+        assert result.outcome is not None
+        return target, result.outcome
 
     def _abort_rollout(self, name: str, to_revision: int | None,
                        on_step: StepSink | None) -> tuple[Revision, ApplyOutcome] | None:

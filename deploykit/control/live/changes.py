@@ -189,12 +189,14 @@ class ChangeRunner:
         return swapped
 
     def roll(self, given: LoadedManifest | None, *, force: bool, progress: ProgressSink | None,
-              on_step: StepSink, change: Change | None) -> RolloutResult:
-        """``roll_to`` (``given``) or ``reconcile`` (None: the file as it is now), raising on failure."""
+              on_step: StepSink, change: Change | None, adopt: bool = True) -> RolloutResult:
+        """``roll_to`` (``given``) or ``reconcile`` (None: the file as it is now), raising on failure.
+        ``adopt`` False: ``given`` serves but the file stays this deployment's manifest (its next reload
+        reads the file again: an emergency rollback of a git source's deployment)."""
         if self.closed:
             raise ApplyError(f"{self.name!r} is being deleted")
         result = self._reload_once(given, force=force, progress=progress, on_step=on_step, raise_errors=True,
-                                   change=change)
+                                   change=change, adopt=adopt)
         assert isinstance(result, RolloutResult)
         if result.swapped:
             self._notify()

@@ -260,14 +260,15 @@ class Deployment(EmbeddedApi):
             raise
 
     def roll_to(self, loaded: LoadedManifest, *, force: bool = False, progress: ProgressSink | None = None,
-                on_step: StepSink = None, change: Change | None = None) -> RolloutResult:
+                on_step: StepSink = None, change: Change | None = None, adopt: bool = True) -> RolloutResult:
         """Roll out ``loaded`` (a manifest handed over, e.g. by the control API) instead of re-reading
-        the file; it becomes this deployment's manifest. Unlike ``reload`` it raises on failure (after
-        recording it as a reload failure: the serving generation stays). ``change``: ``loaded`` already
-        checked and planned by the caller."""
+        the file; it becomes this deployment's manifest (unless ``adopt`` is False: the file stays it, and
+        its next reload reads the file). Unlike ``reload`` it raises on failure (after recording it as a
+        reload failure: the serving generation stays). ``change``: ``loaded`` already checked and planned
+        by the caller."""
         self.supersede(loaded)
         return self._worker.call(lambda: self._changes.roll(loaded, force=force, progress=progress, on_step=on_step,
-                                                    change=change))
+                                                    change=change, adopt=adopt))
 
     def reconcile(self, *, force: bool = False, progress: ProgressSink | None = None,
                   on_step: StepSink = None) -> RolloutResult:

@@ -51,16 +51,19 @@ StepSink = Callable[[str], None]
 
 class Supervisor:
     """Holds the deployments of ``path`` (None: no files; the recorded deployments, restored at
-    start) and follows the files. ``policy``: the operator's (default ``Policy()``: no engine binary, remote
+    start) and follows the files. ``rollback_owned``: the files are a git source's published commit, and
+    ``rollback`` may serve a recorded revision of a name they own (an emergency; the files stay its owner).
+    ``policy``: the operator's (default ``Policy()``: no engine binary, remote
     code or cluster), which every manifest of every source passes before it becomes live."""
 
     def __init__(self, path: Path | None, *, store: StateStore, devices: str | None = None, prune: bool = False,
-                 debounce: float = 0.3, host: Host | None = None, policy: Policy | None = None) -> None:
+                 debounce: float = 0.3, host: Host | None = None, policy: Policy | None = None,
+                 rollback_owned: bool = False) -> None:
         self.path = Path(path).resolve() if path is not None else None
         self.roster = Roster(store=store, devices=devices, host=host, policy=policy or Policy())
         self.files = (FollowedFiles(self.roster, self.path, prune=prune, debounce=debounce)
                       if self.path is not None else None)
-        self.api_changes = ApiChanges(self.roster, self.files)
+        self.api_changes = ApiChanges(self.roster, self.files, rollback_owned=rollback_owned)
         self.close_timeout = 120.0  # how long close waits for loads under way
         self._starting = False
         self._started = threading.Event()  # start() returned

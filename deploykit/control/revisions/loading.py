@@ -260,8 +260,10 @@ def recorded_manifest(revision: Revision) -> LoadedManifest:
     """The manifest a revision recorded (normalised, absolute paths), loaded again."""
     from ...spec.manifest import parse_manifests
 
+    from dataclasses import replace
+
     [loaded] = parse_manifests(revision.manifest_text.encode(), source=revision.manifest_path,
                                base_dir=Path(revision.manifest_path).parent)
     if loaded.name != revision.name:
         raise ApplyError(f"revision {revision.revision} of {revision.name!r} records another name")
-    return loaded
+    return replace(loaded, commit=revision.git_commit)  # a rollback records the commit its content came from

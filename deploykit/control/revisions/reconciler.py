@@ -89,8 +89,16 @@ class ApplyOutcome:
     health: str | None = None
 
 
+COMMIT_MARKER = ".deploykit-commit"  # beside a git source's published manifests: the commit they came from
+
+
 def git_commit(path: Path) -> str | None:
-    """HEAD of the git work tree holding ``path``, if any."""
+    """The commit ``path`` came from: a git source's commit (its marker beside the file), else HEAD of the
+    git work tree holding ``path``, if any."""
+    try:
+        return (path.parent / COMMIT_MARKER).read_text().strip() or None
+    except OSError:
+        pass
     try:
         out = subprocess.run(["git", "-C", str(path.parent), "rev-parse", "HEAD"], capture_output=True,
                              text=True, timeout=5)
@@ -196,7 +204,7 @@ def _act(change: Change, store: StateStore, checkpoint: Checkpoint | None, finge
     source = Path(loaded.source).resolve()
     revision = store.begin_revision(
         name=loaded.name, manifest_path=str(source), manifest_text=loaded.text, manifest_digest=loaded.digest,
-        checkpoint_fingerprint=fingerprint, git_commit=git_commit(source))
+        checkpoint_fingerprint=fingerprint, git_commit=loaded.commit or git_commit(source))
     if decision.actions:  # why this revision exists (a damaged shard is named here), for `deploykit history`
         store.record_event(loaded.name, "Decided", f"revision {revision}: {decision.actions[0].reason}")
     try:
