@@ -8,17 +8,15 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from dataclasses import replace
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
 from deploykit.control.live.supervisor import Supervisor
-from deploykit.control.revisions.loading import recorded_manifest
 from deploykit.control.revisions.state import StateStore
 from deploykit.control.sources.worker import SourceSync, live_directory, source_root
-from deploykit.errors import DeploykitError
+from deploykit.spec.manifest import load_manifests
 from deploykit.spec.source import parse_source
 from gitrepos import GitDaemon, allowed_signers, commit_files, new_repo, ssh_key
 from helpers import wait_until
@@ -174,9 +172,6 @@ def test_a_rollback_shows_out_of_sync_and_self_heal_applies_the_commit_again(tmp
     f.sync.sync_now()
     wait_until(lambda: f.commit_of("tiny") == second and f.phase() == "Synced", 120, "the second commit serves")
 
-    elsewhere = replace(recorded_manifest(f.store.current("tiny")), source=str(tmp_path / "elsewhere.yaml"))
-    with pytest.raises(DeploykitError, match="owned by the watched file"):  # an API apply of the name: refused
-        f.supervisor.apply_manifest(elsewhere)
     target, _ = f.supervisor.rollback("tiny")  # the emergency brake: the first commit's content serves
     assert f.store.current("tiny").git_commit == first == target.git_commit
     if not self_heal:
@@ -185,9 +180,21 @@ def test_a_rollback_shows_out_of_sync_and_self_heal_applies_the_commit_again(tmp
         assert drift["out_of_sync"] == ["tiny"]
         assert {"field": "spec.sharding.max_shard_size", "serving": 200 << 10, "commit": 100 << 10} in \
             drift["deployments"][0]["differs"]
+    else:
+        wait_until(lambda: f.commit_of("tiny") == second and f.phase() == "Synced", 60, "self-heal applies the commit")
+        assert f.store.current("tiny").manifest_digest != target.manifest_digest
+
+    elsewhere = tmp_path / "elsewhere.yaml"  # an API apply of the name, from a file the source does not own
+    elsewhere.write_text(model_text.replace("200KiB", "300KiB"))
+    applied = f.supervisor.apply_manifest(load_manifests(elsewhere)[0])
+    assert applied.status == "applied"
+    if not self_heal:
+        wait_until(lambda: f.phase() == "OutOfSync" and {"field": "spec.sharding.max_shard_size", "serving": 300 << 10,
+                                                         "commit": 100 << 10}
+                   in f.sync.status().to_dict()["deployments"][0]["differs"], 30, "the apply shows as drift")
         return
-    wait_until(lambda: f.commit_of("tiny") == second and f.phase() == "Synced", 60, "self-heal applies the commit")
-    assert f.store.current("tiny").manifest_digest != target.manifest_digest
+    wait_until(lambda: (f.store.current("tiny").revision > applied.revision and f.commit_of("tiny") == second
+                        and f.phase() == "Synced"), 60, "self-heal applies the commit over the API apply")
 
 
 def test_a_remote_stopped_then_started_again_is_retried_with_backoff(tmp_path, model_text, followed):

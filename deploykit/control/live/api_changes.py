@@ -103,6 +103,11 @@ class ApiChanges:
                                  "the server plans with its own inventory (deploykit serve --devices)")
         change = Change(loaded, devices or roster.devices,  # checked once, planned once, whatever runs it
                         budget_cpu=roster.host.cpu_bytes if roster.host is not None and not devices else None)
+        if what == "apply" and self._source_owned(name, loaded):  # drift from the source: OutOfSync, healable
+            if dry_run:
+                return self.dry_run(change, force=force)
+            return self._roll_owned(name, loaded, change, force=force, progress=progress, on_step=on_step,
+                                    on_wait=on_wait, what="apply")
         if roster.owners.check_api_change(name, what, Path(loaded.source) if what == "apply" else None):
             if dry_run:
                 return self.dry_run(change, force=force)
@@ -192,25 +197,47 @@ class ApiChanges:
                                       on_wait=on_wait, what="rollback")
         return target, outcome
 
+    def _source_owned(self, name: str, loaded: LoadedManifest) -> bool:
+        """``name`` is owned by a git source's file (``rollback_owned``) and ``loaded`` is not that file."""
+        owner = self.roster.owners.file_of(name) if self.rollback_owned else None
+        return owner is not None and Path(loaded.source).resolve() != owner
+
     def _rollback_owned(self, name: str, to_revision: int | None, *, progress: ProgressSink | None,
                         on_step: StepSink | None, on_wait: StepSink | None) -> tuple[Revision, ApplyOutcome]:
-        """Roll back a deployment a git source's file owns: the recorded revision serves, admitted like any
-        change, while the file stays its owner (the source shows OutOfSync; its next change of the file, or
-        its self-heal, applies the file again)."""
+        """Roll back a deployment a git source's file owns (``_roll_owned`` of the recorded revision)."""
         from ..revisions.lifecycle import rollback_target
 
         target = rollback_target(self.roster.store, name, to_revision=to_revision)
         loaded = recorded_manifest(target)
         admit(loaded, self.roster.policy)
-        with self.roster.turns.exclusive(name, "rollback", on_wait):
+        outcome = self._roll_owned(name, loaded, None, force=True, progress=progress, on_step=on_step,
+                                   on_wait=on_wait, what="rollback")
+        return target, outcome
+
+    def _roll_owned(self, name: str, loaded: LoadedManifest, change: Change | None, *, force: bool,
+                    progress: ProgressSink | None, on_step: StepSink | None, on_wait: StepSink | None,
+                    what: str) -> ApplyOutcome:
+        """An API apply or a rollback of a deployment a git source's file owns (an emergency brake, as
+        ``kubectl apply`` on an Argo CD application): ``loaded`` serves while the file stays its owner, so
+        the source shows OutOfSync with what differs, and its next change of the file, or its self-heal,
+        applies the file again."""
+        from ...errors import ManifestError
+
+        if change is not None:
+            issues = change.issues()
+            if issues:
+                raise ManifestError(issues)
+        self._supersede(name, loaded)
+        with self.roster.turns.exclusive(name, what, on_wait):
             dep = self.roster.get(name)
             if dep is None:
-                raise DeploykitError(f"{name!r} does not serve here: nothing to roll back")
-            result = dep.roll_to(loaded, force=True, progress=progress, on_step=on_step, adopt=False)
-        log.warning("%s rolled back to revision %d; %s still owns it: its next change (or the source's self-heal) "
-                    "applies it again", name, target.revision, self.roster.owners.file_of(name))
+                raise DeploykitError(f"{name!r} does not serve here: nothing to {what}")
+            result = dep.roll_to(loaded, force=force, progress=progress, on_step=on_step, change=change,
+                                 adopt=False)
+        log.warning("%s: a %s through the control API serves; %s still owns it: its next change (or the "
+                    "source's self-heal) applies it again", name, what, self.roster.owners.file_of(name))
         assert result.outcome is not None
-        return target, result.outcome
+        return result.outcome
 
     def _abort_rollout(self, name: str, to_revision: int | None,
                        on_step: StepSink | None) -> tuple[Revision, ApplyOutcome] | None:
