@@ -20,12 +20,14 @@ class Intake:
     cached beginning (request id -> its hit) until its join step takes it."""
 
     def __init__(self, queue: Admission, fw: Forwards, *, max_batch_size: int, kv_cache_bytes: int,
-                 kv_bytes_per_token: int, layers: int, prefix: PrefixCache | None, prefill_chunk: int) -> None:
+                 kv_bytes_per_token: int, layers: int, prefix: PrefixCache | None, prefill_chunk: int,
+                 verify_room: int = 0) -> None:
         self._queue, self._fw = queue, fw
         self.max_batch_size, self.kv_cache_bytes = max_batch_size, kv_cache_bytes
         self.kv_bytes_per_token, self._layers = kv_bytes_per_token, layers
         self.prefix, self.prefill_chunk = prefix, prefill_chunk
         self.hits: dict[str, Hit] = {}
+        self.verify_room = verify_room  # positions a verification step appends beyond a row's kept ones at most
 
     def admit(self, rows: list[RequestHandle], width: int) -> list[RequestHandle]:
         """Pop waiting requests (FIFO) that fit the batch-size and KV-byte budgets."""
@@ -35,7 +37,7 @@ class Intake:
         def fits(taken: list[RequestHandle], h: RequestHandle) -> bool:
             need = [size(r) for r in rows + taken]
             # the padded cache if all rows run to the end, with its headroom and one layer in transit
-            worst = peak_positions(len(need) + 1, width + max(need + [size(h)]), self._layers)
+            worst = peak_positions(len(need) + 1, width + max(need + [size(h)]) + self.verify_room, self._layers)
             return not need or worst * self.kv_bytes_per_token <= self.kv_cache_bytes  # else wait for rows to end
 
         return self._queue.take(self.max_batch_size - len(rows), fits)
