@@ -101,6 +101,9 @@ def speculative_problem(spec: Any) -> tuple[str, str] | None:
     if draft is not None and draft.path is not None and draft.path.suffix.lower() == ".gguf":
         return ("speculative.draft.path", "the transformers engine's draft model is a checkpoint directory "
                 "(config.json + *.safetensors), not a GGUF file")
+    if speculative.method == "draft":
+        return ("speculative.method", "method draft is not yet supported by the transformers engine: use method: "
+                "ngram (prompt lookup), or the llama.cpp engine with a GGUF draft model")
     if spec.serving.batching == "continuous":
         return ("speculative", "transformers' continuous batching has no speculative decoding; use batching: "
                 "padded (deploykit's batch loop)")
