@@ -252,3 +252,39 @@ def test_a_draft_stops_before_the_first_token_the_grammar_forbids(tmp_path: Path
     bad = tokenizer('x', add_special_tokens=False)["input_ids"]
     assert row.allowed_prefix(ok + bad + ok) == len(ok)
     assert row.allowed_prefix(bad) == 0 and row.allowed_prefix(ok) == len(ok)  # the state was rolled back each time
+
+
+def test_the_plan_counts_the_verification_positions_in_the_kv_cache() -> None:
+    from deploykit.model.structure import Block, Structure
+    from deploykit.placement.inventory import Gpu, Inventory
+    from deploykit.placement.planner import plan
+    from deploykit.spec.schema import Spec
+
+    blocks = tuple(Block(name=f"layers.{i}", modules=(f"layers.{i}",), kind="embedding" if i == 0 else "layer",
+                         weight_bytes=1000, flops_per_token=1, kv_bytes_per_token=0 if i == 0 else 2,
+                         logits_bytes_per_token=0) for i in range(4))
+    toy = Structure(architecture="Toy", model_type="toy", dtype="float16", blocks=blocks, embedding_block=0)
+    inventory = Inventory(gpus=(Gpu(0, 1 << 20),))
+
+    def planned(**extra: Any) -> Any:
+        return plan(toy, Spec.model_validate({"model": {"path": "/m"}, "serving": {"max_concurrent": 4},
+                                              "placement": {"gpus": [0], "reserve": 0, "kv_cache": {"tokens": 100}},
+                                              **extra}), inventory)
+
+    plain, fast = planned(), planned(speculative={"method": "ngram", "num_tokens": 5})
+    assert plain.kv_cache_tokens == 100 and fast.kv_cache_tokens == 100 + 4 * 6  # 4 rows x (5 drafts + 1)
+    assert fast.devices[0].bytes - plain.devices[0].bytes == 4 * 6 * 2 * 3
+    assert any("speculative decoding" in note for note in fast.notes)
+
+
+def test_method_draft_is_refused_for_the_transformers_engine_at_its_field(tmp_path: Path) -> None:
+    from deploykit.errors import ManifestError
+    from deploykit.spec.manifest import load_manifests
+
+    path = tmp_path / "m.yaml"
+    path.write_text("apiVersion: deploykit/v1\nkind: ModelDeployment\nmetadata: {name: m}\nspec:\n"
+                    "  model: {path: /m}\n  speculative:\n    method: draft\n    draft: {quantized: int4}\n")
+    with pytest.raises(ManifestError) as info:
+        load_manifests(path)
+    assert "spec.speculative.method" in str(info.value) and "not yet supported by the transformers engine" in str(
+        info.value)

@@ -66,7 +66,7 @@ class PaddedBackend:
         self._intake = Intake(queue, self._fw, max_batch_size=max_batch_size, kv_cache_bytes=kv_cache_bytes,
                               kv_bytes_per_token=kv_bytes_per_token, layers=layers, prefix=self.prefix,
                               prefill_chunk=prefill_chunk,  # admission and start of new requests (intake.py)
-                              verify_room=speculative.num_tokens + 1 if speculative else 0)
+                              draft_tokens=speculative.num_tokens if speculative else 0)
         self.speculator = Speculator(speculative) if speculative is not None else None  # drafts (speculative.py)
         self.mixable = mixable(model)  # decode steps and prompt chunks share forwards (mixed.py)
         self.mixed_steps = 0  # forwards that held the rows' tokens and a prompt's chunk (read by any thread)

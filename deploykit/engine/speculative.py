@@ -29,10 +29,10 @@ from dataclasses import dataclass, field
 
 import torch
 
+from ..spec.speculative import verification_room
 from .requests import RequestHandle
 from .types import Speculation
 
-VERIFY_POSITIONS = 64  # positions in a verification forward at most: rows x (drafts + 1)
 MAX_PAUSE = 64  # steps a request that keeps failing waits at most before it drafts again
 
 
@@ -103,7 +103,7 @@ class Speculator:
         s = self.settings
         live = {h.id for h in rows}
         self._paces = {k: v for k, v in self._paces.items() if k in live}  # rows that left take their pace along
-        most = min(s.num_tokens, VERIFY_POSITIONS // max(1, len(rows)) - 1)
+        most = verification_room(s.num_tokens, len(rows)) - 1
         if most < 1:
             return [[] for _ in rows]
         return [self._draft(h, most) for h in rows]

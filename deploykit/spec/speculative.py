@@ -26,6 +26,23 @@ from .values import Strict
 
 MAX_DRAFT_TOKENS = 32  # drafted per step: each is a position every verification step computes
 MAX_NGRAM = 32
+VERIFY_POSITIONS = 64  # the transformers engine: positions of one verification forward at most, rows x (drafts + 1)
+
+
+def verification_room(num_tokens: int, rows: int) -> int:
+    """Positions each of ``rows`` rows appends in a verification step at most (the transformers engine): its
+    last token and its drafts, within ``VERIFY_POSITIONS`` for the batch."""
+    return min(num_tokens + 1, VERIFY_POSITIONS // max(1, rows))
+
+
+def verification_positions(spec: Any) -> int:
+    """KV positions verification adds beside the rows' own at most (0: no speculation, or the llama.cpp
+    engine, which plans its own): counted in the plan's KV room."""
+    s = spec.speculative
+    if s is None or spec.engine.name == "llama.cpp":
+        return 0
+    rows = spec.serving.max_concurrent
+    return rows * verification_room(s.num_tokens, rows)
 
 
 class Draft(Strict):
