@@ -17,7 +17,10 @@ Prompts with more than ``prefill_chunk`` tokens left to compute (after what the 
 read alone in chunks (``prefill.py``), each in the same forward as the running rows' next tokens (a mixed
 step, ``mixed.py``, each token with its row's LoRA adapter; where a model cannot be mixed, chunks and decode
 steps alternate):
-running rows keep producing tokens meanwhile, and such a prompt joins the batch only once it is read. Limits of
+running rows keep producing tokens meanwhile, and such a prompt joins the batch only once it is read. With
+``spec.speculative`` (``speculative.py``) a decode step whose rows have drafts is a verification step: every
+row's last token and its drafts in one forward, the accepted ones kept (not while a prompt's chunk is read
+beside the rows: that step decodes one token per row). Limits of
 the padded loop: rows pad to the longest row while they run together (the padding goes when it leaves),
 short new prompts still join in one padded prefill step, and it serves full and sliding-window attention
 (a windowed layer keeps every position, the model's mask applies the window: ``kvcache.growing_cache``),
