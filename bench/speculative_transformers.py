@@ -35,7 +35,7 @@ def load(args: argparse.Namespace) -> tuple[Any, Any] | None:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     path = args.model
-    if path is None and DEFAULT.is_dir():
+    if path is None and DEFAULT.is_dir():  # where the other benchmarks keep it
         path = DEFAULT
     if path is None and args.import_gguf:
         from common import WORK
@@ -55,9 +55,11 @@ def one(model: Any, tokenizer: Any, prompt: list[int], max_tokens: int, speculat
     engine = Engine(model, tokenizer, speculative=speculative)
     try:
         engine.submit(GenerationRequest(prompt, max_new_tokens=4)).result(600)  # warm: first-call costs
+        before = engine.stats()
         start = time.perf_counter()
         result = engine.submit(GenerationRequest(prompt, max_new_tokens=max_tokens)).result(600)
-        return time.perf_counter() - start, result.token_ids, engine.stats()
+        seconds, after = time.perf_counter() - start, engine.stats()
+        return seconds, result.token_ids, {k: v - before.get(k, 0) for k, v in after.items() if k.startswith("spec")}
     finally:
         engine.close(60)
 
@@ -97,9 +99,11 @@ def main() -> None:
     n = len(answers["none"])
     base, fast = statistics.median(times["none"]), statistics.median(times["ngram"])
     rate = stats["speculative_accepted"] / max(1, stats["speculative_drafted"])
+    # forwards after the prefill: verification steps, and a decode step for each token none of them gave
+    forwards = stats["speculative_steps"] + (n - 1 - stats["speculative_emitted"])
     print(f"median: none {n / base:.1f} tok/s, ngram {n / fast:.1f} tok/s ({base / fast:.2f}x); identical answers; "
-          f"last ngram run: drafted {stats['speculative_drafted']}, accepted {stats['speculative_accepted']} "
-          f"({rate:.0%}), {stats['speculative_steps']} verification steps")
+          f"ngram: drafted {stats['speculative_drafted']}, accepted {stats['speculative_accepted']} ({rate:.0%}), "
+          f"{forwards} forwards after the prefill ({stats['speculative_steps']} verifying) against {n - 1}")
     print(f"load average after: {os.getloadavg()}")
     print("answer:", tokenizer.decode(answers["ngram"])[:300].replace("\n", " "))
 

@@ -103,6 +103,13 @@ def test_greedy_answers_are_identical_and_drafts_are_accepted(llama: Any) -> Non
     assert stats["speculative_emitted"] > stats["speculative_steps"]  # more than a token per verification
 
 
+@pytest.mark.parametrize("name", ["mistral", "qwen2", "gemma", "gpt2"])
+def test_greedy_answers_are_identical_on_other_architectures(tiny_model: Callable[[str], Path], name: str) -> None:
+    model = AutoModelForCausalLM.from_pretrained(tiny_model(name), dtype=torch.float32).eval()
+    requests = [GenerationRequest(p, max_new_tokens=24) for p in repeating_prompts(8, seed=8)]
+    assert_same_and_accepted(model, requests)
+
+
 def test_greedy_equals_generate(llama: Any) -> None:
     prompt = repeating_prompts(2, seed=3)[1]
     with torch.inference_mode():
