@@ -53,8 +53,8 @@ class Draft(Strict):
                           "(transformers engine) or a GGUF file (llama.cpp engine). A relative path resolves "
                           "against the manifest's directory.")
     quantized: Literal["int8", "int4"] | None = Field(
-        None, description="The serving checkpoint itself, quantized this way, as its own draft (transformers "
-                          "engine only).")
+        None, description="The serving checkpoint itself, quantized this way, as its own draft (meant for the "
+                          "transformers engine, which does not serve method draft yet: refused at validation).")
 
     @model_validator(mode="after")
     def _one_source(self) -> Draft:
@@ -71,7 +71,7 @@ class Speculative(Strict):
 
     method: Literal["ngram", "draft"] = Field(
         description="ngram: drafts looked up in the prompt and output so far (no second model); draft: drafts "
-                    "from spec.speculative.draft.")
+                    "from spec.speculative.draft (the llama.cpp engine only, for now).")
     num_tokens: int = Field(
         8, ge=1, le=MAX_DRAFT_TOKENS, strict=True,
         description="Most tokens drafted per step; each is one more position in the verification forward.")
