@@ -155,6 +155,26 @@ def test_seeded_samples_are_the_same_with_and_without(llama: Any) -> None:
     assert_same_and_accepted(llama, requests)
 
 
+def test_the_prefix_cache_keeps_what_verification_steps_computed(llama: Any) -> None:
+    """Rows that leave after verification steps put their KV in the prefix cache (the accepted positions
+    only, right-aligned): a second round of the same prompts, and prompts continuing the first answers,
+    read it and answer as without speculation."""
+    prompts = repeating_prompts(8, seed=9)
+    first = [GenerationRequest(p, max_new_tokens=24) for p in prompts]
+    plain, _ = answers(llama, first, None)
+    continued = [GenerationRequest(tuple(p) + tuple(r.token_ids[:20]), max_new_tokens=16)
+                 for p, r in zip(prompts, plain)]
+    expected, _ = answers(llama, continued, None)
+    with engine(llama, speculative=NGRAM, prefix_cache_bytes=8 << 20) as eng:
+        again = [eng.submit(r).result(120) for r in first]
+        later = [eng.submit(r).result(120) for r in continued]
+        stats = eng.stats()
+    assert [r.token_ids for r in again] == [r.token_ids for r in plain]
+    assert [r.token_ids for r in later] == [r.token_ids for r in expected]
+    assert all(r.cached_tokens > len(p) for r, p in zip(later, prompts))  # generated positions were read back
+    assert stats["speculative_accepted"] > 0
+
+
 def test_sixteen_at_once_with_rows_joining_and_leaving(llama: Any) -> None:
     prompts = repeating_prompts(40, seed=5)
     requests = [GenerationRequest(p, max_new_tokens=8 + 4 * (i % 9)) for i, p in enumerate(prompts)]
