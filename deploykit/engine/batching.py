@@ -28,7 +28,7 @@ from typing import Any, Literal, Protocol
 
 from .adapters import Adapters, UnknownAdapter
 from .admission import Admission, FinishReason, QueueFull
-from .types import Limits, context_length as context_of, eos_set
+from .types import Limits, Speculation, context_length as context_of, eos_set
 from .continuous import ContinuousBackend
 from .grammar import Grammars
 from .padded import PaddedBackend
@@ -60,7 +60,7 @@ class Engine:
                  max_batch_size: int = 16, max_queued: int = 64, kv_cache_bytes: int = 256 << 20,
                  forward_lock: threading.Lock | None = None, cb_page_size: int = 64, prefix_cache_bytes: int = 0,
                  prefill_chunk: int = 256, context_length: int | None = None,
-                 adapters: Adapters | None = None) -> None:
+                 adapters: Adapters | None = None, speculative: Speculation | None = None) -> None:
         if forward_lock is not None:
             backend = "padded"  # offload hooks: deploykit's loop takes the lock around each forward
         self.model, self.tokenizer, self.backend = model.eval(), tokenizer, backend
@@ -70,6 +70,10 @@ class Engine:
         self.prefix_cache_bytes, self.prefill_chunk = prefix_cache_bytes, prefill_chunk
         self.context_length = context_length or context_of(model.config, Limits())  # the longest request
         self.adapters = adapters  # LoRA adapters: the padded loop computes each row with its own
+        self.speculative = speculative  # spec.speculative: drafts verified by the padded loop (speculative.py)
+        if speculative is not None and backend == "continuous":
+            raise ValueError("spec.speculative: transformers' continuous batching has no speculative decoding; "
+                             "use spec.serving.batching: padded")
         self._queue = Admission(max_queued=max_queued)  # request ids and closing; padded: the waiting requests
         self._batcher: Backend = self._start_backend(backend, forward_lock, cb_page_size)
         self.grammars = None if backend == "continuous" else grammars_for(model, tokenizer, self.eos_ids)
@@ -86,7 +90,7 @@ class Engine:
                              max_batch_size=self.max_batch_size, kv_cache_bytes=self.kv_cache_bytes,
                              kv_bytes_per_token=self.kv_bytes_per_token, forward_lock=forward_lock,
                              prefix_cache_bytes=self.prefix_cache_bytes, prefill_chunk=self.prefill_chunk,
-                             adapters=self.adapters)
+                             adapters=self.adapters, speculative=self.speculative)
 
     def resize_kv_cache(self, kv_cache_bytes: int) -> bool:
         """Admit new requests against ``kv_cache_bytes`` from now (the plan's KV room changed: a live adapter

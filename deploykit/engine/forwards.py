@@ -98,6 +98,24 @@ class Forwards:
             layer.values = torch.cat([c.layers[j].values for _, _, c, _ in ran])[:, :, lead:]
         return [h for h, _, _, _ in ran], torch.cat([lg for _, lg, _, _ in ran]), cache, mask[:, lead:]
 
+    def verify(self, rows: list[RequestHandle], drafts: list[list[int]], cache: Any, mask: torch.Tensor
+               ) -> tuple[torch.Tensor, Any, torch.Tensor]:
+        """A verification step (``speculative.py``): each row's last token and its draft, ``K + 1`` positions
+        per row (``K`` the longest draft; a shorter one is filled with its last token, after its real
+        positions, where the causal mask keeps them out of the real ones). Every position's logits
+        ``[rows, K + 1, vocab]``, the cache with ``K + 1`` new positions per row, and its mask."""
+        k, width = max(len(d) for d in drafts), mask.shape[1]
+        ids = [[h.tokens[-1], *d] for h, d in zip(rows, drafts)]
+        ids = [row + [row[-1]] * (k + 1 - len(row)) for row in ids]
+        before = mask.sum(1, keepdim=True)  # each row's real positions so far
+        mask = F.pad(mask, (0, k + 1), value=1)
+        with self.of(rows):
+            out = self.model(input_ids=torch.tensor(ids, device=mask.device), attention_mask=mask,
+                             position_ids=before + torch.arange(k + 1, device=mask.device), use_cache=True,
+                             logits_to_keep=k + 1, **with_cache(self.model, cache))
+        assert mask.shape[1] == width + k + 1
+        return out.logits.float(), returned_cache(out), mask
+
     def mixed(self, rows: list[RequestHandle], p: Prefill, chunk: int, cache: Any, mask: torch.Tensor
               ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
         """The mixed forward of the rows' next tokens and up to ``chunk`` tokens of ``p``: the rows' logits,

@@ -302,6 +302,18 @@ class RowGrammar:
         if not self.matcher.accept_token(token):
             raise RuntimeError(f"the grammar refused token {token} that its own mask allowed")
 
+    def allowed_prefix(self, tokens: list[int]) -> int:
+        """How many of ``tokens``, from the first, the grammar accepts in turn from its state now (the state
+        is left as it was: the matcher rolls back what it tried)."""
+        n = 0
+        for token in tokens:
+            if self.matcher.is_terminated() or not self.matcher.accept_token(token):
+                break
+            n += 1
+        if n:
+            self.matcher.rollback(n)
+        return n
+
     @property
     def terminated(self) -> bool:
         return bool(self.matcher.is_terminated())

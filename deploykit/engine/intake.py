@@ -7,6 +7,7 @@ chunks (``prefill.py``) between or beside the running rows' decode steps.
 
 from __future__ import annotations
 
+from ..spec.speculative import verification_room
 from .admission import Admission
 from .forwards import Forwards
 from .kvcache import peak_positions
@@ -20,12 +21,14 @@ class Intake:
     cached beginning (request id -> its hit) until its join step takes it."""
 
     def __init__(self, queue: Admission, fw: Forwards, *, max_batch_size: int, kv_cache_bytes: int,
-                 kv_bytes_per_token: int, layers: int, prefix: PrefixCache | None, prefill_chunk: int) -> None:
+                 kv_bytes_per_token: int, layers: int, prefix: PrefixCache | None, prefill_chunk: int,
+                 draft_tokens: int = 0) -> None:
         self._queue, self._fw = queue, fw
         self.max_batch_size, self.kv_cache_bytes = max_batch_size, kv_cache_bytes
         self.kv_bytes_per_token, self._layers = kv_bytes_per_token, layers
         self.prefix, self.prefill_chunk = prefix, prefill_chunk
         self.hits: dict[str, Hit] = {}
+        self.draft_tokens = draft_tokens  # spec.speculative.num_tokens (0: no speculation)
 
     def admit(self, rows: list[RequestHandle], width: int) -> list[RequestHandle]:
         """Pop waiting requests (FIFO) that fit the batch-size and KV-byte budgets."""
@@ -35,7 +38,8 @@ class Intake:
         def fits(taken: list[RequestHandle], h: RequestHandle) -> bool:
             need = [size(r) for r in rows + taken]
             # the padded cache if all rows run to the end, with its headroom and one layer in transit
-            worst = peak_positions(len(need) + 1, width + max(need + [size(h)]), self._layers)
+            room = verification_room(self.draft_tokens, len(need) + 1) if self.draft_tokens else 0  # drafts' positions
+            worst = peak_positions(len(need) + 1, width + max(need + [size(h)]) + room, self._layers)
             return not need or worst * self.kv_bytes_per_token <= self.kv_cache_bytes  # else wait for rows to end
 
         return self._queue.take(self.max_batch_size - len(rows), fits)

@@ -202,6 +202,26 @@ def truncate(cache: Any, n: int) -> None:
             layer.keys, layer.values = layer.keys[:, :, :n], layer.values[:, :, :n]
 
 
+def keep_verified(cache: Any, mask: torch.Tensor, width: int, kept: list[int]) -> torch.Tensor:
+    """After a verification step (``speculative.py``): row i keeps the first ``kept[i]`` of the positions the
+    step appended after column ``width`` (its rejected drafts go). Rows that keep fewer than the most are
+    moved right, in place in their buffers, so every row still ends at the last column; the new columns
+    on their left are zeroed padding. Returns the batch's new mask."""
+    most, rows = max(kept), len(kept)
+    end = width + most
+    shifts = [(i, most - k) for i, k in enumerate(kept) if k < most]
+    for layer in cache.layers:
+        for x in (layer.keys, layer.values):
+            for i, shift in shifts:
+                x[i, :, shift:end] = x[i, :, :end - shift].clone()
+                x[i, :, :shift].zero_()
+        layer.keys, layer.values = layer.keys[:, :, :end], layer.values[:, :, :end]
+    out = mask.new_zeros(rows, end)
+    for i, k in enumerate(kept):
+        out[i, most - k:] = mask[i, :width + k]
+    return out
+
+
 def keep_rows(cache: Any, rows: torch.Tensor, lead: int) -> None:
     """Keep only ``rows`` of every layer of ``cache``, without their first ``lead`` positions: each layer's
     rows copied into a new buffer with ``HEADROOM`` more positions, which replaces the old one before the

@@ -17,7 +17,10 @@ Prompts with more than ``prefill_chunk`` tokens left to compute (after what the 
 read alone in chunks (``prefill.py``), each in the same forward as the running rows' next tokens (a mixed
 step, ``mixed.py``, each token with its row's LoRA adapter; where a model cannot be mixed, chunks and decode
 steps alternate):
-running rows keep producing tokens meanwhile, and such a prompt joins the batch only once it is read. Limits of
+running rows keep producing tokens meanwhile, and such a prompt joins the batch only once it is read. With
+``spec.speculative`` (``speculative.py``) a decode step whose rows have drafts is a verification step: every
+row's last token and its drafts in one forward, the accepted ones kept (not while a prompt's chunk is read
+beside the rows: that step decodes one token per row). Limits of
 the padded loop: rows pad to the longest row while they run together (the padding goes when it leaves),
 short new prompts still join in one padded prefill step, and it serves full and sliding-window attention
 (a windowed layer keeps every position, the model's mask applies the window: ``kvcache.growing_cache``),
@@ -38,12 +41,14 @@ from .admission import Admission, FinishReason, stop_reason
 from .batch_rows import drop_done, join
 from .forwards import Forwards
 from .intake import Intake
-from .kvcache import growing_cache, merged, truncate
+from .kvcache import growing_cache, keep_verified, merged, truncate
 from .mixed import mixable
 from .prefill import ChunkSizer, Prefill
 from .prefixcache import PrefixCache
 from .requests import RequestHandle
 from .sampling import is_plain_greedy, next_token
+from .speculative import Speculator
+from .types import Speculation
 
 
 class PaddedBackend:
@@ -52,7 +57,8 @@ class PaddedBackend:
 
     def __init__(self, model: Any, tokenizer: Any, queue: Admission, *, eos_ids: set[int], max_batch_size: int,
                  kv_cache_bytes: int, kv_bytes_per_token: int, forward_lock: threading.Lock | None,
-                 prefix_cache_bytes: int = 0, prefill_chunk: int = 256, adapters: Adapters | None = None) -> None:
+                 prefix_cache_bytes: int = 0, prefill_chunk: int = 256, adapters: Adapters | None = None,
+                 speculative: Speculation | None = None) -> None:
         self.model, self.tokenizer, self.eos_ids = model, tokenizer, eos_ids
         self._fw = Forwards(model, forward_lock, adapters)  # the model's forwards (forwards.py)
         self.device, self.adapters = self._fw.device, adapters
@@ -62,11 +68,12 @@ class PaddedBackend:
         self.prefix = PrefixCache(prefix_cache_bytes) if prefix_cache_bytes > 0 else None
         self._intake = Intake(queue, self._fw, max_batch_size=max_batch_size, kv_cache_bytes=kv_cache_bytes,
                               kv_bytes_per_token=kv_bytes_per_token, layers=layers, prefix=self.prefix,
-                              prefill_chunk=prefill_chunk)  # admission and start of new requests (intake.py)
+                              prefill_chunk=prefill_chunk,  # admission and start of new requests (intake.py)
+                              draft_tokens=speculative.num_tokens if speculative else 0)
+        self.speculator = Speculator(speculative) if speculative is not None else None  # drafts (speculative.py)
         self.mixable = mixable(model)  # decode steps and prompt chunks share forwards (mixed.py)
         self.mixed_steps = 0  # forwards that held the rows' tokens and a prompt's chunk (read by any thread)
         self._slots: set[str] = set()  # the adapter slots the prefix cache was last trimmed to
-
 
     def resize_kv(self, kv_cache_bytes: int) -> None:
         """The KV bytes new requests are admitted against from now (a live adapter change took or gave back
@@ -81,7 +88,8 @@ class PaddedBackend:
         handle.finish("cancelled")  # the loop drops the row at its next step
 
     def stats(self) -> dict[str, int]:
-        return {**self._queue.stats(), **(self.prefix.stats() if self.prefix is not None else {})}
+        return {**self._queue.stats(), **(self.prefix.stats() if self.prefix is not None else {}),
+                **(self.speculator.stats() if self.speculator is not None else {})}
 
     def stop(self, timeout: float | None = None) -> None:
         """Nothing to stop: the loop returns once the closed queue is empty and its rows ended."""
@@ -128,10 +136,8 @@ class PaddedBackend:
                     if reading[0].handle.done or step_rows:
                         reading.pop(0)
                 elif rows:
-                    started = time.perf_counter()
-                    rows, logits, cache, mask = self._fw.decode_rows(rows, cache, mask)
+                    rows, logits, cache, mask = self._decode(rows, cache, mask)
                     step_rows, chunk_next = rows, True
-                    self._chunks.decoded(time.perf_counter() - started)  # what a chunk is sized against
                 else:
                     continue
                 self._choose(step_rows, logits)
@@ -193,24 +199,60 @@ class PaddedBackend:
         cache, mask = merged(cache, mask, p.cache, torch.ones(1, p.done, dtype=torch.long, device=self.device))
         return logits, cache, mask, [p.handle]
 
+    def _decode(self, rows: list[RequestHandle], cache: Any, mask: torch.Tensor
+                ) -> tuple[list[RequestHandle], torch.Tensor | None, Any, torch.Tensor]:
+        """A decode step of the running rows, or a verification step where rows have drafts (its tokens are
+        chosen here: no logits left to choose from)."""
+        drafts = self.speculator.drafts(rows) if self.speculator is not None else []
+        if any(drafts):
+            return self._verify(rows, drafts, cache, mask)
+        started = time.perf_counter()
+        rows, logits, cache, mask = self._fw.decode_rows(rows, cache, mask)
+        self._chunks.decoded(time.perf_counter() - started)  # what a chunk is sized against
+        return rows, logits, cache, mask
+
+    def _verify(self, rows: list[RequestHandle], drafts: list[list[int]], cache: Any, mask: torch.Tensor
+                ) -> tuple[list[RequestHandle], torch.Tensor | None, Any, torch.Tensor]:
+        """The rows' last tokens and drafts in one forward; each row's tokens chosen from its positions in
+        turn while they equal its draft, and the cache cut back to what was accepted (``speculative.py``).
+        When the forward fails, the cache keeps none of it and the step is a decode step (each row's failure
+        its own)."""
+        assert self.speculator is not None
+        width = mask.shape[1]
+        try:
+            logits, cache, wide = self._fw.verify(rows, drafts, cache, mask)
+        except Exception:
+            truncate(cache, width)
+            return self._fw.decode_rows(rows, cache, mask)
+        self.speculator.stepped()
+        kept = [self.speculator.accept(h, d, logits[i, :len(d) + 1], self._choose_one)
+                for i, (h, d) in enumerate(zip(rows, drafts))]
+        return rows, None, cache, keep_verified(cache, wide, width, kept)
+
     def _choose(self, rows: list[RequestHandle], logits: torch.Tensor | None) -> None:
         """Each row's next token (one argmax for all plain greedy rows); a row that fails here fails alone."""
         if logits is None:
             return
         greedy = logits.argmax(-1).tolist() if any(is_plain_greedy(h.request) for h in rows) else []
         for i, h in enumerate(rows):
-            if h.done:
-                continue
-            try:
-                if greedy and is_plain_greedy(h.request):
-                    tok, lp = greedy[i], None
-                else:
-                    tok, lp = next_token(logits[i], h.request, h.tokens, h.rng, h.grammar)
-                h.push(tok, lp)
-                if reason := self._stop_hit(h, tok):
-                    h.finish(reason)
-            except Exception as exc:
-                h.finish("error", repr(exc))
+            if not h.done:
+                self._choose_one(h, logits[i], greedy[i] if greedy else None)
+
+    def _choose_one(self, h: RequestHandle, logits: torch.Tensor, greedy: int | None = None) -> int | None:
+        """Push ``h``'s next token from its ``logits`` (``greedy``: their argmax, when known) and end the row
+        where it stops; the token, or None when the row failed here (alone)."""
+        try:
+            if is_plain_greedy(h.request):
+                tok, lp = (int(logits.argmax()) if greedy is None else greedy), None
+            else:
+                tok, lp = next_token(logits, h.request, h.tokens, h.rng, h.grammar)
+            h.push(tok, lp)
+            if reason := self._stop_hit(h, tok):
+                h.finish(reason)
+            return tok
+        except Exception as exc:
+            h.finish("error", repr(exc))
+            return None
 
     def _stop_hit(self, h: RequestHandle, tok: int) -> FinishReason | None:
         return stop_reason(h, tok, eos_ids=self.eos_ids, tokenizer=self.tokenizer)

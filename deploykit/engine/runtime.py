@@ -24,6 +24,7 @@ if TYPE_CHECKING:
     from .adapters import AdapterSource, Adapters
     from .loader import LoadedModel
     from .serving import TextEngine
+    from .types import Speculation
 
 log = logging.getLogger(__name__)
 def eos_ids_of(checkpoint: Any, config: Any) -> set[int]:
@@ -76,7 +77,8 @@ class TextRuntime:
 
     @classmethod
     def in_process(cls, loaded: LoadedModel, limits: Limits, *, kv_cache_bytes: int,
-                   forward_lock: threading.Lock | None, adapters: Sequence[AdapterSource] = ()) -> TextRuntime:
+                   forward_lock: threading.Lock | None, adapters: Sequence[AdapterSource] = (),
+                   speculative: Speculation | None = None) -> TextRuntime:
         """The batching engine over a model loaded in this process, with ``adapters`` loaded (the padded
         loop serves LoRA adapters, and takes more while it serves: ``TextRuntime.adapters``)."""
         from .adapters import Adapters
@@ -95,7 +97,7 @@ class TextRuntime:
                         max_queued=limits.max_queued, kv_cache_bytes=kv_cache_bytes, forward_lock=forward_lock,
                         backend="padded" if padded else "continuous",
                         prefix_cache_bytes=loaded.plan.prefix_cache_bytes, prefill_chunk=limits.prefill_chunk,
-                        context_length=length, adapters=registry)
+                        context_length=length, adapters=registry, speculative=speculative)
         return cls(engine, loaded.tokenizer, limits, context_length=length, loaded=loaded)
 
     @property
@@ -173,7 +175,8 @@ Runtime = TextRuntime | EmbeddingRuntime
 
 
 def build_runtime(loaded: LoadedModel, limits: Limits, *, task: str, kv_cache_bytes: int,
-                  forward_lock: threading.Lock | None, adapters: Sequence[AdapterSource] = ()) -> Runtime | None:
+                  forward_lock: threading.Lock | None, adapters: Sequence[AdapterSource] = (),
+                  speculative: Speculation | None = None) -> Runtime | None:
     """The runtime for ``task``; None when the model cannot serve requests (no tokenizer, or a task
     the API does not offer): ``acquire()`` still works."""
     if loaded.tokenizer is None:
@@ -181,7 +184,7 @@ def build_runtime(loaded: LoadedModel, limits: Limits, *, task: str, kv_cache_by
         return None
     if task == Task.CAUSAL_LM:
         return TextRuntime.in_process(loaded, limits, kv_cache_bytes=kv_cache_bytes, forward_lock=forward_lock,
-                                      adapters=adapters)
+                                      adapters=adapters, speculative=speculative)
     if task == Task.FEATURE_EXTRACTION:
         return EmbeddingRuntime(loaded, limits)
     return None

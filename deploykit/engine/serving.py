@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, Protocol, runtime_checkable
 from ..names import Task
 from .adapters import AdapterSource
 from .loader import LoadOptions
-from .types import Limits
+from .types import Limits, Speculation
 
 if TYPE_CHECKING:
     from .requests import GenerationRequest, GenerationResult, RequestHandle
@@ -32,6 +32,7 @@ class ServingSpec:
     health_input: str = "Hello"
     health_timeout: float = 60.0
     adapters: tuple[AdapterSource, ...] = ()  # spec.adapters, paths resolved
+    speculative: Speculation | None = None  # spec.speculative (method ngram; the padded loop's drafts)
 
     @property
     def task(self) -> Task:

@@ -27,6 +27,17 @@ class Limits:
 
 
 @dataclass(frozen=True)
+class Speculation:
+    """``spec.speculative`` as the padded loop serves it (``speculative.py``): drafts of at most ``num_tokens``
+    tokens, looked up after the last ``ngram_max`` .. ``ngram_min`` tokens of the prompt and output so far."""
+
+    method: str = "ngram"
+    num_tokens: int = 8
+    ngram_min: int = 1
+    ngram_max: int = 4
+
+
+@dataclass(frozen=True)
 class Constraint:
     """What a request's output must follow: a JSON schema (as JSON text, so it hashes and caches), from
     the request field ``param`` ("response_format" or "tools"). ``strict``: properties the schema does not

@@ -9,6 +9,7 @@ from typing import NamedTuple
 from ..errors import PlanInfeasible
 from ..model.structure import Block, Structure
 from ..spec.schema import Spec
+from ..spec.speculative import verification_positions
 from .inventory import Inventory
 
 
@@ -24,6 +25,8 @@ class BlockSizes(NamedTuple):
 def block_sizes(structure: Structure, spec: Spec) -> BlockSizes:
     blocks = structure.blocks
     tokens = spec.placement.kv_cache.tokens if spec.placement.kv_cache else 0
+    if tokens:  # speculative decoding's verification positions, beside the rows' own
+        tokens += verification_positions(spec)
     gpu = [_footprint(b, tokens) for b in blocks]
     offload = [b.weight_bytes for b in blocks]
     loads = gpu if spec.placement.balance == "memory" else [b.flops_per_token for b in blocks]

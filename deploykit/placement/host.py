@@ -9,6 +9,7 @@ from collections.abc import Iterable, Sequence
 from ..errors import PlanInfeasible
 from ..model.structure import Block, Structure
 from ..spec.schema import Spec
+from ..spec.speculative import verification_positions
 from ..units import format_size
 from .capacity import BlockSizes, block_sizes, gpu_budgets, offload_tiers, resolve_gpus
 from .inventory import Inventory
@@ -34,7 +35,7 @@ def plan_host(structure: Structure, spec: Spec, inventory: Inventory, *, name: s
         name=name, architecture=structure.architecture, dtype=structure.dtype,
         balance=spec.placement.balance, device_map=device_map, devices=tuple(devices),
         bottleneck_factor=factor, total_bytes=sum(d.bytes for d in devices),
-        kv_cache_tokens=sizes.tokens or None, notes=tuple(_notes(structure, sizes, ratios, held)),
+        kv_cache_tokens=sizes.tokens or None, notes=tuple(_notes(structure, sizes, ratios, held, spec)),
         quantization=spec.model.quantization,
         digest=plan_digest(name, structure.architecture, structure.dtype, device_map,
                            quantization=spec.model.quantization))
@@ -154,9 +155,15 @@ def _device_map(blocks: Sequence[Block], runs: Iterable[tuple[Device, tuple[int,
     return device_map
 
 
-def _notes(structure: Structure, sizes: BlockSizes, ratios: list[float], held: int) -> list[str]:
-    """The structure's notes, and one when some blocks (or all: no active GPU) are offloaded."""
+def _notes(structure: Structure, sizes: BlockSizes, ratios: list[float], held: int, spec: Spec) -> list[str]:
+    """The structure's notes, one when some blocks (or all: no active GPU) are offloaded, and one for
+    speculative decoding's verification positions."""
     notes = list(structure.notes)
+    extra = verification_positions(spec)
+    if extra:
+        notes.append(f"speculative decoding ({spec.speculative.method if spec.speculative else ''}): up to {extra} "
+                     "more KV positions while drafts are verified"
+                     + (" (counted in the KV cache's tokens)" if sizes.tokens else ""))
     count = len(structure.blocks)
     if not any(r > 0 for r in ratios):
         notes.append("no GPU in placement: every block runs from the CPU and disk tiers")

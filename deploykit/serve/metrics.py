@@ -80,13 +80,15 @@ class DeploymentCollector:
         engine_crashes = CounterMetricFamily("deploykit_engine_crashes", "llama.cpp: deaths, hangs and stalls of "
                                              "the serving generation's engine process", labels=["deployment"])
         prefix = _prefix_families()
+        speculative, rates = _speculative_families(), _speculative_rates()
         snapshots = [(name, dep, dep.state()) for name, dep in self.registry.items()]  # one per deployment
         for name, dep, snap in snapshots:
             stats = snap.requests
             if stats is not None:
-                for key, family in {"running": running, "waiting": waiting, **prefix}.items():
+                for key, family in {"running": running, "waiting": waiting, **prefix, **speculative}.items():
                     if key in stats:
                         family.add_metric([name, str(snap.generation)], stats[key])
+                _add_rates(rates, [name, str(snap.generation)], stats)
             reloads.add_metric([name], snap.reloads["total"])
             failed.add_metric([name], snap.reloads["failed"])
             records = list(dep.reload_log.records)
@@ -105,6 +107,8 @@ class DeploymentCollector:
         yield from (running, waiting, reloads, failed, duration, generation, in_flight, pending, device_bytes,
                     engine_ready, engine_crashes)
         yield from prefix.values()
+        yield from speculative.values()
+        yield from rates
         yield from rollout_metrics([(name, snap) for name, _, snap in snapshots])
         host = getattr(self.registry, "host", None)
         if host is not None:
@@ -127,6 +131,37 @@ def _prefix_families() -> dict[str, Any]:
         "prefix_cache_evictions": CounterMetricFamily("deploykit_prefix_cache_evictions", "Prefixes evicted to "
                                                       "stay within prefix_cache.max_bytes", labels=labels),
     }
+
+
+def _speculative_families() -> dict[str, Any]:
+    """Speculative decoding of each serving generation (``engine.speculative``), by the engine's stats keys."""
+    labels = list(_LABELS)
+    return {
+        "speculative_drafted": CounterMetricFamily("deploykit_speculative_drafted_tokens", "Drafted tokens "
+                                                   "verified by the model", labels=labels),
+        "speculative_accepted": CounterMetricFamily("deploykit_speculative_accepted_tokens", "Drafted tokens "
+                                                    "the model accepted (each a token without a step of its own)",
+                                                    labels=labels),
+        "speculative_steps": CounterMetricFamily("deploykit_speculative_verification_steps", "Verification "
+                                                 "forwards", labels=labels),
+    }
+
+
+def _speculative_rates() -> tuple[Any, Any]:
+    labels = list(_LABELS)
+    return (GaugeMetricFamily("deploykit_speculative_acceptance_rate", "Accepted of drafted tokens since the "
+                              "generation started", labels=labels),
+            GaugeMetricFamily("deploykit_speculative_tokens_per_step", "Tokens each row got per verification "
+                              "forward, on average (1: no draft accepted)", labels=labels))
+
+
+def _add_rates(rates: tuple[Any, Any], labels: list[str], stats: dict[str, int]) -> None:
+    if "speculative_drafted" not in stats:
+        return
+    acceptance, per_step = rates
+    acceptance.add_metric(labels, stats["speculative_accepted"] / max(1, stats["speculative_drafted"]))
+    rows = stats["speculative_emitted"] - stats["speculative_accepted"]  # one chosen token per row and step
+    per_step.add_metric(labels, stats["speculative_emitted"] / max(1, rows))
 
 
 def rollout_metrics(deployments: list[tuple[str, LiveStatus]]) -> Iterator[Any]:

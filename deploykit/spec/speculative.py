@@ -26,6 +26,23 @@ from .values import Strict
 
 MAX_DRAFT_TOKENS = 32  # drafted per step: each is a position every verification step computes
 MAX_NGRAM = 32
+VERIFY_POSITIONS = 64  # the transformers engine: positions of one verification forward at most, rows x (drafts + 1)
+
+
+def verification_room(num_tokens: int, rows: int) -> int:
+    """Positions each of ``rows`` rows appends in a verification step at most (the transformers engine): its
+    last token and its drafts, within ``VERIFY_POSITIONS`` for the batch."""
+    return min(num_tokens + 1, VERIFY_POSITIONS // max(1, rows))
+
+
+def verification_positions(spec: Any) -> int:
+    """KV positions verification adds beside the rows' own at most (0: no speculation, or the llama.cpp
+    engine, which plans its own): counted in the plan's KV room."""
+    s = spec.speculative
+    if s is None or spec.engine.name == "llama.cpp":
+        return 0
+    rows = spec.serving.max_concurrent
+    return rows * verification_room(s.num_tokens, rows)
 
 
 class Draft(Strict):
@@ -36,8 +53,8 @@ class Draft(Strict):
                           "(transformers engine) or a GGUF file (llama.cpp engine). A relative path resolves "
                           "against the manifest's directory.")
     quantized: Literal["int8", "int4"] | None = Field(
-        None, description="The serving checkpoint itself, quantized this way, as its own draft (transformers "
-                          "engine only).")
+        None, description="The serving checkpoint itself, quantized this way, as its own draft (meant for the "
+                          "transformers engine, which does not serve method draft yet: refused at validation).")
 
     @model_validator(mode="after")
     def _one_source(self) -> Draft:
@@ -54,7 +71,7 @@ class Speculative(Strict):
 
     method: Literal["ngram", "draft"] = Field(
         description="ngram: drafts looked up in the prompt and output so far (no second model); draft: drafts "
-                    "from spec.speculative.draft.")
+                    "from spec.speculative.draft (the llama.cpp engine only, for now).")
     num_tokens: int = Field(
         8, ge=1, le=MAX_DRAFT_TOKENS, strict=True,
         description="Most tokens drafted per step; each is one more position in the verification forward.")
@@ -101,6 +118,9 @@ def speculative_problem(spec: Any) -> tuple[str, str] | None:
     if draft is not None and draft.path is not None and draft.path.suffix.lower() == ".gguf":
         return ("speculative.draft.path", "the transformers engine's draft model is a checkpoint directory "
                 "(config.json + *.safetensors), not a GGUF file")
+    if speculative.method == "draft":
+        return ("speculative.method", "method draft is not yet supported by the transformers engine: use method: "
+                "ngram (prompt lookup), or the llama.cpp engine with a GGUF draft model")
     if spec.serving.batching == "continuous":
         return ("speculative", "transformers' continuous batching has no speculative decoding; use batching: "
                 "padded (deploykit's batch loop)")

@@ -36,7 +36,8 @@ def specs(*, strategies: tuple[str, ...], on_demand: bool = False) -> st.SearchS
         max_tokens=st.sampled_from([32, 48]),
         shard=st.sampled_from(["2GiB", "300KiB"]),
         schema_broken=st.sampled_from([False, False, False, False, True]),
-        on_demand=st.booleans() if on_demand else st.just(False))
+        on_demand=st.booleans() if on_demand else st.just(False),
+        speculative=st.sampled_from([False, False, True]))
     left_out = open_ops()
     return spec.filter(lambda s: not (s.ops() & left_out))
 

@@ -38,6 +38,7 @@ class Spec:
     shard: str = "2GiB"  # 2GiB: served from the model's own directory; 300KiB: laid out under shards/
     schema_broken: bool = False
     on_demand: bool = False  # lifecycle load: on-demand, keep_alive 1s (under a budget)
+    speculative: bool = False  # spec.speculative: ngram drafts (greedy answers must not change)
 
     def ops(self) -> set[str]:
         """The operation names this manifest exercises (``config.KNOWN_OPEN`` leaves some out)."""
@@ -49,6 +50,8 @@ class Spec:
             out.add("schema_broken")
         if self.on_demand:
             out.add("on_demand")
+        if self.speculative:
+            out.add("speculative")
         if self.adapters and self.strategy == "recreate":
             out.add("recreate_adapters")
         if self.base in ("nan", "missing"):
@@ -122,6 +125,8 @@ class World:
                      f"    gates: {{golden: {self.golden}, min_top1_agreement: 0.9}}\n")
         if spec.on_demand:
             text += "  lifecycle: {load: on-demand, keep_alive: 1s}\n"
+        if spec.speculative:
+            text += "  speculative: {method: ngram, num_tokens: 4}\n"
         if spec.adapters:
             text += "  adapters:\n" + "".join(f"    - {{name: {n}, path: {self.adapters[k]}}}\n"
                                               for n, k in spec.adapters)

@@ -89,7 +89,7 @@ def new_generation(number: int, loaded: LoadedModel, plan: Plan | None, revision
     lock = threading.Lock() if loaded.serialize_forward else None
     runtime = loaded.runtime or build_runtime(loaded, serving.limits, task=serving.load.task,
                                               kv_cache_bytes=kv_cache_budget(plan), forward_lock=lock,
-                                              adapters=serving.adapters)
+                                              adapters=serving.adapters, speculative=serving.speculative)
     return Generation(number, revision, loaded, plan, strategy, forward_lock=lock, runtime=runtime,
                       task=serving.load.task)
 

@@ -103,6 +103,7 @@ class LiveStatus:
     engine_process: EngineProcess | None = None  # llama.cpp: its llama-server
     rollout: CanaryProgress | None = None  # the latest gated rollout: in progress, promoted or rolled back
     adapters: list[ServedAdapter] | None = None  # the LoRA adapters served beside the base
+    speculative: dict[str, Any] | None = None  # spec.speculative as the engine serves it, and its acceptance
 
     def to_dict(self) -> dict[str, Any]:
         out = asdict(self)
@@ -137,7 +138,19 @@ def live_status(view: PoolView, state: State, *, name: str, host: Host | None, m
         engine_process=process,
         rollout=rollout,
         adapters=served_adapters(gen),
+        speculative=speculation_of(engine),
     )
+
+
+def speculation_of(engine: Any) -> dict[str, Any] | None:
+    """The engine's speculative decoding settings and acceptance so far (None: it does not speculate)."""
+    settings = getattr(engine, "speculative", None)
+    if settings is None:
+        return None
+    stats = engine.stats()
+    drafted, accepted = stats.get("speculative_drafted", 0), stats.get("speculative_accepted", 0)
+    return {**asdict(settings), "drafted": drafted, "accepted": accepted,
+            "acceptance_rate": round(accepted / drafted, 4) if drafted else None}
 
 
 def _phase(state: State, process: EngineProcess | None) -> Phase:
@@ -184,6 +197,7 @@ def served_status(store: StateStore, name: str, live: LiveStatus | None) -> dict
         report["engine_process"] = asdict(live.engine_process)
     report["rollout"] = live.rollout.to_dict() if live and live.rollout else None
     report["adapters"] = [asdict(a) for a in live.adapters or []] if live else []
+    report["speculative"] = live.speculative if live else None
     return report
 
 

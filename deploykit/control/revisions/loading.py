@@ -23,6 +23,7 @@ if TYPE_CHECKING:
     from ...engine.llamacpp.process import ServerOptions
     from ...engine.loader import LoadedModel
     from ...engine.serving import ServingSpec
+    from ...engine.types import Speculation
 
 
 def shards_problem(revision: Revision | None, *, hashes: bool) -> str | None:
@@ -77,7 +78,18 @@ def serving_of(loaded: LoadedManifest, *, show_progress: bool = False) -> Servin
 
     adapters = tuple(AdapterSource(a.name, str(loaded.resolve(a.path)), a.scale) for a in spec.adapters)
     return ServingSpec(loaded.name, load, limits, health_input=hc.input, health_timeout=hc.timeout,
-                       adapters=adapters)
+                       adapters=adapters, speculative=speculation_of(loaded))
+
+
+def speculation_of(loaded: LoadedManifest) -> Speculation | None:
+    """``spec.speculative`` as the transformers engine serves it (the llama.cpp engine reads the manifest's
+    own: its flags); method draft is refused at validation for this engine (``spec.speculative``)."""
+    from ...engine.types import Speculation
+
+    s = loaded.manifest.spec.speculative
+    if s is None or s.method != "ngram" or is_llama_cpp(loaded):
+        return None
+    return Speculation(s.method, s.num_tokens, s.ngram_min, s.ngram_max)
 
 
 def load_checked(loaded: LoadedManifest, plan: Plan, shards: Path, timer: StepTimer, *,

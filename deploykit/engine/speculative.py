@@ -1,0 +1,159 @@
+"""Speculative decoding in the padded loop (``spec.speculative``, method ngram: prompt lookup): drafts of each
+decoding row's next tokens, and which of them the model's own choices accept.
+
+Drafting: the tokens that followed the last occurrence of the row's trailing ``ngram_max`` .. ``ngram_min``
+tokens (longest first) in its prompt and output so far, at most ``num_tokens`` of them; under a grammar the
+draft stops before the first token the grammar forbids (its matcher tries them, then rolls back).
+
+Verification (``forwards.Forwards.verify``): one forward of every row's last token and its drafts, ``K + 1``
+positions per row (``K`` the longest draft; a row with fewer fills the rest, which its causal mask keeps out of
+its real positions). Each position's logits are then chosen from exactly as a decode step would (``choose``:
+penalties, bias, grammar, temperature / top_p with the row's own generator, logprobs), one position after
+another; the draft is accepted while the chosen token equals it. For greedy rows that is the answer without
+speculation, token for token. For a sampled row the draft is a point mass q = 1 on token x: sampling y from the
+row's processed distribution p and accepting iff y == x accepts x with probability p(x), and on a rejection
+gives y != x with probability p(y) / (1 - p(x)): the standard rejection rule, and every emitted token follows p.
+The row's generator draws once per emitted token, as without speculation, so a seeded request gives the same
+tokens with and without it. The cache keeps the accepted positions only (``kvcache.keep_verified``).
+
+On only where it pays: each request's draft length backs off (``Pace``: halved when nothing was accepted, then
+drafting pauses for 1, 2, 4 .. 64 steps; doubled back while all is accepted), and the batch's verification
+forward holds at most ``VERIFY_POSITIONS`` positions, so under batch load drafts shrink, then stop.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+import torch
+
+from ..spec.speculative import verification_room
+from .requests import RequestHandle
+from .types import Speculation
+
+MAX_PAUSE = 64  # steps a request that keeps failing waits at most before it drafts again
+
+
+def ngram_draft(seq: Sequence[int], k: int, lo: int, hi: int) -> list[int]:
+    """Up to ``k`` tokens that followed the last earlier occurrence of ``seq``'s trailing ``n`` tokens, for
+    ``n`` from ``hi`` down to ``lo`` (the longest match that occurred first wins); [] when none did."""
+    if k < 1 or len(seq) <= lo:
+        return []
+    t = torch.tensor(seq, dtype=torch.long)
+    for n in range(min(hi, len(seq) - 1), lo - 1, -1):
+        windows = t[:-1].unfold(0, n, 1)  # every window followed by at least one token, the tail's own excluded
+        hits = (windows == t[-n:]).all(1).nonzero()
+        if len(hits):
+            start = int(hits[-1]) + n
+            return [int(x) for x in seq[start:start + k]]
+    return []
+
+
+@dataclass
+class Pace:
+    """How many tokens one request drafts now: halved when none was accepted (at 0, drafting pauses for
+    ``pause`` steps, doubled each time up to ``MAX_PAUSE``, then starts again at 1), doubled when all were."""
+
+    limit: int
+    wait: int = 0
+    pause: int = 1
+
+    def allowed(self) -> int:
+        if self.wait > 0:
+            self.wait -= 1
+            return 0
+        return self.limit
+
+    def after(self, drafted: int, accepted: int, most: int) -> None:
+        if drafted == 0:
+            return
+        if accepted == drafted:
+            self.limit, self.pause = min(most, self.limit * 2), 1
+        elif accepted == 0:
+            self.limit //= 2
+            if self.limit == 0:
+                self.limit, self.wait, self.pause = 1, self.pause, min(MAX_PAUSE, self.pause * 2)
+        else:
+            self.limit = min(most, accepted + 1)
+
+
+@dataclass
+class Counters:
+    """Speculation of one engine since it started (read by any thread: the metrics and status)."""
+
+    drafted: int = 0  # tokens proposed and verified
+    accepted: int = 0  # of those, emitted
+    steps: int = 0  # verification forwards
+    emitted: int = 0  # tokens those forwards produced (accepted drafts and one chosen token per row)
+    lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
+
+
+class Speculator:
+    """The drafts of a batch's rows and their acceptance (one per padded loop, used on its thread)."""
+
+    def __init__(self, settings: Speculation) -> None:
+        self.settings = settings
+        self.counters = Counters()
+        self._paces: dict[str, Pace] = {}
+
+    def drafts(self, rows: list[RequestHandle]) -> list[list[int]]:
+        """Each row's draft (maybe empty) for the next step, within the batch's ``VERIFY_POSITIONS``."""
+        s = self.settings
+        live = {h.id for h in rows}
+        self._paces = {k: v for k, v in self._paces.items() if k in live}  # rows that left take their pace along
+        most = verification_room(s.num_tokens, len(rows)) - 1
+        if most < 1:
+            return [[] for _ in rows]
+        return [self._draft(h, most) for h in rows]
+
+    def _draft(self, h: RequestHandle, most: int) -> list[int]:
+        pace = self._paces.setdefault(h.id, Pace(self.settings.num_tokens))
+        room = h.request.max_new_tokens - len(h.tokens) - 1  # the step chooses one more token after the drafts
+        k = min(most, room, pace.allowed())
+        if h.done or k < 1:
+            return []
+        draft = ngram_draft(list(h.request.prompt_ids) + h.tokens, k, self.settings.ngram_min,
+                            self.settings.ngram_max)
+        if draft and h.grammar is not None:
+            draft = draft[:h.grammar.allowed_prefix(draft)]
+        return draft
+
+    def accept(self, h: RequestHandle, draft: list[int], logits: torch.Tensor,
+               choose: Callable[[RequestHandle, torch.Tensor], int | None]) -> int:
+        """Choose ``h``'s tokens from its verified positions (``logits``: ``[len(draft) + 1, vocab]``) while the
+        chosen token equals the draft; ``choose`` pushes one token (None once the row ended). Returns how many
+        of the row's new positions its cache keeps (its last token's, then each accepted draft's)."""
+        pushed = accepted = 0
+        for j in range(len(draft) + 1):
+            token = None if h.done else choose(h, logits[j])
+            if token is None:  # cancelled, or failed
+                break
+            pushed += 1
+            if j == len(draft) or token != draft[j]:
+                break
+            accepted += 1
+            if h.done:  # the accepted token ended it (EOS, a stop string, max_tokens)
+                break
+        self._count(h, len(draft), accepted, pushed)
+        return max(1, pushed)
+
+    def _count(self, h: RequestHandle, drafted: int, accepted: int, emitted: int) -> None:
+        pace = self._paces.get(h.id)
+        if pace is not None:
+            pace.after(drafted, accepted, self.settings.num_tokens)
+        with self.counters.lock:
+            self.counters.drafted += drafted
+            self.counters.accepted += accepted
+            self.counters.emitted += emitted
+
+    def stepped(self) -> None:
+        with self.counters.lock:
+            self.counters.steps += 1
+
+    def stats(self) -> dict[str, int]:
+        c = self.counters
+        with c.lock:
+            return {"speculative_drafted": c.drafted, "speculative_accepted": c.accepted,
+                    "speculative_steps": c.steps, "speculative_emitted": c.emitted}

@@ -1,0 +1,317 @@
+"""Speculative decoding in the padded loop (deploykit.engine.speculative, spec.speculative method ngram) on real
+tiny models, no mocks: greedy answers are the answers without it, token for token (with stop strings,
+logprobs, penalties, a grammar, LoRA adapters, 16 requests at once), drafts are accepted (so each equality
+could fail), seeded samples are the same with and without it, the sampled distribution is the model's, and a
+request cancelled while it drafts ends alone."""
+
+from __future__ import annotations
+
+import json
+import random
+import threading
+from collections import Counter
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+from deploykit.engine.adapters import Adapters, AdapterSource
+from deploykit.engine.batching import Engine, GenerationRequest, GenerationResult
+from deploykit.engine.speculative import Pace, ngram_draft
+from deploykit.engine.types import Constraint, Speculation
+from lora import chat_ids
+
+NGRAM = Speculation(num_tokens=6, ngram_min=1, ngram_max=3)
+
+
+class CharTokenizer:
+    """One character per id (stop strings decode tails of the ids)."""
+
+    def decode(self, ids: list[int], **_: Any) -> str:
+        return "".join(chr(65 + i % 26) for i in ids)
+
+
+@pytest.fixture(scope="module")
+def llama(tiny_model: Callable[[str], Path]) -> Any:
+    return AutoModelForCausalLM.from_pretrained(tiny_model("llama"), dtype=torch.float32).eval()
+
+
+@contextmanager
+def engine(model: Any, tokenizer: Any = None, **kwargs: Any) -> Iterator[Engine]:
+    eng = Engine(model, tokenizer or CharTokenizer(), **kwargs)
+    try:
+        yield eng
+    finally:
+        eng.close(timeout=60)
+
+
+def repeating_prompts(n: int, seed: int = 0) -> list[tuple[int, ...]]:
+    """Prompts that repeat a span (drafts to find) and random ones (no drafts), 8..60 ids."""
+    rng = random.Random(seed)
+    out = []
+    for i in range(n):
+        head = [rng.randrange(4, 256) for _ in range(rng.randrange(2, 8))]
+        span = [rng.randrange(4, 256) for _ in range(rng.randrange(3, 12))]
+        out.append(tuple(head + span * rng.randrange(2, 5)) if i % 4 else tuple(head + span))
+    return out
+
+
+def answers(model: Any, requests: list[GenerationRequest], speculative: Speculation | None, **kwargs: Any
+            ) -> tuple[list[GenerationResult], dict[str, int]]:
+    with engine(model, speculative=speculative, **kwargs) as eng:
+        handles = [eng.submit(r) for r in requests]
+        results = [h.result(120) for h in handles]
+        return results, eng.stats()
+
+
+def assert_same_and_accepted(model: Any, requests: list[GenerationRequest], **kwargs: Any) -> dict[str, int]:
+    plain, _ = answers(model, requests, None, **kwargs)
+    fast, stats = answers(model, requests, NGRAM, **kwargs)
+    for a, b in zip(plain, fast):
+        assert (b.token_ids, b.finish_reason) == (a.token_ids, a.finish_reason)
+        assert b.completion_tokens == len(b.token_ids)
+    assert stats["speculative_accepted"] > 0, stats  # drafts were verified and accepted: the equality was tested
+    return stats
+
+
+def test_ngram_draft_is_the_continuation_of_the_last_longest_match() -> None:
+    seq = [1, 2, 3, 9, 1, 2, 3, 7, 8, 5, 2, 3]
+    assert ngram_draft(seq, 3, 1, 3) == [7, 8, 5]  # "2 3" last seen before position 5: what followed it
+    assert ngram_draft(seq, 2, 3, 3) == []  # "5 2 3" never occurred before
+    assert ngram_draft([4, 4, 4], 5, 1, 2) == [4]  # the tail's own window is never a match
+    assert ngram_draft([4], 5, 1, 2) == []
+
+
+def test_pace_backs_off_to_a_pause_and_grows_back() -> None:
+    pace = Pace(8)
+    for _ in range(4):
+        pace.after(pace.allowed(), 0, 8)
+    assert (pace.limit, pace.wait) == (1, 1)
+    assert pace.allowed() == 0 and pace.allowed() == 1  # paused one step, then drafts one token
+    pace.after(1, 1, 8)
+    pace.after(2, 2, 8)
+    assert pace.limit == 4
+
+
+def test_greedy_answers_are_identical_and_drafts_are_accepted(llama: Any) -> None:
+    requests = [GenerationRequest(p, max_new_tokens=48) for p in repeating_prompts(24)]
+    stats = assert_same_and_accepted(llama, requests)
+    assert stats["speculative_emitted"] > stats["speculative_steps"]  # more than a token per verification
+
+
+@pytest.mark.parametrize("name", ["mistral", "qwen2", "gemma", "gpt2"])
+def test_greedy_answers_are_identical_on_other_architectures(tiny_model: Callable[[str], Path], name: str) -> None:
+    model = AutoModelForCausalLM.from_pretrained(tiny_model(name), dtype=torch.float32).eval()
+    requests = [GenerationRequest(p, max_new_tokens=24) for p in repeating_prompts(8, seed=8)]
+    assert_same_and_accepted(model, requests)
+
+
+def test_greedy_equals_generate(llama: Any) -> None:
+    prompt = repeating_prompts(2, seed=3)[1]
+    with torch.inference_mode():
+        out = llama.generate(torch.tensor([list(prompt)]), attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
+                             max_new_tokens=40, do_sample=False)
+    [result], stats = answers(llama, [GenerationRequest(prompt, max_new_tokens=40)], NGRAM)
+    assert result.token_ids == [int(t) for t in out[0, len(prompt):]]
+    assert stats["speculative_accepted"] > 0
+
+
+def test_stop_strings_stop_ids_and_max_tokens_end_where_they_would(llama: Any) -> None:
+    prompts = repeating_prompts(16, seed=1)
+    plain, _ = answers(llama, [GenerationRequest(p, max_new_tokens=40) for p in prompts], None)
+    tok = CharTokenizer()
+    requests = []
+    for p, r in zip(prompts, plain):  # a stop string and a stop id taken from inside each plain answer
+        text = tok.decode(r.token_ids)
+        requests.append(GenerationRequest(p, max_new_tokens=40, stop_strings=(text[20:23],)))
+        requests.append(GenerationRequest(p, max_new_tokens=40, stop_token_ids=(r.token_ids[25],)))
+        requests.append(GenerationRequest(p, max_new_tokens=7 + len(p) % 5))
+    assert_same_and_accepted(llama, requests)
+
+
+def test_logprobs_and_penalties_are_per_position_as_without(llama: Any) -> None:
+    prompts = repeating_prompts(12, seed=2)
+    requests = [GenerationRequest(p, max_new_tokens=32, logprobs=3) for p in prompts]
+    requests += [GenerationRequest(p, max_new_tokens=32, presence_penalty=0.3, frequency_penalty=0.2,
+                                   logit_bias=((7, 0.5),)) for p in prompts]
+    plain, _ = answers(llama, requests, None)
+    fast, stats = answers(llama, requests, NGRAM)
+    assert stats["speculative_accepted"] > 0
+    for a, b in zip(plain, fast):
+        assert b.token_ids == a.token_ids
+        for x, y in zip(a.logprobs or [], b.logprobs or []):
+            assert (y.token, [t for t, _ in y.top]) == (x.token, [t for t, _ in x.top])
+            assert y.logprob == pytest.approx(x.logprob, abs=1e-4)
+        assert len(b.logprobs or []) == len(a.logprobs or [])
+
+
+def test_seeded_samples_are_the_same_with_and_without(llama: Any) -> None:
+    requests = [GenerationRequest(p, max_new_tokens=32, temperature=0.03, top_p=0.9, seed=i)
+                for i, p in enumerate(repeating_prompts(12, seed=4))]
+    assert_same_and_accepted(llama, requests)
+
+
+def test_the_prefix_cache_keeps_what_verification_steps_computed(llama: Any) -> None:
+    """Rows that leave after verification steps put their KV in the prefix cache (the accepted positions
+    only, right-aligned): a second round of the same prompts, and prompts continuing the first answers,
+    read it and answer as without speculation."""
+    prompts = repeating_prompts(8, seed=9)
+    first = [GenerationRequest(p, max_new_tokens=24) for p in prompts]
+    plain, _ = answers(llama, first, None)
+    continued = [GenerationRequest(tuple(p) + tuple(r.token_ids[:20]), max_new_tokens=16)
+                 for p, r in zip(prompts, plain)]
+    expected, _ = answers(llama, continued, None)
+    with engine(llama, speculative=NGRAM, prefix_cache_bytes=8 << 20) as eng:
+        again = [eng.submit(r).result(120) for r in first]
+        later = [eng.submit(r).result(120) for r in continued]
+        stats = eng.stats()
+    assert [r.token_ids for r in again] == [r.token_ids for r in plain]
+    assert [r.token_ids for r in later] == [r.token_ids for r in expected]
+    assert all(r.cached_tokens > len(p) for r, p in zip(later, prompts))  # generated positions were read back
+    assert stats["speculative_accepted"] > 0
+
+
+def test_sixteen_at_once_with_rows_joining_and_leaving(llama: Any) -> None:
+    prompts = repeating_prompts(40, seed=5)
+    requests = [GenerationRequest(p, max_new_tokens=8 + 4 * (i % 9)) for i, p in enumerate(prompts)]
+    assert_same_and_accepted(llama, requests, max_batch_size=16)
+
+
+def test_drafts_back_off_under_a_full_batch(llama: Any) -> None:
+    prompts = repeating_prompts(64, seed=6)
+    _, stats = answers(llama, [GenerationRequest(p, max_new_tokens=12) for p in prompts], NGRAM, max_batch_size=64, max_queued=64)
+    # 64 rows: a verification would hold 128 positions, more than VERIFY_POSITIONS: drafting stops while full
+    assert stats["speculative_drafted"] < 64 * 11 * NGRAM.num_tokens // 4
+
+
+def test_sampled_tokens_at_drafted_positions_follow_the_model(llama: Any) -> None:
+    """The second token of a request is chosen at a verification step with a one-token draft (the first
+    comes from the prefill): its empirical distribution over many seeds against the exact one, the sum over
+    the first token of p(first) * p(second | first), by total variation."""
+    temperature, n = 0.02, 1200
+    prompt = [5, 9, 5, 9, 5, 9]
+    ids = torch.tensor([prompt])
+    with torch.inference_mode():
+        first = torch.softmax(llama(ids).logits[0, -1] / temperature, -1)
+        likely = [int(t) for t in torch.nonzero(first > 1e-4)]
+        best = llama(torch.tensor([prompt + [c] for c in likely])).logits[:, -1].argmax(-1).tolist()
+        prompt += [t for c, b in zip(likely, best) for t in (c, b)]  # each likely first token, its likely next: a draft
+        ids = torch.tensor([prompt])
+        first = torch.softmax(llama(ids).logits[0, -1] / temperature, -1)
+        pairs = torch.tensor([prompt + [a] for a in range(first.shape[0])])
+        second = torch.softmax(llama(pairs).logits[:, -1] / temperature, -1)
+    exact = (first[:, None] * second).sum(0)
+    requests = [GenerationRequest(prompt, max_new_tokens=3, temperature=temperature, seed=s) for s in range(n)]
+    results, stats = answers(llama, requests, Speculation(num_tokens=4), max_batch_size=32,
+                             max_queued=n)
+    assert stats["speculative_drafted"] > n // 2 and stats["speculative_accepted"] > 0, stats
+    counts = Counter(r.token_ids[1] for r in results)
+    tv = 0.5 * sum(abs(counts.get(t, 0) / n - float(exact[t])) for t in range(exact.shape[0]))
+    assert tv < 0.08, (tv, counts.most_common(5), torch.topk(exact, 5))
+
+
+def test_a_request_cancelled_while_it_drafts_ends_alone(llama: Any) -> None:
+    prompts = repeating_prompts(8, seed=7)
+    plain, _ = answers(llama, [GenerationRequest(p, max_new_tokens=48) for p in prompts], None)
+    with engine(llama, speculative=NGRAM) as eng:
+        started = threading.Event()
+        victim = eng.submit(GenerationRequest(prompts[1], max_new_tokens=120),
+                            listener=lambda item: started.set())
+        others = [eng.submit(GenerationRequest(p, max_new_tokens=48)) for p in prompts]
+        assert started.wait(60)
+        eng.cancel(victim)
+        assert victim.result(60).finish_reason == "cancelled"
+        assert [h.result(120).token_ids for h in others] == [r.token_ids for r in plain]
+        again = eng.submit(GenerationRequest(prompts[0], max_new_tokens=48)).result(120)  # nothing of it left behind
+        stats = eng.stats()
+    assert again.token_ids == plain[0].token_ids
+    assert stats["speculative_accepted"] > 0
+
+
+def test_a_grammar_truncates_drafts_and_answers_as_without(tmp_path: Path) -> None:
+    from chatmodel import build_chat_model
+
+    base = build_chat_model(tmp_path / "chat")
+    model = AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32)
+    tokenizer = AutoTokenizer.from_pretrained(base)
+    schema = {"type": "object", "properties": {"a": {"type": "string", "maxLength": 24}}, "required": ["a"]}
+    grammar = Constraint(json.dumps(schema))
+    prompt = tokenizer('{"a": "abcabcabc"} {"a": "abcabc', add_special_tokens=False)["input_ids"]
+    requests = [GenerationRequest(prompt, max_new_tokens=40, grammar=grammar),
+                GenerationRequest(prompt, max_new_tokens=40)]
+    plain, _ = answers(model, requests, None, tokenizer=tokenizer)
+    fast, stats = answers(model, requests, NGRAM, tokenizer=tokenizer)
+    assert [r.token_ids for r in fast] == [r.token_ids for r in plain]
+    assert tokenizer.decode(fast[0].token_ids, skip_special_tokens=True).startswith('{"a"')
+    assert stats["speculative_drafted"] > 0
+
+
+def test_adapter_rows_verify_with_their_own_adapter(lora: Any) -> None:
+    model = AutoModelForCausalLM.from_pretrained(lora.base, dtype=torch.float32)
+    adapters = Adapters(model)
+    adapters.load(AdapterSource("pirate", str(lora.pirate)))
+    tokenizer = AutoTokenizer.from_pretrained(lora.base)
+    prompt = chat_ids(lora.base, "hi")
+    requests = [GenerationRequest(prompt, max_new_tokens=40, adapter="pirate"),
+                GenerationRequest(prompt, max_new_tokens=40)] * 2
+    plain, _ = answers(model, requests, None, tokenizer=tokenizer, adapters=adapters)
+    fast, stats = answers(model, requests, NGRAM, tokenizer=tokenizer, adapters=adapters)
+    assert [r.token_ids for r in fast] == [r.token_ids for r in plain]
+    assert plain[0].token_ids != plain[1].token_ids  # the adapter changes the answer
+    assert stats["speculative_accepted"] > 0
+
+
+def test_a_draft_stops_before_the_first_token_the_grammar_forbids(tmp_path: Path) -> None:
+    from chatmodel import build_chat_model
+
+    from deploykit.engine.batching import grammars_for
+
+    base = build_chat_model(tmp_path / "chat")
+    model = AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32)
+    tokenizer = AutoTokenizer.from_pretrained(base)
+    schema = {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]}
+    row = grammars_for(model, tokenizer, {int(tokenizer.eos_token_id)}).matcher(Constraint(json.dumps(schema)))
+    ok = tokenizer('{"a": 12', add_special_tokens=False)["input_ids"]
+    bad = tokenizer('x', add_special_tokens=False)["input_ids"]
+    assert row.allowed_prefix(ok + bad + ok) == len(ok)
+    assert row.allowed_prefix(bad) == 0 and row.allowed_prefix(ok) == len(ok)  # the state was rolled back each time
+
+
+def test_the_plan_counts_the_verification_positions_in_the_kv_cache() -> None:
+    from deploykit.model.structure import Block, Structure
+    from deploykit.placement.inventory import Gpu, Inventory
+    from deploykit.placement.planner import plan
+    from deploykit.spec.schema import Spec
+
+    blocks = tuple(Block(name=f"layers.{i}", modules=(f"layers.{i}",), kind="embedding" if i == 0 else "layer",
+                         weight_bytes=1000, flops_per_token=1, kv_bytes_per_token=0 if i == 0 else 2,
+                         logits_bytes_per_token=0) for i in range(4))
+    toy = Structure(architecture="Toy", model_type="toy", dtype="float16", blocks=blocks, embedding_block=0)
+    inventory = Inventory(gpus=(Gpu(0, 1 << 20),))
+
+    def planned(**extra: Any) -> Any:
+        return plan(toy, Spec.model_validate({"model": {"path": "/m"}, "serving": {"max_concurrent": 4},
+                                              "placement": {"gpus": [0], "reserve": 0, "kv_cache": {"tokens": 100}},
+                                              **extra}), inventory)
+
+    plain, fast = planned(), planned(speculative={"method": "ngram", "num_tokens": 5})
+    assert plain.kv_cache_tokens == 100 and fast.kv_cache_tokens == 100 + 4 * 6  # 4 rows x (5 drafts + 1)
+    assert fast.devices[0].bytes - plain.devices[0].bytes == 4 * 6 * 2 * 3
+    assert any("speculative decoding" in note for note in fast.notes)
+
+
+def test_method_draft_is_refused_for_the_transformers_engine_at_its_field(tmp_path: Path) -> None:
+    from deploykit.errors import ManifestError
+    from deploykit.spec.manifest import load_manifests
+
+    path = tmp_path / "m.yaml"
+    path.write_text("apiVersion: deploykit/v1\nkind: ModelDeployment\nmetadata: {name: m}\nspec:\n"
+                    "  model: {path: /m}\n  speculative:\n    method: draft\n    draft: {quantized: int4}\n")
+    with pytest.raises(ManifestError) as info:
+        load_manifests(path)
+    assert "spec.speculative.method" in str(info.value) and "not yet supported by the transformers engine" in str(
+        info.value)
