@@ -15,6 +15,7 @@ from hypothesis.stateful import run_state_machine_as_test
 from invariants.config import KNOWN_OPEN, Run, open_ops, run
 from invariants.library import LibraryMachine
 from invariants.server import ServerMachine
+from invariants.source import SourceMachine
 from invariants.world import Spec, World
 
 
@@ -45,6 +46,11 @@ def test_library_deployment_keeps_its_invariants(world: World, tmp_path: Path) -
 def test_deploykit_serve_keeps_its_invariants(world: World, tmp_path: Path) -> None:
     machine = type("Serve", (ServerMachine,), {"world": world, "root": tmp_path})
     _run(machine, run(examples=2, steps=8), "the serve tier")
+
+
+def test_a_git_source_keeps_its_invariants(world: World, tmp_path: Path) -> None:
+    machine = type("Source", (SourceMachine,), {"world": world, "root": tmp_path})
+    _run(machine, run(examples=2, steps=8), "the git-source tier")
 
 
 def test_known_open_entries_name_operations_the_generator_draws() -> None:

@@ -103,6 +103,8 @@ def _one(name: str, digest: str, text: str, supervisor: Supervisor) -> Deploymen
 
 
 def phase_of(record: SyncRecord, deployments: list[DeploymentSync], now: float | None = None) -> SourcePhase:
+    if record.fetched_commit not in (None, record.applied_commit, record.error_commit):
+        return SourcePhase.PROGRESSING  # fetched, being checked and applied: neither Synced to it nor refused
     if record.last_error is not None:
         return SourcePhase.DEGRADED
     if all(d.in_sync and not d.progressing for d in deployments):
