@@ -77,6 +77,14 @@ class Mirror:
         except GitError:
             raise GitError(f"{what} is not in the repository (deleted, or never pushed)") from None
 
+    def is_ancestor(self, older: str, newer: str) -> bool:
+        """Whether ``older`` is in the history of ``newer`` (False too when either is not in the mirror)."""
+        try:
+            self._git("merge-base", "--is-ancestor", older, newer)
+            return True
+        except GitError:
+            return False
+
     def tags(self) -> list[str]:
         out = self._git("for-each-ref", "--format=%(refname:strip=2)", "refs/tags")
         return out.decode("utf-8", "replace").split()

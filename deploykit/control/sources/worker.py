@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING, Any
 
 from ...errors import DeploykitError
 from ...spec.source import GitSource
-from .commit import admit_commit, publish, published_commit, read_commit
+from .commit import CommitRefused, admit_commit, publish, published_commit, read_commit
 from .gitcmd import Credentials, GitRunner
 from .mirror import Mirror
 from .status import SourceStatus, SyncRecord, deployments_of, phase_of
@@ -152,6 +152,7 @@ class SourceSync:
                 self._heal()
             return
         if spec.verify is not None:
+            self._refuse_rewind(commit)
             self._verify(commit, spec.verify.allowed_signers)
         manifests = read_commit(self.mirror, commit, spec.path)
         admit_commit(manifests, live=self.live, policy=self.supervisor.policy, devices=self.supervisor.devices)
@@ -159,6 +160,15 @@ class SourceSync:
         self._update(applied_commit=commit, applied_at=time.time())
         log.info("source %s: applied commit %s (%d manifests%s)", self.name, commit[:12], len(manifests.files),
                  f"; removed {', '.join(removed)}" if removed else "")
+
+    def _refuse_rewind(self, commit: str) -> None:
+        """A signature says who made a commit, not that it is the newest: with ``verify``, a ref moved back to
+        an older commit of the applied one's history (a replay of an old signed commit by a force-push)
+        is refused; a revert, a new commit, is how git goes back."""
+        applied = self.record().applied_commit
+        if applied is not None and commit != applied and self.mirror.is_ancestor(commit, applied):
+            raise CommitRefused(commit, [f"it is older than the applied commit {applied[:12]} (the ref was moved "
+                                         "back in history); revert in git to go back"])
 
     def _verify(self, commit: str, allowed_signers: Path) -> None:
         try:
