@@ -1,0 +1,151 @@
+"""A git source under hostile review, on real repositories (made with `git`, commits signed with ssh-keygen
+keys): a publish that fails half-way (disk full, a kill) is completed after a restart and never makes a
+revision record a commit whose content it does not have; a force-push back to an older signed commit is not
+applied when commits are verified; an empty webhook secret opens nothing; ssh never trusts an unknown host;
+a manifest renamed in git keeps its deployment serving."""
+
+from __future__ import annotations
+
+import threading
+from pathlib import Path
+
+import pytest
+
+from deploykit.control.live.supervisor import Supervisor
+from deploykit.control.revisions.reconciler import git_commit
+from deploykit.control.revisions.state import StateStore
+from deploykit.control.sources.gitcmd import Credentials, GitRunner
+from deploykit.control.sources.worker import SourceSync, live_directory, source_root
+from deploykit.spec.manifest import load_manifests
+from deploykit.spec.source import parse_source
+from gitrepos import allowed_signers, commit_files, git, new_repo, ssh_key
+from helpers import wait_until
+from manifests import manifest_text
+
+
+def source_text(url: str, **spec: str) -> str:
+    extra = "".join(f"  {k}: {v}\n" for k, v in spec.items())
+    return (f"apiVersion: deploykit/v1\nkind: GitSource\nmetadata: {{name: models}}\nspec:\n  url: {url}\n"
+            f"  ref: {{branch: main}}\n  path: hosts/a\n  interval: 1h\n  timeout: 20s\n{extra}")
+
+
+def idle_sync(state: Path, text: str) -> SourceSync:
+    """A source whose thread is not started and whose supervisor follows nothing yet: ``sync_once`` by hand."""
+    source = parse_source(text.encode(), source="source.yaml")
+    root = source_root(state, source.name)
+    live_directory(root).mkdir(parents=True, exist_ok=True)
+    supervisor = Supervisor(live_directory(root), store=StateStore(state))
+    return SourceSync(source, root=root, supervisor=supervisor)
+
+
+def two_manifests(model: Path, shard: str) -> dict[str, str | None]:
+    return {"hosts/a/a.yaml": manifest_text(model, name="one", shard=shard),
+            "hosts/a/b.yaml": manifest_text(model, name="two", shard=shard)}
+
+
+def publish_fails_at_b(tmp_path: Path, model: Path) -> tuple[Path, SourceSync, str, str]:
+    """Commit A applied; commit B's publish fails after a.yaml was written, before b.yaml (as a full disk or
+    a kill would leave it). The repository, the sync, A and B."""
+    repo = new_repo(tmp_path / "upstream")
+    first = commit_files(repo, two_manifests(model, "200KiB"), "two")
+    sync = idle_sync(tmp_path / "state", source_text(f"file://{repo}"))
+    sync.sync_once()
+    assert sync.record().applied_commit == first
+    second = commit_files(repo, two_manifests(model, "100KiB"), "smaller shards")
+    obstacle = sync.live / ".b.yaml.tmp"
+    obstacle.mkdir()  # b.yaml cannot be written
+    with pytest.raises(OSError):
+        sync.sync_once()
+    obstacle.rmdir()
+    assert b"100KiB" in (sync.live / "a.yaml").read_bytes() and b"200KiB" in (sync.live / "b.yaml").read_bytes()
+    return repo, sync, first, second
+
+
+def test_a_publish_cut_short_is_completed_after_a_restart(tmp_path, model):
+    _, sync, _, second = publish_fails_at_b(tmp_path, model)
+    restarted = idle_sync(tmp_path / "state", source_text(sync.source.spec.url))
+    restarted.sync_once()  # the server restarted: the commit is fetched and published whole
+    assert b"100KiB" in (restarted.live / "b.yaml").read_bytes(), "b.yaml still holds the old commit"
+    assert restarted.record().applied_commit == second
+
+
+def test_a_revision_never_records_a_commit_whose_content_its_file_does_not_hold(tmp_path, model):
+    _, sync, first, second = publish_fails_at_b(tmp_path, model)
+    a, b = (load_manifests(sync.live / n)[0] for n in ("a.yaml", "b.yaml"))
+    assert git_commit(Path(a.source).resolve(), a.digest) == second  # a.yaml holds the second commit's content
+    assert git_commit(Path(b.source).resolve(), b.digest) == first  # b.yaml still the first's
+    sync.sync_once()  # the retry publishes the rest
+    b = load_manifests(sync.live / "b.yaml")[0]
+    assert git_commit(Path(b.source).resolve(), b.digest) == second
+
+
+def test_a_force_push_back_to_an_older_signed_commit_is_not_applied(tmp_path, model):
+    key, public = ssh_key(tmp_path / "keys", "release")
+    signers = allowed_signers(tmp_path / "allowed_signers", public)
+    repo = new_repo(tmp_path / "upstream")
+    old = commit_files(repo, {"hosts/a/tiny.yaml": manifest_text(model)}, "old", signing_key=key)
+    new = commit_files(repo, {"hosts/a/tiny.yaml": manifest_text(model, shard="100KiB")}, "fix", signing_key=key)
+    sync = idle_sync(tmp_path / "state", source_text(f"file://{repo}",
+                                                     verify=f"{{mode: head, allowed_signers: {signers}}}"))
+    sync.sync_once()
+    assert sync.record().applied_commit == new
+    git(repo, "reset", "-q", "--hard", old)  # someone who may push, not sign, replays an old signed commit
+    with pytest.raises(Exception, match="older than the applied commit"):
+        sync.sync_once()
+    assert sync.record().applied_commit == new and b"100KiB" in (sync.live / "tiny.yaml").read_bytes()
+    newer = commit_files(repo, {"hosts/a/tiny.yaml": manifest_text(model, shard="150KiB")}, "after", signing_key=key)
+    sync.sync_once()  # a new commit on the old one (history rewritten forward, and signed): applied
+    assert sync.record().applied_commit == newer
+
+
+@pytest.mark.parametrize("secret", ["", "  \n"])
+def test_an_empty_webhook_secret_accepts_no_request(tmp_path, secret):
+    from fastapi.testclient import TestClient
+
+    from deploykit.control.sources.worker import Sources
+    from deploykit.serve.app import Deployments, create_app
+
+    secret_file = tmp_path / "secret"
+    secret_file.write_text(secret)
+    sync = idle_sync(tmp_path / "state", source_text(f"file://{tmp_path}/none",
+                                                     webhook=f"{{secret_file: {secret_file}}}"))
+    client = TestClient(create_app(Deployments([]), sources=Sources([sync])))
+    import hashlib
+    import hmac
+    signature = "sha256=" + hmac.new(b"", b"{}", hashlib.sha256).hexdigest()  # anyone can make it
+    for headers in ({"X-Gitlab-Token": ""}, {"X-Hub-Signature-256": signature}):
+        answer = client.post("/hooks/sources/models", content=b"{}", headers=headers)
+        assert answer.status_code == 503, answer.text
+    assert not sync._wake.is_set()
+
+
+def test_ssh_without_a_key_file_still_refuses_an_unknown_host_and_never_prompts(tmp_path):
+    runner = GitRunner(Credentials(), tmp_path / "scratch", timeout=5)
+    command = runner.env().get("GIT_SSH_COMMAND", "")
+    assert "StrictHostKeyChecking=yes" in command and "BatchMode=yes" in command
+
+
+@pytest.mark.xfail(strict=True, reason="the live layer prunes a removed file's names even when another file of "
+                   "the same batch declares them; fix: FollowedFiles.file_removed hands a name to a followed file "
+                   "that declares it (claim + reload) instead of pruning it")
+def test_a_manifest_renamed_in_git_keeps_its_deployment_serving(tmp_path, model):
+    from test_git_source import Followed
+    from test_git_source import source_text as followed_text
+
+    repo = new_repo(tmp_path / "upstream")
+    first = commit_files(repo, {"hosts/a/tiny.yaml": manifest_text(model)}, "tiny")
+    f = Followed(tmp_path / "state", followed_text(f"file://{repo}", prune="true"))
+    try:
+        wait_until(lambda: f.commit_of("tiny") == first and f.phase() == "Synced", 120, "the first commit serves")
+        renamed = commit_files(repo, {"hosts/a/tiny.yaml": None, "hosts/a/chat.yaml": manifest_text(model)},
+                               "rename")
+        f.sync.sync_now()
+        wait_until(lambda: f.sync.record().applied_commit == renamed, 30, "the rename is published")
+        changed = commit_files(repo, {"hosts/a/chat.yaml": manifest_text(model, shard="100KiB")}, "a change")
+        f.sync.sync_now()
+        wait_until(lambda: f.commit_of("tiny") == changed or f.supervisor.get("tiny") is None, 120,
+                   "the renamed file's change serves, or tiny is pruned")
+        assert f.supervisor.get("tiny") is not None and f.commit_of("tiny") == changed
+    finally:
+        f.close()
+    assert not [t.name for t in threading.enumerate() if t.name.startswith("deploykit-source")]
