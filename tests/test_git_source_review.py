@@ -6,6 +6,8 @@ a manifest renamed in git keeps its deployment serving."""
 
 from __future__ import annotations
 
+import os
+import subprocess
 import threading
 from pathlib import Path
 
@@ -149,3 +151,37 @@ def test_a_manifest_renamed_in_git_keeps_its_deployment_serving(tmp_path, model)
     finally:
         f.close()
     assert not [t.name for t in threading.enumerate() if t.name.startswith("deploykit-source")]
+
+
+@pytest.mark.xfail(strict=True, reason="git verify-commit judges an allowed_signers key's valid-before/valid-after "
+                   "at the commit's own committer date, which its signer writes; fix: verify_commit also runs "
+                   "`ssh-keygen -Y find-principals` on the commit's gpgsig at the current time (no -Overify-time)")
+def test_a_commit_signed_by_an_expired_key_is_not_verified_however_it_is_dated(tmp_path):
+    from deploykit.control.sources.mirror import Mirror
+    from deploykit.control.sources.verify import UnverifiedCommit, verify_commit
+
+    key, public = ssh_key(tmp_path / "keys", "retired")
+    signers = tmp_path / "allowed_signers"
+    signers.write_text(f'ci@example.com valid-before="20200101" {public}\n')  # retired in 2020
+    repo = new_repo(tmp_path / "upstream")
+    (repo / "a.yaml").write_text("a: 1\n")
+    git(repo, "add", "-A")
+    dated = subprocess.run(["git", "-C", str(repo), "-c", "user.name=ci", "-c", "user.email=ci@example.com",
+                            "-c", "gpg.format=ssh", "-c", f"user.signingkey={key}", "commit", "-S", "-qm", "old"],
+                           env={**os.environ, "GIT_COMMITTER_DATE": "2019-06-01T00:00:00Z",
+                                "GIT_AUTHOR_DATE": "2019-06-01T00:00:00Z"}, capture_output=True, check=True)
+    assert dated.returncode == 0
+    commit = git(repo, "rev-parse", "HEAD")
+    mirror = Mirror(tmp_path / "mirror.git", f"file://{repo}", GitRunner(Credentials(), tmp_path / "s", timeout=20))
+    mirror.fetch()
+    with pytest.raises(UnverifiedCommit):  # signed now, with a key retired years ago, dated before it
+        verify_commit(mirror.git, mirror.directory, commit, signers)
+
+
+@pytest.mark.parametrize("url", ["ssh://git:hunter2@git.example.com/models.git",
+                                 "git://ci:hunter2@git.example.com/models.git"])
+def test_a_password_in_any_url_is_refused_not_shown_in_the_status(url):
+    from deploykit.errors import ManifestError
+
+    with pytest.raises(ManifestError, match="no credentials in the URL"):
+        parse_source(source_text(url).encode(), source="s.yaml")

@@ -40,8 +40,10 @@ def _bounded(low: float, high: float) -> AfterValidator:
 def _url(value: str) -> str:
     if not _URL_RE.fullmatch(value):
         raise PydanticCustomError("url", "a repository is an https://, ssh://, git://, file:// URL or an absolute path")
-    if value.startswith("https://") and "@" in value.split("/")[2]:
-        raise PydanticCustomError("url", "no credentials in the URL: name a token_file")
+    authority = value.split("/")[2] if "://" in value else ""
+    userinfo = authority.rpartition("@")[0]
+    if (value.startswith("https://") and userinfo) or ":" in userinfo:  # ssh://git@host: a user, no secret
+        raise PydanticCustomError("url", "no credentials in the URL: name a token_file or an ssh_key_file")
     return value
 
 
