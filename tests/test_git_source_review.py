@@ -127,16 +127,14 @@ def test_ssh_without_a_key_file_still_refuses_an_unknown_host_and_never_prompts(
     assert "StrictHostKeyChecking=yes" in command and "BatchMode=yes" in command
 
 
-@pytest.mark.xfail(strict=True, reason="the live layer prunes a removed file's names even when another file of "
-                   "the same batch declares them; fix: FollowedFiles.file_removed hands a name to a followed file "
-                   "that declares it (claim + reload) instead of pruning it")
-def test_a_manifest_renamed_in_git_keeps_its_deployment_serving(tmp_path, model):
+@pytest.mark.parametrize("prune", ["true", "false"])
+def test_a_manifest_renamed_in_git_keeps_its_deployment_serving(tmp_path, model, prune):
     from test_git_source import Followed
     from test_git_source import source_text as followed_text
 
     repo = new_repo(tmp_path / "upstream")
     first = commit_files(repo, {"hosts/a/tiny.yaml": manifest_text(model)}, "tiny")
-    f = Followed(tmp_path / "state", followed_text(f"file://{repo}", prune="true"))
+    f = Followed(tmp_path / "state", followed_text(f"file://{repo}", prune=prune))
     try:
         wait_until(lambda: f.commit_of("tiny") == first and f.phase() == "Synced", 120, "the first commit serves")
         renamed = commit_files(repo, {"hosts/a/tiny.yaml": None, "hosts/a/chat.yaml": manifest_text(model)},
@@ -145,7 +143,7 @@ def test_a_manifest_renamed_in_git_keeps_its_deployment_serving(tmp_path, model)
         wait_until(lambda: f.sync.record().applied_commit == renamed, 30, "the rename is published")
         changed = commit_files(repo, {"hosts/a/chat.yaml": manifest_text(model, shard="100KiB")}, "a change")
         f.sync.sync_now()
-        wait_until(lambda: f.commit_of("tiny") == changed or f.supervisor.get("tiny") is None, 120,
+        wait_until(lambda: f.commit_of("tiny") == changed or f.supervisor.get("tiny") is None, 60,
                    "the renamed file's change serves, or tiny is pruned")
         assert f.supervisor.get("tiny") is not None and f.commit_of("tiny") == changed
     finally:
@@ -185,3 +183,20 @@ def test_a_password_in_any_url_is_refused_not_shown_in_the_status(url):
 
     with pytest.raises(ManifestError, match="no credentials in the URL"):
         parse_source(source_text(url).encode(), source="s.yaml")
+
+
+def test_a_manifest_name_that_is_not_utf8_is_said_by_name(tmp_path):
+    from deploykit.control.sources.commit import read_commit
+    from deploykit.control.sources.gitcmd import GitError
+    from deploykit.control.sources.mirror import Mirror
+    from deploykit.spec.source import GitRef
+
+    repo = new_repo(tmp_path / "upstream")
+    (repo / "hosts" / "a").mkdir(parents=True)
+    for raw in (b"\xff.yaml", b"\xfe.yaml"):  # two names one lossy decoding makes alike
+        (repo / "hosts" / "a").joinpath(os.fsdecode(raw)).write_text("a: 1\n")
+    commit_files(repo, {"hosts/a/ok.yaml": "b: 2\n"}, "odd names")
+    mirror = Mirror(tmp_path / "mirror.git", f"file://{repo}", GitRunner(Credentials(), tmp_path / "s", timeout=20))
+    mirror.fetch()
+    with pytest.raises(GitError, match=r"hosts/a/\\xfe.yaml at [0-9a-f]{12}: a file name that is not UTF-8"):
+        read_commit(mirror, mirror.resolve(GitRef(branch="main")), "hosts/a")

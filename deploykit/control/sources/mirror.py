@@ -96,7 +96,7 @@ class Mirror:
             out = self._git("ls-tree", "-z", tree)
         except GitError:
             raise GitError(f"path {path!r} is not in commit {commit[:12]}") from None
-        entries = [e.split("\t", 1) for e in out.decode("utf-8", "replace").split("\0") if "\t" in e]
+        entries = [_entry(e, path, commit) for e in out.split(b"\0") if b"\t" in e]
         found = [name for head, name in entries if head.split()[1] == "blob" and name.endswith((".yaml", ".yml"))]
         links = [name for head, name in entries if head.split()[0] == "120000" and name in found]
         if links:  # its content would be a path, not a manifest: said, never followed
@@ -110,6 +110,17 @@ class Mirror:
         if size > MAX_MANIFEST_BYTES:
             raise GitError(f"{name} at {commit[:12]} is {size} bytes; a manifest is at most {MAX_MANIFEST_BYTES}")
         return self._git("cat-file", "blob", f"{commit}:{name}")
+
+
+def _entry(raw: bytes, path: str, commit: str) -> list[str]:
+    """An ``ls-tree -z`` entry as [mode type id, name]; a name that is no UTF-8 is said, not mangled (two
+    such names would read as one, and neither could be read back by its mangled name)."""
+    head, name = raw.split(b"\t", 1)
+    try:
+        return [head.decode("ascii"), name.decode("utf-8")]
+    except UnicodeDecodeError:
+        raise GitError(f"{path}/{name.decode('utf-8', 'backslashreplace')} at {commit[:12]}: a file name "
+                       "that is not UTF-8; rename it") from None
 
 
 def newest_matching(tags: list[str], semver: str) -> str | None:
