@@ -200,3 +200,18 @@ def test_a_manifest_name_that_is_not_utf8_is_said_by_name(tmp_path):
     mirror.fetch()
     with pytest.raises(GitError, match=r"hosts/a/\\xfe.yaml at [0-9a-f]{12}: a file name that is not UTF-8"):
         read_commit(mirror, mirror.resolve(GitRef(branch="main")), "hosts/a")
+
+
+def test_a_published_manifest_edited_by_hand_is_published_again_and_never_credited_to_the_commit(tmp_path, model):
+    repo = new_repo(tmp_path / "upstream")
+    commit = commit_files(repo, {"hosts/a/tiny.yaml": manifest_text(model)}, "tiny")
+    sync = idle_sync(tmp_path / "state", source_text(f"file://{repo}"))
+    sync.sync_once()
+    published = (sync.live / "tiny.yaml").read_bytes()
+    (sync.live / "tiny.yaml").write_text(manifest_text(model, shard="100KiB"))  # not in git
+    (sync.live / "extra.yaml").write_text(manifest_text(model, name="extra"))
+    edited = load_manifests(sync.live / "tiny.yaml")[0]
+    assert git_commit(Path(edited.source).resolve(), edited.digest) is None  # no commit holds this content
+    sync.sync_once()  # the same commit: what git says is published again
+    assert (sync.live / "tiny.yaml").read_bytes() == published and not (sync.live / "extra.yaml").exists()
+    assert sync.record().applied_commit == commit

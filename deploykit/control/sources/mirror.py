@@ -91,6 +91,10 @@ class Mirror:
 
     def files(self, commit: str, path: str) -> list[str]:
         """The manifest files (``*.yaml``, ``*.yml``) directly under ``path`` at ``commit``."""
+        return sorted(self.blobs(commit, path))
+
+    def blobs(self, commit: str, path: str) -> dict[str, str]:
+        """``files``, each with its blob id (what ``blob_id`` of its content is)."""
         tree = commit if path == "." else f"{commit}:{path}"
         try:
             out = self._git("ls-tree", "-z", tree)
@@ -98,18 +102,26 @@ class Mirror:
             raise GitError(f"path {path!r} is not in commit {commit[:12]}") from None
         entries = [_entry(e, path, commit) for e in out.split(b"\0") if b"\t" in e]
         found = [name for head, name in entries if head.split()[1] == "blob" and name.endswith((".yaml", ".yml"))]
+        ids = {name: head.split()[2] for head, name in entries}
         links = [name for head, name in entries if head.split()[0] == "120000" and name in found]
         if links:  # its content would be a path, not a manifest: said, never followed
             raise GitError(f"{path}/{links[0]} at {commit[:12]} is a symbolic link; a manifest is a regular file")
         if len(found) > MAX_FILES:
             raise GitError(f"more than {MAX_FILES} manifests under {path!r}")
-        return sorted(found if path == "." else [f"{path}/{name}" for name in found])
+        return {(name if path == "." else f"{path}/{name}"): ids[name] for name in found}
 
     def read(self, commit: str, name: str) -> bytes:
         size = int(self._git("cat-file", "-s", f"{commit}:{name}").decode().strip())
         if size > MAX_MANIFEST_BYTES:
             raise GitError(f"{name} at {commit[:12]} is {size} bytes; a manifest is at most {MAX_MANIFEST_BYTES}")
         return self._git("cat-file", "blob", f"{commit}:{name}")
+
+
+def blob_id(data: bytes, like: str) -> str:
+    """git's id of a blob holding ``data``, in the object format of the id ``like`` (SHA-1 or SHA-256)."""
+    import hashlib
+
+    return hashlib.new("sha1" if len(like) == 40 else "sha256", b"blob %d\0" % len(data) + data).hexdigest()
 
 
 def _entry(raw: bytes, path: str, commit: str) -> list[str]:
