@@ -98,6 +98,10 @@ def test_a_force_push_back_to_an_older_signed_commit_is_not_applied(tmp_path, mo
     newer = commit_files(repo, {"hosts/a/tiny.yaml": manifest_text(model, shard="150KiB")}, "after", signing_key=key)
     sync.sync_once()  # a new commit on the old one (history rewritten forward, and signed): applied
     assert sync.record().applied_commit == newer
+    pinned = idle_sync(tmp_path / "state", source_text(f"file://{repo}", verify=f"{{allowed_signers: {signers}}}")
+                       .replace("{branch: main}", f"{{commit: {old}}}"))
+    pinned.sync_once()  # the operator pins the old commit in the source file: that is no replay
+    assert pinned.record().applied_commit == old
 
 
 @pytest.mark.parametrize("secret", ["", "  \n"])

@@ -152,7 +152,7 @@ class SourceSync:
             if spec.self_heal:
                 self._heal()
             return
-        if spec.verify is not None:
+        if spec.verify is not None and spec.ref.commit is None:  # a pinned commit is the operator's choice
             self._refuse_rewind(commit)
             self._verify(commit, spec.verify.allowed_signers)
         manifests = read_commit(self.mirror, commit, spec.path)
