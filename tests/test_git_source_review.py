@@ -216,3 +216,13 @@ def test_a_published_manifest_edited_by_hand_is_published_again_and_never_credit
     sync.sync_once()  # the same commit: what git says is published again
     assert (sync.live / "tiny.yaml").read_bytes() == published and not (sync.live / "extra.yaml").exists()
     assert sync.record().applied_commit == commit
+
+
+@pytest.mark.parametrize("path", ["./hosts/a", "hosts//a/", "hosts/./a/."])
+def test_a_path_written_with_dot_or_double_slashes_names_the_same_directory(tmp_path, model, path):
+    repo = new_repo(tmp_path / "upstream")
+    commit = commit_files(repo, {"hosts/a/tiny.yaml": manifest_text(model)}, "tiny")
+    sync = idle_sync(tmp_path / "state", source_text(f"file://{repo}").replace("path: hosts/a", f"path: '{path}'"))
+    assert sync.source.spec.path == "hosts/a"
+    sync.sync_once()
+    assert sync.record().applied_commit == commit and (sync.live / "tiny.yaml").exists()

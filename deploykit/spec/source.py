@@ -6,7 +6,7 @@ says file:line:column:field. Credentials are named as files, never given inline.
 from __future__ import annotations
 
 import re
-from pathlib import Path
+from pathlib import Path, PurePosixPath
 from typing import Annotated, Literal
 
 from pydantic import AfterValidator, Field, ValidationError, field_validator, model_validator
@@ -85,7 +85,7 @@ def _repo_path(value: str) -> str:
     parts = Path(value).parts
     if value.startswith("/") or ".." in parts or len(value) > 500:
         raise PydanticCustomError("path", "a directory inside the repository, relative, without '..'")
-    return value.strip("/") or "."
+    return str(PurePosixPath(value))  # "./hosts/a", "hosts//a/.": git's tree paths know no "." or "//"
 
 
 class GitRef(Strict):
