@@ -226,3 +226,20 @@ def test_a_path_written_with_dot_or_double_slashes_names_the_same_directory(tmp_
     assert sync.source.spec.path == "hosts/a"
     sync.sync_once()
     assert sync.record().applied_commit == commit and (sync.live / "tiny.yaml").exists()
+
+
+def test_a_repository_configured_to_run_commands_runs_none_when_fetched(tmp_path, model):
+    repo = new_repo(tmp_path / "upstream")
+    commit = commit_files(repo, {"hosts/a/tiny.yaml": manifest_text(model)}, "tiny")
+    ran = tmp_path / "ran"
+    command = f"touch {ran}; false"
+    for key in ("core.fsmonitor", "uploadpack.packObjectsHook", "core.sshCommand", "core.hooksPath"):
+        git(repo, "config", key, command)
+    for hook in ("post-checkout", "pre-upload-pack", "reference-transaction"):
+        script = repo / ".git" / "hooks" / hook
+        script.write_text(f"#!/bin/sh\n{command}\n")
+        script.chmod(0o755)
+    sync = idle_sync(tmp_path / "state", source_text(f"file://{repo}"))
+    sync.sync_once()
+    assert sync.record().applied_commit == commit
+    assert not ran.exists(), "fetching the repository ran a command its config names"
