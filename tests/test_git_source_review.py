@@ -1,8 +1,10 @@
 """A git source under hostile review, on real repositories (made with `git`, commits signed with ssh-keygen
 keys): a publish that fails half-way (disk full, a kill) is completed after a restart and never makes a
-revision record a commit whose content it does not have; a force-push back to an older signed commit is not
-applied when commits are verified; an empty webhook secret opens nothing; ssh never trusts an unknown host;
-a manifest renamed in git keeps its deployment serving."""
+revision record a commit whose content it does not have; a published file edited by hand is published over;
+a force-push back to an older signed commit, or a commit signed by a retired key however it is dated, is not
+applied; an empty webhook secret opens nothing; ssh never trusts an unknown host; a password in any URL is
+refused; a manifest renamed in git keeps its deployment serving; a file name that is not UTF-8 and a path
+written "./a" are handled; a repository's own config and hooks run nothing."""
 
 from __future__ import annotations
 
@@ -243,3 +245,18 @@ def test_a_repository_configured_to_run_commands_runs_none_when_fetched(tmp_path
     sync.sync_once()
     assert sync.record().applied_commit == commit
     assert not ran.exists(), "fetching the repository ran a command its config names"
+
+
+def test_a_key_allowed_only_for_another_namespace_does_not_verify_a_commit(tmp_path):
+    from deploykit.control.sources.mirror import Mirror
+    from deploykit.control.sources.verify import UnverifiedCommit, verify_commit
+
+    key, public = ssh_key(tmp_path / "keys", "files-only")
+    signers = tmp_path / "allowed_signers"
+    signers.write_text(f'ci@example.com namespaces="file" {public}\n')  # may sign files, not commits
+    repo = new_repo(tmp_path / "upstream")
+    commit = commit_files(repo, {"a.yaml": "a: 1\n"}, "signed", signing_key=key)
+    mirror = Mirror(tmp_path / "mirror.git", f"file://{repo}", GitRunner(Credentials(), tmp_path / "s", timeout=20))
+    mirror.fetch()
+    with pytest.raises(UnverifiedCommit):
+        verify_commit(mirror.git, mirror.directory, commit, signers)
