@@ -70,6 +70,8 @@ async def webhook(request: Request, name: str) -> Any:
         secret = read_regular_file(hook.secret_file, MAX_SECRET_FILE).strip()
     except OSError:
         return error_response(503, "the webhook secret cannot be read", code="webhook_unavailable")
+    if not secret:  # an empty key: anyone could sign with it
+        return error_response(503, "the webhook secret file is empty", code="webhook_unavailable")
     status = _check(secret, await request.body(), request.headers.get("x-hub-signature-256"),
                     request.headers.get("x-gitlab-token"))
     if status is not None:

@@ -6,7 +6,7 @@ says file:line:column:field. Credentials are named as files, never given inline.
 from __future__ import annotations
 
 import re
-from pathlib import Path
+from pathlib import Path, PurePosixPath
 from typing import Annotated, Literal
 
 from pydantic import AfterValidator, Field, ValidationError, field_validator, model_validator
@@ -40,8 +40,10 @@ def _bounded(low: float, high: float) -> AfterValidator:
 def _url(value: str) -> str:
     if not _URL_RE.fullmatch(value):
         raise PydanticCustomError("url", "a repository is an https://, ssh://, git://, file:// URL or an absolute path")
-    if value.startswith("https://") and "@" in value.split("/")[2]:
-        raise PydanticCustomError("url", "no credentials in the URL: name a token_file")
+    authority = value.split("/")[2] if "://" in value else ""
+    userinfo = authority.rpartition("@")[0]
+    if (value.startswith("https://") and userinfo) or ":" in userinfo:  # ssh://git@host: a user, no secret
+        raise PydanticCustomError("url", "no credentials in the URL: name a token_file or an ssh_key_file")
     return value
 
 
@@ -83,7 +85,7 @@ def _repo_path(value: str) -> str:
     parts = Path(value).parts
     if value.startswith("/") or ".." in parts or len(value) > 500:
         raise PydanticCustomError("path", "a directory inside the repository, relative, without '..'")
-    return value.strip("/") or "."
+    return str(PurePosixPath(value))  # "./hosts/a", "hosts//a/.": git's tree paths know no "." or "//"
 
 
 class GitRef(Strict):

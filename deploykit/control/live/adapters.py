@@ -104,7 +104,7 @@ def _record_and_act(store: StateStore, gen: Generation, change: Change, diff: Ad
     revision = store.begin_revision(name=loaded.name, manifest_path=str(source), manifest_text=loaded.text,
                                     manifest_digest=loaded.digest,
                                     checkpoint_fingerprint=open_source(loaded)[1],
-                                    git_commit=loaded.commit or git_commit(source))
+                                    git_commit=loaded.commit or git_commit(source, loaded.digest))
     reason = f"only spec.adapters changed ({diff.describe()}): applied live on generation {gen.number}"
     store.record_event(loaded.name, "Decided", f"revision {revision}: {reason}")
     try:

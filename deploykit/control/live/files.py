@@ -4,8 +4,8 @@ add threads it starts (a new file's deployments, a deleted name's heir), which `
 
 A file's deployment is created only once the file owns its name (``Owners.claim_for_file``): a name the
 control API deployed first makes the file *in conflict* on it, shown as that deployment's error. A saved
-file reloads its deployments on their own change threads; a removed one is pruned with ``--prune``, else
-its deployments keep serving.
+file reloads its deployments on their own change threads; a removed one hands each name to another file
+that declares it (a renamed manifest), else prunes it with ``--prune``, else its deployments keep serving.
 """
 
 from __future__ import annotations
@@ -144,10 +144,34 @@ class FollowedFiles:
         for name in self.roster.owners.drop_conflicts(file, keep=set()):
             self.roster.show_conflict(name)
         for name in owned:
-            if self.prune:  # on a thread of its own: it waits for the name's turn, not the watcher
+            heir = self._heir(file, name) if self.roster.owners.conflict_of(name) is None else None
+            if heir is not None:  # a renamed manifest: the deployment follows its new file, never pruned
+                self._hand_over(name, heir)
+            elif self.prune:  # on a thread of its own: it waits for the name's turn, not the watcher
                 self.roster.adds.start(self._remove, name, name="deploykit-prune")
             else:
                 log.warning("%s was removed; %s keeps serving (use --prune to remove it)", file, name)
+
+    def _heir(self, removed: Path, name: str) -> Path | None:
+        """Another followed file that declares ``name`` now, if any (the first in path order): a manifest
+        renamed (a file in conflict on the name is the heir of a prune instead: ``_remove``)."""
+        for file in sorted(self.manifest_files()):
+            if file == removed:
+                continue
+            try:
+                if name in (m.name for m in load_manifests(file)):
+                    return file
+            except DeploykitError:
+                continue  # its error is said when its own change is seen
+        return None
+
+    def _hand_over(self, name: str, heir: Path) -> None:
+        self.roster.owners.hand_over(name, heir)
+        dep = self.roster.get(name)
+        if dep is not None:
+            dep.manifest_path = heir
+            dep.request_reload()  # the new file's content, as a saved file's
+        log.info("%s now owns %s (its file was removed)", heir, name)
 
     def _remove(self, name: str) -> None:
         """Prune ``name`` with its turn held, so that no API apply or delete of it runs meanwhile (one that

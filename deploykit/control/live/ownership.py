@@ -10,7 +10,9 @@ has exactly one owner, kept in one map behind one lock:
   delete NAME` removes the API's deployment and hands the name to the file;
 - a name two watched files declare is the first file's in path order at start (later, the file that
   declared it first keeps it): the other file is in conflict on it (an error on the name, naming both
-  files) until one of them stops declaring it; a pruned owner hands the name to it.
+  files) until one of them stops declaring it; a pruned owner hands the name to it;
+- a removed file's name that another file declares without a conflict (a renamed manifest) is handed to
+  that file, its deployment kept and reloaded from it (``hand_over``), never pruned.
 
 Pure bookkeeping: it loads nothing and decides nothing about models.
 """
@@ -79,6 +81,13 @@ class Owners:
             return True
         raise DeploykitError(f"{name!r} is owned by the watched file {owner}: change that file to {what} it "
                              "(this server follows it), not the control API")
+
+    def hand_over(self, name: str, file: Path) -> None:
+        """``name``'s owning file went away and ``file`` declares it: ``file`` owns it now (not in conflict)."""
+        with self._lock:
+            self._owner[name] = file
+            if self._conflicts.get(name) == file:
+                del self._conflicts[name]
 
     def release(self, name: str) -> Path | None:
         """Forget ``name``'s owner; return the file in conflict on it, which may now claim it."""

@@ -92,13 +92,39 @@ class ApplyOutcome:
 COMMIT_MARKER = ".deploykit-commit"  # beside a git source's published manifests: the commit they came from
 
 
-def git_commit(path: Path) -> str | None:
-    """The commit ``path`` came from: a git source's commit (its marker beside the file), else HEAD of the
-    git work tree holding ``path``, if any."""
-    try:
-        return (path.parent / COMMIT_MARKER).read_text().strip() or None
-    except OSError:
-        pass
+@dataclass(frozen=True)
+class CommitMarker:
+    """A git source's marker: ``applied``, the last commit published whole (its first line, "-" for none),
+    and for each manifest digest the directory may hold, the commit that content came from ("DIGEST COMMIT"
+    lines). While a commit is published the marker lists the old commit's contents and the new one's, so a
+    reload in between records the commit of the content it read, never a commit it does not have."""
+
+    applied: str | None
+    by_digest: dict[str, str]
+
+    def text(self) -> bytes:
+        lines = [self.applied or "-", *(f"{d} {c}" for d, c in self.by_digest.items())]
+        return "\n".join(lines).encode() + b"\n"
+
+    @staticmethod
+    def read(directory: Path) -> CommitMarker | None:
+        try:
+            first, *rest = (directory / COMMIT_MARKER).read_text().splitlines() or [""]
+        except (OSError, UnicodeDecodeError):
+            return None
+        pairs = (line.split() for line in rest)
+        return CommitMarker(None if first.strip() in ("", "-") else first.strip(),
+                            {p[0]: p[1] for p in pairs if len(p) == 2})
+
+
+def git_commit(path: Path, digest: str | None = None) -> str | None:
+    """The commit ``path`` came from: a git source's commit for the content of digest ``digest`` (its
+    marker beside the file), else HEAD of the git work tree holding ``path``, if any."""
+    marker = CommitMarker.read(path.parent)
+    if marker is not None:
+        if digest is None or not marker.by_digest:
+            return marker.applied
+        return marker.by_digest.get(digest)
     try:
         out = subprocess.run(["git", "-C", str(path.parent), "rev-parse", "HEAD"], capture_output=True,
                              text=True, timeout=5)
@@ -204,7 +230,7 @@ def _act(change: Change, store: StateStore, checkpoint: Checkpoint | None, finge
     source = Path(loaded.source).resolve()
     revision = store.begin_revision(
         name=loaded.name, manifest_path=str(source), manifest_text=loaded.text, manifest_digest=loaded.digest,
-        checkpoint_fingerprint=fingerprint, git_commit=loaded.commit or git_commit(source))
+        checkpoint_fingerprint=fingerprint, git_commit=loaded.commit or git_commit(source, loaded.digest))
     if decision.actions:  # why this revision exists (a damaged shard is named here), for `deploykit history`
         store.record_event(loaded.name, "Decided", f"revision {revision}: {decision.actions[0].reason}")
     try:

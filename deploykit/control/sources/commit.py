@@ -15,7 +15,7 @@ from ...errors import DeploykitError, ManifestError
 from ...spec.manifest import LoadedManifest, manifest_files, parse_manifests
 from ..admission import Policy, admit
 from ..revisions.change import Change
-from ..revisions.reconciler import COMMIT_MARKER
+from ..revisions.reconciler import COMMIT_MARKER, CommitMarker
 from .mirror import Mirror
 
 
@@ -75,10 +75,14 @@ def _parsed(manifests: CommitManifests, live: Path, reasons: list[str]) -> list[
 
 
 def publish(manifests: CommitManifests, live: Path) -> list[str]:
-    """Make ``live`` hold exactly the commit's manifests (each written atomically; the commit marker first);
-    the names of the files removed."""
+    """Make ``live`` hold exactly the commit's manifests, each written atomically; the names of the files
+    removed. The marker (``CommitMarker``) maps the old contents and the new ones to their commits while
+    the files are written, and names the commit applied only once all are: a publish cut short (a full
+    disk, a kill) leaves the old commit named, so the next sync, after a restart too, publishes it again."""
     live.mkdir(parents=True, exist_ok=True)
-    _write(live / COMMIT_MARKER, manifests.commit.encode() + b"\n")
+    old = CommitMarker.read(live) or CommitMarker(None, {})
+    new = {digest: manifests.commit for digest in _digests(manifests, live)}
+    _write(live / COMMIT_MARKER, CommitMarker(old.applied, {**old.by_digest, **new}).text())
     for name, data in manifests.files.items():
         target = live / name
         if not target.exists() or target.read_bytes() != data:
@@ -86,14 +90,19 @@ def publish(manifests: CommitManifests, live: Path) -> list[str]:
     removed = [f.name for f in manifest_files(live) if f.name not in manifests.files]
     for name in removed:
         (live / name).unlink(missing_ok=True)
+    _write(live / COMMIT_MARKER, CommitMarker(manifests.commit, new).text())
     return removed
 
 
+def _digests(manifests: CommitManifests, live: Path) -> list[str]:
+    """The digest of each manifest of the commit as the live layer will read it from ``live``."""
+    return [loaded.digest for name, data in manifests.files.items()
+            for loaded in parse_manifests(data, source=str(live / name), base_dir=live)]
+
+
 def published_commit(live: Path) -> str | None:
-    try:
-        return (live / COMMIT_MARKER).read_text().strip() or None
-    except OSError:
-        return None
+    marker = CommitMarker.read(live)
+    return marker.applied if marker is not None else None
 
 
 def _write(target: Path, data: bytes) -> None:

@@ -61,10 +61,12 @@ class GitRunner:
                "GIT_TERMINAL_PROMPT": "0", "GIT_CONFIG_NOSYSTEM": "1", "GIT_CONFIG_GLOBAL": os.devnull,
                "GIT_ASKPASS": "/bin/false", "SSH_ASKPASS": "/bin/false"}
         creds = self.credentials
+        # never a prompt, never an unknown host key accepted (whatever the user's ~/.ssh/config says)
+        ssh = ["ssh", "-o", "BatchMode=yes", "-o", "StrictHostKeyChecking=yes"]
         if creds.ssh_key_file is not None and creds.known_hosts_file is not None:
-            env["GIT_SSH_COMMAND"] = " ".join(shlex.quote(a) for a in (
-                "ssh", "-i", str(creds.ssh_key_file), "-o", "IdentitiesOnly=yes", "-o", "BatchMode=yes",
-                "-o", f"UserKnownHostsFile={creds.known_hosts_file}", "-o", "StrictHostKeyChecking=yes"))
+            ssh += ["-i", str(creds.ssh_key_file), "-o", "IdentitiesOnly=yes",
+                    "-o", f"UserKnownHostsFile={creds.known_hosts_file}"]
+        env["GIT_SSH_COMMAND"] = " ".join(shlex.quote(a) for a in ssh)
         if creds.ca_file is not None:
             env["GIT_SSL_CAINFO"] = str(creds.ca_file)
         if creds.token_file is not None:

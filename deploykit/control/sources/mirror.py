@@ -77,31 +77,62 @@ class Mirror:
         except GitError:
             raise GitError(f"{what} is not in the repository (deleted, or never pushed)") from None
 
+    def is_ancestor(self, older: str, newer: str) -> bool:
+        """Whether ``older`` is in the history of ``newer`` (False too when either is not in the mirror)."""
+        try:
+            self._git("merge-base", "--is-ancestor", older, newer)
+            return True
+        except GitError:
+            return False
+
     def tags(self) -> list[str]:
         out = self._git("for-each-ref", "--format=%(refname:strip=2)", "refs/tags")
         return out.decode("utf-8", "replace").split()
 
     def files(self, commit: str, path: str) -> list[str]:
         """The manifest files (``*.yaml``, ``*.yml``) directly under ``path`` at ``commit``."""
+        return sorted(self.blobs(commit, path))
+
+    def blobs(self, commit: str, path: str) -> dict[str, str]:
+        """``files``, each with its blob id (what ``blob_id`` of its content is)."""
         tree = commit if path == "." else f"{commit}:{path}"
         try:
             out = self._git("ls-tree", "-z", tree)
         except GitError:
             raise GitError(f"path {path!r} is not in commit {commit[:12]}") from None
-        entries = [e.split("\t", 1) for e in out.decode("utf-8", "replace").split("\0") if "\t" in e]
+        entries = [_entry(e, path, commit) for e in out.split(b"\0") if b"\t" in e]
         found = [name for head, name in entries if head.split()[1] == "blob" and name.endswith((".yaml", ".yml"))]
+        ids = {name: head.split()[2] for head, name in entries}
         links = [name for head, name in entries if head.split()[0] == "120000" and name in found]
         if links:  # its content would be a path, not a manifest: said, never followed
             raise GitError(f"{path}/{links[0]} at {commit[:12]} is a symbolic link; a manifest is a regular file")
         if len(found) > MAX_FILES:
             raise GitError(f"more than {MAX_FILES} manifests under {path!r}")
-        return sorted(found if path == "." else [f"{path}/{name}" for name in found])
+        return {(name if path == "." else f"{path}/{name}"): ids[name] for name in found}
 
     def read(self, commit: str, name: str) -> bytes:
         size = int(self._git("cat-file", "-s", f"{commit}:{name}").decode().strip())
         if size > MAX_MANIFEST_BYTES:
             raise GitError(f"{name} at {commit[:12]} is {size} bytes; a manifest is at most {MAX_MANIFEST_BYTES}")
         return self._git("cat-file", "blob", f"{commit}:{name}")
+
+
+def blob_id(data: bytes, like: str) -> str:
+    """git's id of a blob holding ``data``, in the object format of the id ``like`` (SHA-1 or SHA-256)."""
+    import hashlib
+
+    return hashlib.new("sha1" if len(like) == 40 else "sha256", b"blob %d\0" % len(data) + data).hexdigest()
+
+
+def _entry(raw: bytes, path: str, commit: str) -> list[str]:
+    """An ``ls-tree -z`` entry as [mode type id, name]; a name that is no UTF-8 is said, not mangled (two
+    such names would read as one, and neither could be read back by its mangled name)."""
+    head, name = raw.split(b"\t", 1)
+    try:
+        return [head.decode("ascii"), name.decode("utf-8")]
+    except UnicodeDecodeError:
+        raise GitError(f"{path}/{name.decode('utf-8', 'backslashreplace')} at {commit[:12]}: a file name "
+                       "that is not UTF-8; rename it") from None
 
 
 def newest_matching(tags: list[str], semver: str) -> str | None:

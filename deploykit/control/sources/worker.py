@@ -14,14 +14,15 @@ import logging
 import threading
 import time
 from dataclasses import replace
-from pathlib import Path
+from pathlib import Path, PurePosixPath
 from typing import TYPE_CHECKING, Any
 
 from ...errors import DeploykitError
+from ...spec.manifest import manifest_files
 from ...spec.source import GitSource
-from .commit import admit_commit, publish, published_commit, read_commit
+from .commit import CommitRefused, admit_commit, publish, published_commit, read_commit
 from .gitcmd import Credentials, GitRunner
-from .mirror import Mirror
+from .mirror import Mirror, blob_id
 from .status import SourceStatus, SyncRecord, deployments_of, phase_of
 from .verify import UnverifiedCommit, verify_commit
 
@@ -147,11 +148,12 @@ class SourceSync:
         self.mirror.fetch()
         commit = self.mirror.resolve(spec.ref)
         self._update(fetched_commit=commit, last_fetch=time.time())
-        if commit == self.record().applied_commit:
+        if commit == self.record().applied_commit and self._published_whole(commit):
             if spec.self_heal:
                 self._heal()
             return
-        if spec.verify is not None:
+        if spec.verify is not None and spec.ref.commit is None:  # a pinned commit is the operator's choice
+            self._refuse_rewind(commit)
             self._verify(commit, spec.verify.allowed_signers)
         manifests = read_commit(self.mirror, commit, spec.path)
         admit_commit(manifests, live=self.live, policy=self.supervisor.policy, devices=self.supervisor.devices)
@@ -159,6 +161,27 @@ class SourceSync:
         self._update(applied_commit=commit, applied_at=time.time())
         log.info("source %s: applied commit %s (%d manifests%s)", self.name, commit[:12], len(manifests.files),
                  f"; removed {', '.join(removed)}" if removed else "")
+
+    def _published_whole(self, commit: str) -> bool:
+        """Whether the published directory holds exactly the commit's manifests: a file edited, added or
+        removed there by hand is drift the next sync publishes the commit over."""
+        blobs = {PurePosixPath(p).name: i for p, i in self.mirror.blobs(commit, self.source.spec.path).items()}
+        live = {f.name: f for f in manifest_files(self.live)}
+        if live.keys() != blobs.keys():
+            return False
+        try:
+            return all(blob_id(f.read_bytes(), blobs[n]) == blobs[n] for n, f in live.items())
+        except OSError:
+            return False
+
+    def _refuse_rewind(self, commit: str) -> None:
+        """A signature says who made a commit, not that it is the newest: with ``verify``, a ref moved back to
+        an older commit of the applied one's history (a replay of an old signed commit by a force-push)
+        is refused; a revert, a new commit, is how git goes back."""
+        applied = self.record().applied_commit
+        if applied is not None and commit != applied and self.mirror.is_ancestor(commit, applied):
+            raise CommitRefused(commit, [f"it is older than the applied commit {applied[:12]} (the ref was moved "
+                                         "back in history); revert in git to go back"])
 
     def _verify(self, commit: str, allowed_signers: Path) -> None:
         try:
