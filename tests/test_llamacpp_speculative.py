@@ -190,6 +190,6 @@ def test_a_reload_of_only_spec_speculative_restarts_llama_server_and_a_broken_dr
         broken.write_bytes(bytes(data))
         path.write_text(manifest(gguf, name="smol", extra=_draft(broken)))
         error = wait_until(lambda: _status(server.url, "smol")["last_error"], 240, "the failed reload in status")
-        assert "draft" in error.lower() or "broken.gguf" in error, error
+        assert "failed to load draft model" in error, error
         assert engine_pids(server.process.pid) == [new]  # the last good generation serves on
         assert _copy(server.url, "smol", max_tokens=4)
