@@ -18,6 +18,7 @@ from llamacpp import engine_pids, llama_server, manifest
 from servers import Server, get
 
 from deploykit.control.budget.tiers import plan_tiers
+from deploykit.control.revisions.change import host_issues
 from deploykit.engine.llamacpp.flags import speculative_flags
 from deploykit.errors import ManifestError, PlanInfeasible
 from deploykit.model.gguf import gguf_metadata
@@ -117,6 +118,9 @@ def test_a_draft_that_cannot_serve_is_refused_at_its_path(tmp_path, make, words)
         plan_manifest(loaded, devices="cpu=8GiB")
     [issue] = err.value.issues
     assert issue.field == "spec.speculative.draft.path" and issue.line == 8 and words in str(issue), issue
+    llama_server()  # `deploykit validate` says it too, before any apply
+    [said] = host_issues(loaded)
+    assert said.field == "spec.speculative.draft.path" and said.line == 8 and words in str(said), said
 
 
 # -- a real deploykit serve ----------------------------------------------------------------------------------

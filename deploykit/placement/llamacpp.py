@@ -29,8 +29,6 @@ from __future__ import annotations
 
 from dataclasses import replace
 
-from pathlib import Path
-
 from ..errors import CheckpointError, ManifestError, PlanInfeasible
 from ..model.gguf import gguf_metadata, is_gguf, vocabulary_digest, vocabulary_size
 from ..model.gguf_blocks import gguf_blocks, kv_bytes_per_token
@@ -103,8 +101,10 @@ def plan_draft(loaded: LoadedManifest, plan: Plan) -> Plan:
     speculative = spec.speculative
     if speculative is None or speculative.draft is None or speculative.draft.path is None:
         return plan
+    problem = draft_problem(loaded)
+    if problem is not None:
+        raise ManifestError([loaded.issue(DRAFT_FIELD, problem)])
     path = loaded.resolve(speculative.draft.path).resolve()
-    _check_draft(loaded, path, loaded.model_path)
     engine = spec.engine
     tokens = engine.slots * engine.context
     blocks = gguf_blocks(path, kv_tokens=tokens, batch_tokens=min(engine.batch_size, tokens)).blocks
@@ -116,28 +116,31 @@ def plan_draft(loaded: LoadedManifest, plan: Plan) -> Plan:
     return replace(plan, draft=draft, total_bytes=plan.total_bytes + total)
 
 
-def _check_draft(loaded: LoadedManifest, path: Path, serving: Path) -> None:
-    """ManifestError at ``spec.speculative.draft.path`` unless ``path`` is a GGUF file with ``serving``'s
-    vocabulary."""
-    def refuse(message: str) -> ManifestError:
-        line, column = loaded.locate(DRAFT_FIELD)
-        return ManifestError.single(message, path=loaded.source, line=line, column=column, field=DRAFT_FIELD)
-
+def draft_problem(loaded: LoadedManifest) -> str | None:
+    """Why the GGUF file ``spec.speculative.draft.path`` names cannot draft for the serving GGUF: missing, not a
+    GGUF file, or another vocabulary (None: it can, or the manifest has no draft file). Reads headers only."""
+    speculative = loaded.manifest.spec.speculative
+    if speculative is None or speculative.draft is None or speculative.draft.path is None:
+        return None
+    path = loaded.resolve(speculative.draft.path).resolve()
     if not path.is_file():
-        raise refuse(f"the draft model {str(path)!r} does not exist or is not a file")
+        return f"the draft model {str(path)!r} does not exist or is not a file"
     if not is_gguf(path):
-        raise refuse(f"the draft model {str(path)!r} is not a GGUF file (it does not start with 'GGUF')")
+        return f"the draft model {str(path)!r} is not a GGUF file (it does not start with 'GGUF')"
+    serving = loaded.model_path
     try:
-        theirs, ours = vocabulary_digest(path), vocabulary_digest(serving)
+        theirs = vocabulary_digest(path)
+        ours = vocabulary_digest(serving) if is_gguf(serving) else None
     except CheckpointError as exc:
-        raise refuse(f"the draft model cannot be read: {exc}") from None
+        return f"the draft model cannot be read: {exc}"
     if theirs is None:
-        raise refuse(f"the draft model {str(path)!r} carries no vocabulary (tokenizer.ggml.tokens)")
+        return f"the draft model {str(path)!r} carries no vocabulary (tokenizer.ggml.tokens)"
     if ours is not None and theirs != ours:
         sizes = (vocabulary_size(gguf_metadata(path), path), vocabulary_size(gguf_metadata(serving), serving))
-        raise refuse(f"the draft model's vocabulary ({sizes[0]} tokens) is not the serving model's ({sizes[1]} "
-                     "tokens, or the same number of other tokens): a draft proposes token ids that the serving "
-                     "model checks as its own, so both must share one tokenizer")
+        return (f"the draft model's vocabulary ({sizes[0]} tokens) is not the serving model's ({sizes[1]} tokens, "
+                "or the same number of other tokens): a draft proposes token ids that the serving model checks "
+                "as its own, so both must share one tokenizer")
+    return None
 
 
 def _draft_device(plan: Plan, size: int) -> Device:
