@@ -8,6 +8,7 @@ last good generation serving with the error in status."""
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 from typing import Any
 
@@ -23,6 +24,7 @@ from deploykit.engine.llamacpp.flags import speculative_flags
 from deploykit.errors import ManifestError, PlanInfeasible
 from deploykit.model.gguf import gguf_metadata
 from deploykit.model.gguf_blocks import gguf_blocks
+from deploykit.placement.plan import Plan
 from deploykit.placement.planning import plan_manifest
 from deploykit.spec.manifest import LoadedManifest, parse_manifests
 
@@ -88,6 +90,7 @@ def test_a_draft_model_is_planned_beside_the_model_and_becomes_model_draft_flags
     assert plan.draft.bytes == expected and plan.total_bytes == alone.total_bytes + expected
     assert plan.draft.kv_bytes > 0 and plan.draft.weight_bytes + plan.draft.kv_bytes == expected
     assert plan_tiers(plan)["cpu"] == plan_tiers(alone)["cpu"] + expected  # what a serve --budget counts
+    assert Plan.from_dict(json.loads(plan.to_json())) == plan and "draft" not in alone.to_dict()  # as recorded
     flags = speculative_flags(loaded.manifest.spec.speculative, plan.draft)
     assert flags is not None and flags.as_args() == [
         "--spec-type", "draft-simple", "--spec-draft-model", str(gguf.resolve()), "--spec-draft-n-max", "6",
@@ -197,3 +200,25 @@ def test_a_reload_of_only_spec_speculative_restarts_llama_server_and_a_broken_dr
         assert "failed to load draft model" in error, error
         assert engine_pids(server.process.pid) == [new]  # the last good generation serves on
         assert _copy(server.url, "smol", max_tokens=4)
+
+
+def test_deploykit_plan_shows_the_draft_and_its_flags(tmp_path):
+    import os
+    import subprocess
+    import sys
+
+    gguf = smollm2_file()
+    (tmp_path / "m.yaml").write_text(manifest(gguf, extra="  placement: {gpus: all}\n" + _draft(gguf)))
+    env = {**os.environ, "DEPLOYKIT_LLAMA_SERVER": "/bin/true"}  # planning runs no binary
+
+    def plan(*args: str) -> str:
+        done = subprocess.run([sys.executable, "-m", "deploykit.cli", "plan", str(tmp_path / "m.yaml"),
+                               "--devices", "2x4GiB", *args], capture_output=True, text=True, env=env, timeout=120)
+        assert done.returncode == 0, done.stderr
+        return done.stdout
+
+    shown = json.loads(plan("-o", "json"))
+    assert shown["draft"]["layers"] == 30 and shown["draft"]["device"] in (0, 1)
+    assert shown["llama_server"]["flags"][-2:] == ["--spec-draft-device", f"CUDA{shown['draft']['device']}"]
+    text = plan()
+    assert f"draft model {gguf.resolve()}" in text and f"on cuda:{shown['draft']['device']}" in text, text
