@@ -126,6 +126,13 @@ def _deploykit(work: Path, name: str, text: str) -> Contender:
                      lambda url, _: int(_metric(url, "deploykit_speculative_accepted_tokens_total")))
 
 
+def ask(url: str) -> dict:
+    """The copy request, greedy, its answer."""
+    body = {"model": "smol", "messages": [{"role": "user", "content": PROMPT}], "max_tokens": MAX_TOKENS,
+            "temperature": 0}
+    return httpx.post(f"{url}/v1/chat/completions", json=body, timeout=900).raise_for_status().json()
+
+
 Figure = tuple[float, int, int, float, float]  # tokens/s, tokens, drafts accepted, CPU us/token: front, engine
 
 
@@ -136,10 +143,8 @@ def measure(contender: Contender) -> tuple[Figure, str]:
     front, engine = engine_pid(contender.server)
     cpu = (cpu_seconds(front) if front else 0.0, cpu_seconds(engine))
     before = contender.accepted(contender.url, {})
-    body = {"model": "smol", "messages": [{"role": "user", "content": PROMPT}], "max_tokens": MAX_TOKENS,
-            "temperature": 0}
     start = time.perf_counter()
-    answer = httpx.post(f"{contender.url}/v1/chat/completions", json=body, timeout=900).raise_for_status().json()
+    answer = ask(contender.url)
     wall = time.perf_counter() - start
     tokens = int(answer["usage"]["completion_tokens"])
     used = [1e6 * (a - b) / max(tokens, 1) for a, b in zip((cpu_seconds(front) if front else 0.0,
@@ -160,7 +165,7 @@ def main() -> None:
         try:
             for name, c in servers.items():
                 ready = c.server.start(f"{c.url}/v1", 900)
-                measure(c)  # unrecorded warm-up
+                ask(c.url)  # unrecorded warm-up (deploykit answers /v1/models while its engine starts)
                 print(f"{name}: ready in {ready:.1f}s", flush=True)
             figures: dict[str, list[Figure]] = {}
             answers: dict[str, set[str]] = {}
