@@ -102,7 +102,8 @@ def test_a_draft_model_is_planned_beside_the_model_and_becomes_model_draft_flags
     assert on_gpus.draft is not None and on_gpus.draft.device == min((0, 1), key=lambda g: held.get(g, 0))
     gpu = on_gpus.draft.device
     args = speculative_flags(gpus.manifest.spec.speculative, on_gpus.draft).as_args()  # type: ignore[union-attr]
-    assert args[-4:] == ["--spec-draft-ngl", "31", "--spec-draft-device", f"CUDA{gpu}"]
+    assert args[-6:] == ["--spec-draft-ngl", "31", "--spec-draft-device", f"CUDA{gpu}",
+                         "--spec-draft-override-tensor", rf"^token_embd\.weight$=CUDA{gpu}"]
     assert plan_tiers(on_gpus)[f"gpu{gpu}"] == held.get(gpu, 0) + expected
     with pytest.raises(PlanInfeasible) as short:  # no device has room for it beside the model
         plan_manifest(loaded, devices=f"cpu={alone.total_bytes + expected // 2}")
@@ -219,6 +220,6 @@ def test_deploykit_plan_shows_the_draft_and_its_flags(tmp_path):
 
     shown = json.loads(plan("-o", "json"))
     assert shown["draft"]["layers"] == 30 and shown["draft"]["device"] in (0, 1)
-    assert shown["llama_server"]["flags"][-2:] == ["--spec-draft-device", f"CUDA{shown['draft']['device']}"]
+    assert shown["llama_server"]["flags"][-4:-2] == ["--spec-draft-device", f"CUDA{shown['draft']['device']}"]
     text = plan()
     assert f"draft model {gguf.resolve()}" in text and f"on cuda:{shown['draft']['device']}" in text, text

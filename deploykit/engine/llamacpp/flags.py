@@ -106,8 +106,11 @@ def llamacpp_devices(n_layer: int, gpu_layers: int, tensor_split: Sequence[float
 #                    ngram_max tokens; ngram-simple matches that one length only, so ngram_min must equal it:
 #                    ``spec.speculative`` refuses another)
 #   method draft  -> --spec-type draft-simple --spec-draft-model <draft.path> --spec-draft-n-max <num_tokens>
-#                    --spec-draft-ngl <layers + 1 on a GPU, else 0> [--spec-draft-device CUDA<i>]
-#                    (the plan's ``draft.device``: the whole draft on that GPU, or on the CPU)
+#                    --spec-draft-ngl <layers + 1 on a GPU, else 0>
+#                    [--spec-draft-device CUDA<i> --spec-draft-override-tensor ^token_embd\.weight$=CUDA<i>]
+#                    (the plan's ``draft.device``: the whole draft on that GPU, its layers and output slot by
+#                    the same rule as the model's, its input embeddings pinned there as the model's are; or
+#                    the whole draft on the CPU)
 
 
 @dataclass(frozen=True)
@@ -128,7 +131,8 @@ class SpeculativeFlags:
                 "--spec-draft-n-max", str(self.num_tokens)]
         if self.draft_gpu is None:
             return [*args, "--spec-draft-ngl", "0"]
-        return [*args, "--spec-draft-ngl", str(self.draft_layers + 1), "--spec-draft-device", f"CUDA{self.draft_gpu}"]
+        return [*args, "--spec-draft-ngl", str(self.draft_layers + 1), "--spec-draft-device", f"CUDA{self.draft_gpu}",
+                "--spec-draft-override-tensor", rf"^token_embd\.weight$=CUDA{self.draft_gpu}"]
 
     def describe(self) -> dict[str, Any]:
         """What status shows: the method, its settings and the flags they became."""
