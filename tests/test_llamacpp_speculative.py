@@ -9,6 +9,8 @@ last good generation serving with the error in status."""
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -173,6 +175,10 @@ def test_greedy_answers_are_identical_with_ngram_and_draft_speculation_and_draft
         assert "--spec-ngram-simple-size-m" in shown["flags"]
         assert _status(server.url, "drafted")["engine_process"]["speculative"]["draft_device"] == "cpu"
         assert _status(server.url, "plain")["engine_process"]["speculative"] is None
+        said = subprocess.run([sys.executable, "-m", "deploykit.cli", "status", "drafted"],  # the server of the
+                              capture_output=True, text=True, timeout=120, env=server.env)  # state directory
+        assert "cpu: draft model" in said.stdout and "speculative: draft, up to 6 tokens drafted" in said.stdout, (
+            said.stdout, said.stderr)
 
 
 def test_a_reload_of_only_spec_speculative_restarts_llama_server_and_a_broken_draft_keeps_the_last_good(tmp_path):
@@ -205,8 +211,6 @@ def test_a_reload_of_only_spec_speculative_restarts_llama_server_and_a_broken_dr
 
 def test_deploykit_plan_shows_the_draft_and_its_flags(tmp_path):
     import os
-    import subprocess
-    import sys
 
     gguf = smollm2_file()
     (tmp_path / "m.yaml").write_text(manifest(gguf, extra="  placement: {gpus: all}\n" + _draft(gguf)))
