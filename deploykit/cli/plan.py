@@ -52,6 +52,11 @@ def plan(files: tuple[str, ...], devices: str | None, budget: str | None, output
             for a in p.adapters:  # LoRA adapters, beside the layers they adapt (in the total above)
                 where = ", ".join(f"{d if isinstance(d, str) else f'cuda:{d}'} {format_size(b)}" for d, b in a.devices)
                 out.print(f"adapter {a.name}: {format_size(a.bytes)} ({where})")
+            if p.draft is not None:  # speculative decoding's draft model (in the total above)
+                d = p.draft
+                where = d.device if isinstance(d.device, str) else f"cuda:{d.device}"
+                out.print(f"draft model {d.path}: {format_size(d.bytes)} on {where} (weights "
+                          f"{format_size(d.weight_bytes)}, KV of its {d.layers} layers {format_size(d.kv_bytes)})")
             for n in p.nodes:  # one line per pipeline stage, easy to grep
                 layers = f"layers {n.layers[0]}-{n.layers[1]}" if n.layers else "no layers"
                 out.print(f"node {n.node} {n.name}: {layers}, {format_size(n.bytes)}, load {100 * n.actual_share:.2f}%")
@@ -63,11 +68,14 @@ def _engine_json(manifest: Any, plan: Any) -> dict[str, Any]:
     """For the llama.cpp engine, the llama-server placement flags the plan becomes."""
     if manifest.manifest.spec.engine.name != "llama.cpp":
         return {}
-    from ..engine.llamacpp.flags import placement_flags
+    from ..engine.llamacpp.flags import placement_flags, speculative_flags
 
     flags = placement_flags(plan.device_map)
-    return {"llama_server": {"flags": flags.as_args(), "gpu_layers": flags.gpu_layers,
-                             "tensor_split": list(flags.tensor_split), "cpu_layers": flags.cpu_layers}}
+    speculative = manifest.manifest.spec.speculative
+    spec_flags = speculative_flags(speculative, plan.draft) if speculative is not None else None
+    return {"llama_server": {"flags": flags.as_args() + (spec_flags.as_args() if spec_flags else []),
+                             "gpu_layers": flags.gpu_layers, "tensor_split": list(flags.tensor_split),
+                             "cpu_layers": flags.cpu_layers}}
 
 
 def _packing(text: str, devices: str | None, manifests: list, plans: list, output: str) -> None:

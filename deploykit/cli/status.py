@@ -57,6 +57,14 @@ def status(name: str | None, output: str, server: str | None, state_dir: str | N
             for d in r["plan"]["devices"]:
                 device = f"cuda:{d['device']}" if isinstance(d["device"], int) else d["device"]
                 out.print(f"  {device}: {', '.join(d['blocks'])} ({format_size(d['bytes'])})", markup=False)
+            if r["plan"].get("draft"):  # speculative decoding's draft model (llama.cpp)
+                d = r["plan"]["draft"]
+                device = f"cuda:{d['device']}" if isinstance(d["device"], int) else d["device"]
+                out.print(f"  {device}: draft model {d['path']} ({format_size(d['bytes'])})", markup=False)
+        speculative = (r.get("engine_process") or {}).get("speculative")
+        if speculative:  # spec.speculative as the engine runs it
+            out.print(f"  speculative: {speculative['method']}, up to {speculative['num_tokens']} tokens drafted: "
+                      + " ".join(speculative["flags"]), markup=False)
         if r.get("budget"):
             out.print("  " + _memory_line(r["budget"]), markup=False)
         if r.get("adapters"):  # LoRA adapters the serving generation answers as NAME:ADAPTER

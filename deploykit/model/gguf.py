@@ -22,7 +22,7 @@ from __future__ import annotations
 import hashlib
 import mmap
 import struct
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -49,6 +49,7 @@ class GgufMetadata:
     tensor_names: tuple[str, ...]
     tensor_offsets: tuple[int, ...] = ()  # of each tensor's data, from the start of the data section
     tensor_shapes: tuple[tuple[int, ...], ...] = ()  # ggml's order: ne0 (the row length) first
+    array_spans: dict[str, tuple[int, int]] = field(default_factory=dict)  # key -> (start, end) of its bytes
 
     def shape(self, name: str) -> tuple[int, ...] | None:
         """The dims of tensor ``name`` (ggml's order), None if the file has no such tensor."""
@@ -132,12 +133,17 @@ def _parse(cur: _Cursor) -> GgufMetadata:
     tensor_count, kv_count = cur.unpack("<Q"), cur.unpack("<Q")
     scalars: dict[str, Any] = {}
     keys = []
+    spans: dict[str, tuple[int, int]] = {}
     for _ in range(kv_count):
         key = cur.string()
-        value = cur.value(cur.unpack("<I"))
+        kind = cur.unpack("<I")
+        start = cur.pos
+        value = cur.value(kind)
         keys.append(key)
         if value is not None:
             scalars[key] = value
+        elif kind == _ARRAY:
+            spans[key] = (start, cur.pos)
     names, offsets, shapes = [], [], []
     for _ in range(tensor_count):
         names.append(cur.string())
@@ -149,7 +155,7 @@ def _parse(cur: _Cursor) -> GgufMetadata:
         cur.take(4)  # ggml type
         offsets.append(cur.unpack("<Q"))
     return GgufMetadata(version, tensor_count, cur.pos, scalars, tuple(keys), tuple(names), tuple(offsets),
-                        tuple(shapes))
+                        tuple(shapes), spans)
 
 
 def gguf_fingerprint(path: Path) -> str:
@@ -161,6 +167,38 @@ def gguf_fingerprint(path: Path) -> str:
     with open(path, "rb") as fh:
         h.update(fh.read(meta.metadata_end))
     return "sha256:" + h.hexdigest()
+
+
+VOCABULARY_KEYS = ("tokenizer.ggml.model", "tokenizer.ggml.pre", "tokenizer.ggml.tokens")
+
+
+def vocabulary_digest(path: Path) -> str | None:
+    """An identity of a GGUF file's vocabulary: its tokenizer model and the bytes of its token list (each
+    token's text, in id order), hashed without decoding them; None when the file carries no token list. Two
+    files with the same digest map every text to the same ids (what a draft model of speculative decoding
+    needs: the serving model checks the draft's token ids as its own)."""
+    path = Path(path)
+    meta = gguf_metadata(path)
+    span = meta.array_spans.get("tokenizer.ggml.tokens")
+    if span is None:
+        return None
+    h = hashlib.sha256()
+    for key in VOCABULARY_KEYS[:2]:
+        h.update(f"{key}={meta.scalars.get(key)!s}\0".encode())
+    with open(path, "rb") as fh:
+        fh.seek(span[0])
+        h.update(fh.read(span[1] - span[0]))
+    return "sha256:" + h.hexdigest()
+
+
+def vocabulary_size(meta: GgufMetadata, path: Path) -> int | None:
+    """The number of tokens in a GGUF file's token list (its array header), None without one."""
+    span = meta.array_spans.get("tokenizer.ggml.tokens")
+    if span is None:
+        return None
+    with open(path, "rb") as fh:
+        fh.seek(span[0] + 4)  # the item type, then the count
+        return int(struct.unpack("<Q", fh.read(8))[0])
 
 
 def has_tokenizer(meta: GgufMetadata) -> bool:

@@ -61,6 +61,19 @@ class AdapterPlan:
 
 
 @dataclass(frozen=True)
+class DraftPlan:
+    """The draft model of ``spec.speculative`` (``method: draft``): its file, its weights and the KV cache of
+    its own layers, all held on one device (``placement/llamacpp.py``: llama.cpp engine)."""
+
+    path: str
+    bytes: int  # weight_bytes + kv_bytes (+ the logits of a micro-batch)
+    weight_bytes: int
+    kv_bytes: int  # engine.slots x engine.context tokens of its own layers
+    layers: int
+    device: Device
+
+
+@dataclass(frozen=True)
 class Plan:
     """A placement decision. ``digest`` covers what was decided (model, dtype, device_map)."""
 
@@ -83,6 +96,7 @@ class Plan:
     quantization: str = "none"  # spec.model.quantization: block sizes are the quantized bytes
     prefix_cache_bytes: int = 0  # spec.serving.prefix_cache, spread as the KV is (placement.kv)
     adapters: tuple[AdapterPlan, ...] = ()  # spec.adapters; their bytes are in total_bytes, not in devices
+    draft: DraftPlan | None = None  # spec.speculative's draft model; its bytes are in total_bytes, not in devices
 
     @property
     def adapter_bytes(self) -> int:
@@ -107,6 +121,8 @@ class Plan:
         else:
             data["adapters"] = [{"name": a.name, "path": a.path, "bytes": a.bytes,
                                  "devices": [{"device": d, "bytes": b} for d, b in a.devices]} for a in self.adapters]
+        if self.draft is None:  # plans without a draft model keep their exact former shape
+            data.pop("draft")
         if not self.nodes:  # one-node plans keep their exact former shape
             for key in ("node_map", "nodes", "device_nodes"):
                 data.pop(key)
@@ -134,8 +150,9 @@ class Plan:
         adapters = tuple(AdapterPlan(a["name"], a["path"], a["bytes"],
                                      tuple((d["device"], d["bytes"]) for d in a["devices"]))
                          for a in data.get("adapters", ()))
+        draft = DraftPlan(**data["draft"]) if data.get("draft") else None
         return cls(**{**data, "devices": devices, "notes": tuple(data.get("notes", ())), "nodes": nodes,
-                      "adapters": adapters,
+                      "adapters": adapters, "draft": draft,
                       "device_nodes": tuple(data.get("device_nodes", ())),
                       "node_map": dict(data.get("node_map", {}))})
 

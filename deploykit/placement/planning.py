@@ -15,7 +15,7 @@ from ..errors import CheckpointError, PlanInfeasible
 from ..units import format_size
 from .capacity import block_sizes
 from .inventory import Inventory, resolve
-from .llamacpp import as_llama_cpp_places
+from .llamacpp import as_llama_cpp_places, plan_draft
 from ..spec.manifest import LoadedManifest
 from ..spec.schema import Spec
 from .kv import DEFAULT_PREFIX_CACHE_CAP, MIN_KV_BYTES, default_prefix_cache, kv_budget, kv_shares
@@ -57,7 +57,7 @@ def plan_manifest(loaded: LoadedManifest, *, devices: str | None = None,
     # the adapters first: the prefix cache is sized from (and checked against) the KV room they leave
     planned = with_prefix_cache(_with_adapters(plan(structure, spec, inv, name=loaded.name), loaded), spec, inv)
     if spec.engine.name == LLAMA_CPP and spec.placement.nodes == 1:  # the layers where llama.cpp holds them
-        planned = as_llama_cpp_places(planned, structure, block_sizes(structure, spec))
+        planned = plan_draft(loaded, as_llama_cpp_places(planned, structure, block_sizes(structure, spec)))
     return planned
 
 

@@ -44,6 +44,12 @@ class ServingMetrics:
                                           ["model_name"], registry=registry)
         self.requests = Counter("deploykit_generation_requests", "Text requests that ran to their end, per "
                                 "generation (a canary's split)", _LABELS, registry=registry)
+        self.speculative_drafted = Counter(
+            "deploykit_speculative_drafted_tokens", "Tokens drafted by speculative decoding (spec.speculative)",
+            ["deployment"], registry=registry)
+        self.speculative_accepted = Counter(
+            "deploykit_speculative_accepted_tokens", "Drafted tokens the serving model accepted (each one a token "
+            "that cost no decoding step of its own)", ["deployment"], registry=registry)
         self.embedding_inputs = Counter("deploykit_embedding_inputs", "Texts embedded", _LABELS,
                                         registry=registry)
 

@@ -114,6 +114,10 @@ def speculative_problem(spec: Any) -> tuple[str, str] | None:
                     "draft.path to a GGUF file (a smaller model, or this one quantized with llama-quantize)")
         if draft is not None and draft.path is not None and draft.path.suffix.lower() != ".gguf":
             return "speculative.draft.path", "the llama.cpp engine's draft model is a GGUF file"
+        if speculative.method == "ngram" and speculative.ngram_min != speculative.ngram_max:
+            return ("speculative.ngram_min", f"llama.cpp's ngram lookup (ngram-simple) matches one length only, "
+                    f"ngram_max ({speculative.ngram_max}), never a shorter one: set ngram_min to "
+                    f"{speculative.ngram_max} too")
         return None
     if draft is not None and draft.path is not None and draft.path.suffix.lower() == ".gguf":
         return ("speculative.draft.path", "the transformers engine's draft model is a checkpoint directory "

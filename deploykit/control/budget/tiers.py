@@ -104,6 +104,10 @@ def plan_tiers(plan: Plan) -> dict[str, int]:
         for where, size in adapter.devices:
             tier = "cpu" if kinds.get(where, "cpu") == "cpu" else f"gpu{where}"
             tiers[tier] = tiers.get(tier, 0) + size
+    if plan.draft is not None:  # speculative decoding's draft model, whole on one device
+        where = plan.draft.device
+        tier = "cpu" if kinds.get(where, "cpu") == "cpu" else f"gpu{where}"
+        tiers[tier] = tiers.get(tier, 0) + plan.draft.bytes
     return tiers
 
 

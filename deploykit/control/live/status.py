@@ -64,6 +64,7 @@ class EngineProcess:
     crashes: int
     restarts: int
     last_crash: str | None
+    speculative: dict[str, Any] | None = None  # spec.speculative: its settings and llama-server's flags
 
 
 def engine_process(gen: Generation | None) -> EngineProcess | None:
@@ -73,8 +74,9 @@ def engine_process(gen: Generation | None) -> EngineProcess | None:
     if not isinstance(runtime, LlamaRuntime):
         return None
     report = runtime.report()
+    speculative = runtime.options.server.speculative
     return EngineProcess(report.pid, report.state.value, report.reason, report.crashes, report.restarts,
-                         report.last_crash)
+                         report.last_crash, speculative.describe() if speculative is not None else None)
 
 
 @dataclass(frozen=True)

@@ -60,7 +60,8 @@ class Change:
 
 def host_issues(loaded: LoadedManifest) -> list[Issue]:
     """``spec.manifest.check_on_host``, and for llama.cpp whether a llama-server that runs is found (its
-    ``--version`` answered, with a timeout): a missing or broken binary is a located error before any apply."""
+    ``--version`` answered, with a timeout) and a draft model of ``spec.speculative`` can draft for the model:
+    a missing or broken binary, a draft with another vocabulary, is a located error before any apply."""
     from ...spec.engines import LLAMA_CPP
     from ...spec.manifest import check_on_host
 
@@ -74,6 +75,11 @@ def host_issues(loaded: LoadedManifest) -> list[Issue]:
         except BinaryError as exc:
             field = "spec.engine.binary" if engine.binary else "spec.engine.name"
             issues.append(loaded.issue(field, str(exc)))
+        from ...placement.llamacpp import DRAFT_FIELD, draft_problem
+
+        problem = draft_problem(loaded)  # spec.speculative's draft GGUF: present, GGUF, the same vocabulary
+        if problem is not None:
+            issues.append(loaded.issue(DRAFT_FIELD, problem))
     return issues
 
 

@@ -121,17 +121,23 @@ def is_llama_cpp(loaded: LoadedManifest) -> bool:
 
 
 def llama_server_options(loaded: LoadedManifest, plan: Plan) -> ServerOptions:
-    """The flags of the deployment's llama-server: ``spec.engine`` and the plan's placement; the binary
-    checked with ``--version`` (``BinaryError`` when there is none that runs)."""
+    """The flags of the deployment's llama-server: ``spec.engine``, the plan's placement (its draft model's
+    too) and ``spec.speculative``; the binary checked with ``--version`` (``BinaryError`` when there is none
+    that runs)."""
     from ...engine.llamacpp.binary import find_binary
-    from ...engine.llamacpp.flags import placement_flags
+    from ...engine.llamacpp.flags import placement_flags, speculative_flags
     from ...engine.llamacpp.process import ServerOptions
 
-    engine = loaded.manifest.spec.engine
+    spec = loaded.manifest.spec
+    engine = spec.engine
     binary = find_binary(loaded.resolve(engine.binary) if engine.binary else None)
+    if spec.speculative is not None and spec.speculative.draft is not None and plan.draft is None:
+        raise ApplyError("the plan has no draft model for spec.speculative (a plan recorded before it): "
+                         "apply again to plan it")
     return ServerOptions(binary.path, loaded.model_path.resolve(), slots=engine.slots, context=engine.context,
                          threads=engine.threads, batch_size=engine.batch_size,
-                         placement=placement_flags(plan.device_map))
+                         placement=placement_flags(plan.device_map),
+                         speculative=speculative_flags(spec.speculative, plan.draft))
 
 
 def _start_llama_server(loaded: LoadedManifest, plan: Plan, shards: Path, serving: ServingSpec,

@@ -59,9 +59,12 @@ def _open_failure(store: StateStore, name: str, latest: Revision | None, running
 def _plan_summary(plan: Plan | None) -> dict[str, Any] | None:
     if plan is None:
         return None
-    return {"digest": plan.digest, "bottleneck_factor": plan.bottleneck_factor,
-            "devices": [{"device": d.device, "blocks": list(d.blocks), "bytes": d.bytes}
-                        for d in plan.devices if d.blocks]}
+    summary: dict[str, Any] = {"digest": plan.digest, "bottleneck_factor": plan.bottleneck_factor,
+                               "devices": [{"device": d.device, "blocks": list(d.blocks), "bytes": d.bytes}
+                                           for d in plan.devices if d.blocks]}
+    if plan.draft is not None:  # spec.speculative's draft model (llama.cpp): only where there is one
+        summary["draft"] = {"path": plan.draft.path, "device": plan.draft.device, "bytes": plan.draft.bytes}
+    return summary
 
 
 def status_report(store: StateStore, name: str, held: Held | None = None) -> dict[str, Any]:

@@ -96,3 +96,64 @@ def llamacpp_devices(n_layer: int, gpu_layers: int, tensor_split: Sequence[float
         else:  # std::upper_bound over the cumulative fractions
             slots.append(min(bisect.bisect_right(cumulative, (il - start) / offloaded), n_devices - 1))
     return slots
+
+
+# ``spec.speculative`` as llama-server's flags (this build's names: ``--spec-*``; the older ``--draft-max``,
+# ``--draft-min`` and ``--spec-ngram-size-n`` are refused by it as removed):
+#   method ngram  -> --spec-type ngram-simple --spec-ngram-simple-size-n <ngram_max>
+#                    --spec-ngram-simple-size-m <num_tokens>
+#                    (the draft: the num_tokens tokens that followed the last earlier occurrence of the last
+#                    ngram_max tokens; ngram-simple matches that one length only, so ngram_min must equal it:
+#                    ``spec.speculative`` refuses another)
+#   method draft  -> --spec-type draft-simple --spec-draft-model <draft.path> --spec-draft-n-max <num_tokens>
+#                    --spec-draft-ngl <layers + 1 on a GPU, else 0>
+#                    [--spec-draft-device CUDA<i> --spec-draft-override-tensor ^token_embd\.weight$=CUDA<i>]
+#                    (the plan's ``draft.device``: the whole draft on that GPU, its layers and output slot by
+#                    the same rule as the model's, its input embeddings pinned there as the model's are; or
+#                    the whole draft on the CPU)
+
+
+@dataclass(frozen=True)
+class SpeculativeFlags:
+    method: str  # "ngram" | "draft"
+    num_tokens: int
+    ngram: int = 0  # method ngram: the lookup length (ngram_max)
+    draft: str | None = None  # method draft: the GGUF file
+    draft_gpu: int | None = None  # the GPU holding the whole draft; None: the CPU
+    draft_layers: int = 0
+
+    def as_args(self) -> list[str]:
+        if self.method == "ngram":
+            return ["--spec-type", "ngram-simple", "--spec-ngram-simple-size-n", str(self.ngram),
+                    "--spec-ngram-simple-size-m", str(self.num_tokens)]
+        assert self.draft is not None
+        args = ["--spec-type", "draft-simple", "--spec-draft-model", self.draft,
+                "--spec-draft-n-max", str(self.num_tokens)]
+        if self.draft_gpu is None:
+            return [*args, "--spec-draft-ngl", "0"]
+        return [*args, "--spec-draft-ngl", str(self.draft_layers + 1), "--spec-draft-device", f"CUDA{self.draft_gpu}",
+                "--spec-draft-override-tensor", rf"^token_embd\.weight$=CUDA{self.draft_gpu}"]
+
+    def describe(self) -> dict[str, Any]:
+        """What status shows: the method, its settings and the flags they became."""
+        out: dict[str, Any] = {"method": self.method, "num_tokens": self.num_tokens}
+        if self.method == "ngram":
+            out["ngram"] = self.ngram
+        else:
+            out["draft"] = self.draft
+            out["draft_device"] = "cpu" if self.draft_gpu is None else f"cuda:{self.draft_gpu}"
+        return {**out, "flags": self.as_args()}
+
+
+def speculative_flags(speculative: Any, draft: Any) -> SpeculativeFlags | None:
+    """The flags of a manifest's ``spec.speculative`` (None: no speculation) with the plan's ``draft``
+    (``placement.plan.DraftPlan``: where the draft model is held)."""
+    if speculative is None:
+        return None
+    if speculative.method == "ngram":
+        return SpeculativeFlags("ngram", speculative.num_tokens, ngram=speculative.ngram_max)
+    if draft is None:
+        raise ValueError("method draft needs the plan's draft model (plan it again)")
+    gpu = draft.device if isinstance(draft.device, int) else None
+    return SpeculativeFlags("draft", speculative.num_tokens, draft=draft.path, draft_gpu=gpu,
+                            draft_layers=draft.layers)

@@ -51,7 +51,7 @@ import httpx
 
 from ...errors import ApplyError
 from .client import RelayClient, unix_client
-from .flags import PlacementFlags
+from .flags import PlacementFlags, SpeculativeFlags
 from .logring import LogRing
 
 log = logging.getLogger(__name__)
@@ -81,6 +81,7 @@ class ServerOptions:
     batch_size: int = 512
     http_threads: int | None = None  # --threads-http: every admitted request and the watchdog's /health at once
     placement: PlacementFlags = field(default_factory=lambda: PlacementFlags(0, (), (), 0))  # the plan's GPU layers
+    speculative: SpeculativeFlags | None = None  # spec.speculative
 
     def flags(self) -> list[str]:
         """llama-server's arguments, without host, port and key."""
@@ -92,6 +93,8 @@ class ServerOptions:
             args += ["--threads", str(self.threads)]
         if self.http_threads is not None:
             args += ["--threads-http", str(self.http_threads)]
+        if self.speculative is not None:
+            args += self.speculative.as_args()
         return args
 
 

@@ -218,7 +218,7 @@ async def _relay(path: str, upstream: dict[str, Any], body: ChatCompletionReques
         raise
     try:
         answer = json.loads(raw)
-        done.finished(answer.get("usage"), ttft=None)
+        done.finished(answer.get("usage"), ttft=None, timings=answer.get("timings"))
         for key in _NOT_RELAYED:
             answer.pop(key, None)
         answer.update(id=our_id, created=now(), model=name)
@@ -274,10 +274,16 @@ class _Done:
         self.metrics.time_to_first_token.labels(*self.labels).observe(ttft)
         return ttft
 
-    def finished(self, usage: dict[str, Any] | None, *, ttft: float | None) -> None:
+    def finished(self, usage: dict[str, Any] | None, *, ttft: float | None,
+                 timings: dict[str, Any] | None = None) -> None:
         if usage:
             self.metrics.prompt_tokens.labels(*self.labels).inc(int(usage.get("prompt_tokens", 0)))
             self.metrics.generation_tokens.labels(*self.labels).inc(int(usage.get("completion_tokens", 0)))
+        drafted = (timings or {}).get("draft_n")
+        if isinstance(drafted, int) and drafted > 0:  # llama-server's speculative decoding, this request's
+            accepted = (timings or {}).get("draft_n_accepted")
+            self.metrics.speculative_drafted.labels(self.labels[0]).inc(drafted)
+            self.metrics.speculative_accepted.labels(self.labels[0]).inc(accepted if isinstance(accepted, int) else 0)
         self.metrics.request_latency.labels(*self.labels).observe(time.monotonic() - self.arrived)
         self.metrics.requests.labels(*self.labels).inc()
         self.gen.traffic.record(ttft=ttft, failed=False)
@@ -298,6 +304,7 @@ class _Rewriter:
     def __init__(self, our_id: str, model: str, wants_usage: bool) -> None:
         self.our_id, self.model, self.wants_usage = our_id, model, wants_usage
         self.usage: dict[str, Any] | None = None
+        self.timings: dict[str, Any] | None = None  # llama-server's, of the last event: its drafts counted
         self.ended = False
         self._pending = b""
         self._swaps: list[tuple[bytes, bytes]] | None = None
@@ -333,6 +340,8 @@ class _Rewriter:
             raise UpstreamError(int(error.get("code", 500)), str(error.get("message", error)))
         if self._swaps is None:
             self._swaps = _swaps(data, event, {"id": self.our_id, "model": self.model})
+        if isinstance(event.get("timings"), dict):
+            self.timings = event["timings"]
         for key in _NOT_RELAYED:
             event.pop(key, None)
         usage = event.get("usage") if not event.get("choices") else None
@@ -388,7 +397,7 @@ async def _events(held: Lease, client: RelayClient, upstream: Upstream, rewrite:
         raise _api_error(exc, held, client) from None
     finally:
         await upstream.aclose()  # closes the upstream connection when the client left early
-    done.finished(rewrite.usage, ttft=ttft)
+    done.finished(rewrite.usage, ttft=ttft, timings=rewrite.timings)
     if not rewrite.ended:
         yield b"data: [DONE]\n\n"
 
