@@ -207,14 +207,20 @@ def _dep(in_sync: bool = True, progressing: bool = False, error: str | None = No
 
 
 @pytest.mark.parametrize("record, deployments, phase", [
-    (SyncRecord(), [], "Synced"),
-    (SyncRecord(), [_dep()], "Synced"),
+    (SyncRecord(), [_dep()], "Progressing"),  # started: not compared with the remote yet
+    (SyncRecord(last_fetch=1.0), [], "Synced"),
+    (SyncRecord(last_fetch=1.0), [_dep()], "Synced"),
     (SyncRecord(last_error="git fetch failed"), [_dep()], "Degraded"),
-    (SyncRecord(applied_at=1000.0), [_dep(in_sync=False)], "Progressing"),  # just published
-    (SyncRecord(applied_at=0.0), [_dep(in_sync=False, progressing=True)], "Progressing"),
-    (SyncRecord(applied_at=0.0), [_dep(in_sync=False, error="plan infeasible")], "Degraded"),
-    (SyncRecord(applied_at=0.0), [_dep(in_sync=False)], "OutOfSync"),  # rolled back by hand
-    (SyncRecord(applied_at=0.0), [_dep(), _dep(in_sync=False)], "OutOfSync"),
+    (SyncRecord(last_fetch=1.0, fetched_commit="b", applied_commit="a"), [_dep()], "Progressing"),  # checking b
+    (SyncRecord(last_fetch=1.0, fetched_commit="c", applied_commit="a", error_commit="b", last_error="b is broken"),
+     [_dep()], "Progressing"),  # b was refused; c, fetched since, is being checked
+    (SyncRecord(last_fetch=1.0, fetched_commit="b", applied_commit="a", error_commit="b", last_error="b is broken"),
+     [_dep()], "Degraded"),
+    (SyncRecord(last_fetch=1.0, applied_at=1000.0), [_dep(in_sync=False)], "Progressing"),  # just published
+    (SyncRecord(last_fetch=1.0, applied_at=0.0), [_dep(in_sync=False, progressing=True)], "Progressing"),
+    (SyncRecord(last_fetch=1.0, applied_at=0.0), [_dep(in_sync=False, error="plan infeasible")], "Degraded"),
+    (SyncRecord(last_fetch=1.0, applied_at=0.0), [_dep(in_sync=False)], "OutOfSync"),  # rolled back by hand
+    (SyncRecord(last_fetch=1.0, applied_at=0.0), [_dep(), _dep(in_sync=False)], "OutOfSync"),
 ])
 def test_a_source_phase_is_decided_by_its_record_and_deployments(record, deployments, phase):
     assert phase_of(record, deployments, now=1001.0).value == phase

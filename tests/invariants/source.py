@@ -162,12 +162,15 @@ class SourceMachine(RuleBasedStateMachine):
 
     @rule()
     def restart(self) -> None:
-        """The server stops (close) and starts again over the same state directory."""
+        """The server stops (close) and starts again over the same state directory: it serves the source's
+        files (an API apply's or a rollback's drift ends), then compares them with the remote."""
         assert self.f is not None
         self.f.close()
         self.f = None
         self.f = Followed(self.dir / "state", self.source)
-        self._settle()
+        if self.drift is not None:  # a start serves what the source's files say: the drift is gone
+            self.drift, self.drift_revision, self.commit = None, None, self.applied.commit
+        self._settle(head=_git(self.repo, "rev-parse", "HEAD"))  # compared with the remote again
 
     # ---- the invariants -------------------------------------------------------------------------
 
@@ -244,7 +247,8 @@ def _bytes(size: str | None) -> int:
     return int(size.removesuffix("KiB")) << 10
 
 
-def _git(repo: Path, *args: str) -> None:
+def _git(repo: Path, *args: str) -> str:
     import subprocess
 
-    subprocess.run(["git", "-C", str(repo), *args], check=True, capture_output=True, timeout=60)
+    return subprocess.run(["git", "-C", str(repo), *args], check=True, capture_output=True, text=True,
+                          timeout=60).stdout.strip()

@@ -103,10 +103,12 @@ def _one(name: str, digest: str, text: str, supervisor: Supervisor) -> Deploymen
 
 
 def phase_of(record: SyncRecord, deployments: list[DeploymentSync], now: float | None = None) -> SourcePhase:
-    if record.fetched_commit not in (None, record.applied_commit, record.error_commit):
-        return SourcePhase.PROGRESSING  # fetched, being checked and applied: neither Synced to it nor refused
-    if record.last_error is not None:
+    if record.last_error is not None and record.fetched_commit in (None, record.applied_commit,
+                                                                   record.error_commit):
         return SourcePhase.DEGRADED
+    if record.last_fetch is None or record.fetched_commit not in (record.applied_commit, record.error_commit):
+        return SourcePhase.PROGRESSING  # not compared with the remote yet (a start), or a fetched commit is
+        #                                 being checked and applied: neither Synced to it nor refused
     if all(d.in_sync and not d.progressing for d in deployments):
         return SourcePhase.SYNCED
     settling = record.applied_at is not None and (now or time.time()) - record.applied_at < SETTLE
