@@ -77,12 +77,13 @@ def _schema_paths(node: dict[str, Any], defs: dict[str, Any], where: str) -> set
 def test_every_path_field_of_the_schema_is_held_to_the_roots(tmp_path):
     schema = json_schema()
     wanted = {p for p in _schema_paths(schema, schema["$defs"], "") if p.startswith("spec.")}
-    assert len(wanted) >= 6, wanted  # model, shards, offload, golden, adapters, engine binary
+    assert len(wanted) >= 6, wanted  # model, shards, offload, golden, adapters, engine binary, draft
     texts = [chat("m", "a", "  sharding: {path: s}\n  offload: {disk: {path: d}}\n"
                             "  adapters: [{name: x, path: ad}, {name: y, path: ad2}]\n"
                   ).replace("  sharding: {max_shard_size: 2GiB}\n", ""),
              chat("m", "c", "  rollout: {strategy: canary, gates: {golden: g.jsonl, max_nll_increase: 0.1}}\n"),
-             HEAD.format(name="b") + "  model: {path: m.gguf}\n  engine: {name: llama.cpp, binary: bin/llama-server}\n"]
+             HEAD.format(name="b") + "  model: {path: m.gguf}\n  engine: {name: llama.cpp, binary: bin/llama-server}\n"
+             "  speculative: {method: draft, draft: {path: draft.gguf}}\n"]
     seen: set[str] = set()
     policy = Policy.of(path_roots=(str(tmp_path / "root"),), engine_binary=True)
     for i, text in enumerate(texts):
