@@ -164,12 +164,12 @@ def test_greedy_answers_are_identical_with_ngram_and_draft_speculation_and_draft
         assert len(expected) > 20, expected
         assert _copy(server.url, "ngram") == expected
         assert _copy(server.url, "ngram", stream=True) == expected
-        accepted = server.metric("deploykit_speculative_accepted_tokens_total", deployment="ngram")
-        drafted = server.metric("deploykit_speculative_drafted_tokens_total", deployment="ngram")
+        accepted = server.metric("deploykit_speculative_accepted_tokens_total", model_name="ngram")
+        drafted = server.metric("deploykit_speculative_drafted_tokens_total", model_name="ngram")
         assert 0 < accepted <= drafted, (accepted, drafted)
-        assert server.metric("deploykit_speculative_drafted_tokens_total", deployment="plain") == 0
+        assert server.metric("deploykit_speculative_drafted_tokens_total", model_name="plain") == 0
         assert _copy(server.url, "drafted") == expected  # the model as its own draft: same vocabulary
-        assert server.metric("deploykit_speculative_accepted_tokens_total", deployment="drafted") > 0
+        assert server.metric("deploykit_speculative_accepted_tokens_total", model_name="drafted") > 0
         shown = _status(server.url, "ngram")["engine_process"]["speculative"]
         assert shown["method"] == "ngram" and shown["ngram"] == 4 and shown["num_tokens"] == 16, shown
         assert "--spec-ngram-simple-size-m" in shown["flags"]

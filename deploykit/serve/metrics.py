@@ -7,6 +7,8 @@ the deployments at scrape time, so it is never stale.
 
 from __future__ import annotations
 
+import threading
+
 from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any
 
@@ -44,12 +46,7 @@ class ServingMetrics:
                                           ["model_name"], registry=registry)
         self.requests = Counter("deploykit_generation_requests", "Text requests that ran to their end, per "
                                 "generation (a canary's split)", _LABELS, registry=registry)
-        self.speculative_drafted = Counter(
-            "deploykit_speculative_drafted_tokens", "Tokens drafted by speculative decoding (spec.speculative)",
-            ["deployment"], registry=registry)
-        self.speculative_accepted = Counter(
-            "deploykit_speculative_accepted_tokens", "Drafted tokens the serving model accepted (each one a token "
-            "that cost no decoding step of its own)", ["deployment"], registry=registry)
+        self.relayed_speculation = RelayedSpeculation()
         self.embedding_inputs = Counter("deploykit_embedding_inputs", "Texts embedded", _LABELS,
                                         registry=registry)
 
@@ -58,11 +55,31 @@ class ServingMetrics:
         return model, str(generation)
 
 
+class RelayedSpeculation:
+    """Drafted and accepted tokens that llama-server reported with each answer (``timings``), per model and
+    generation; the scrape adds them to the speculative families beside the transformers engine's own
+    counts (one metric name, whatever engine drafted)."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._counts: dict[tuple[str, str], tuple[int, int]] = {}
+
+    def add(self, labels: tuple[str, str], drafted: int, accepted: int) -> None:
+        with self._lock:
+            old = self._counts.get(labels, (0, 0))
+            self._counts[labels] = (old[0] + drafted, old[1] + accepted)
+
+    def counts(self) -> dict[tuple[str, str], tuple[int, int]]:
+        with self._lock:
+            return dict(self._counts)
+
+
 class DeploymentCollector:
     """Reads the deployments at scrape time."""
 
-    def __init__(self, registry: Registry) -> None:
+    def __init__(self, registry: Registry, relayed: RelayedSpeculation | None = None) -> None:
         self.registry = registry
+        self.relayed = relayed or RelayedSpeculation()
 
     def collect(self) -> Iterator[Any]:
         running = GaugeMetricFamily("deploykit_requests_running", "Requests in a batch now", labels=list(_LABELS))
@@ -112,6 +129,9 @@ class DeploymentCollector:
                 engine_crashes.add_metric([name], snap.engine_process.crashes)
         yield from (running, waiting, reloads, failed, duration, generation, in_flight, pending, device_bytes,
                     engine_ready, engine_crashes)
+        for (model, number), (drafted, accepted) in self.relayed.counts().items():  # llama-server's
+            speculative["speculative_drafted"].add_metric([model, number], drafted)
+            speculative["speculative_accepted"].add_metric([model, number], accepted)
         yield from prefix.values()
         yield from speculative.values()
         yield from rates
@@ -223,10 +243,11 @@ def budget_metrics(host: Host, loaded_of: dict[str, str]) -> Iterator[Any]:
 
 def new_registry(deployments: Registry, sources: Sources | None = None) -> tuple[CollectorRegistry, ServingMetrics]:
     registry = CollectorRegistry(auto_describe=True)
-    registry.register(DeploymentCollector(deployments))
+    serving = ServingMetrics(registry)
+    registry.register(DeploymentCollector(deployments, serving.relayed_speculation))
     if sources is not None:
         registry.register(SourceCollector(sources))
-    return registry, ServingMetrics(registry)
+    return registry, serving
 
 
 _SOURCE_PHASES = ("Synced", "Progressing", "OutOfSync", "Degraded")

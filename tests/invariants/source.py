@@ -23,6 +23,7 @@ from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, 
 from deploykit.control.live.supervisor import Supervisor
 from deploykit.control.revisions.loading import recorded_manifest
 from deploykit.control.revisions.state import StateStore
+from deploykit.control.sources.status import SyncRecord
 from deploykit.control.sources.worker import SourceSync, live_directory, source_root
 from deploykit.spec.manifest import load_manifests
 from deploykit.spec.source import parse_source
@@ -37,6 +38,7 @@ from .world import World
 NAME = "tiny"
 SHARDS = ("200KiB", "100KiB", "300KiB")
 SETTLE_BOUND = 120.0  # seconds a pushed commit may take to be fetched, checked and served (I6)
+PHASE_BOUND = 15.0  # seconds the source's phase may take to say what is in place (a watcher's no-op reload)
 _examples = itertools.count()
 
 
@@ -179,7 +181,7 @@ class SourceMachine(RuleBasedStateMachine):
         in place."""
         assert self.f is not None
         f = self.f
-        wait_until(lambda: (head is None or head in (f.sync.record().applied_commit, f.sync.record().error_commit))
+        wait_until(lambda: (head is None or _decided(f.sync.record(), head))
                    and f.sync.status().phase.value != "Progressing" and self._serves_expected(), SETTLE_BOUND,
                    f"the source settled (head {head}, expected shards {self.drift or self.applied.shard})")
 
@@ -223,16 +225,24 @@ class SourceMachine(RuleBasedStateMachine):
     def the_phase_says_the_truth(self) -> None:
         if self.f is None:
             return
-        status = self.f.sync.status().to_dict()
-        phase = status["phase"]
+        f = self.f
+        expected = ("Degraded" if self.refused is not None else "OutOfSync" if self.drift is not None else "Synced")
+        why = (f"the newest commit {self.refused.commit} is refused" if self.refused is not None
+               else f"drift serves shards of {self.drift}" if self.drift is not None else "the commit serves")
+        seen: list[dict] = []
+
+        def settled() -> bool:  # a status converges: a watcher's no-op reload may still show Progressing
+            seen.append(f.sync.status().to_dict())
+            return seen[-1]["phase"] == expected
+
+        try:
+            wait_until(settled, PHASE_BOUND, f"the source's phase {expected}")
+        except AssertionError:
+            raise AssertionError(f"G3: {why}, yet after {PHASE_BOUND:g}s: {seen[-1]}") from None
         if self.refused is not None:
-            assert phase == "Degraded", f"G3: the newest commit {self.refused.commit} is refused: {status}"
+            status = seen[-1]
             assert self.refused.commit[:7] in (status.get("last_error") or "") + str(status.get("error_commit")), \
                 f"G3: the refused commit is not named: {status}"
-        elif self.drift is not None:
-            assert phase == "OutOfSync", f"G3: drift serves shards of {self.drift}: {status}"
-        else:
-            assert phase == "Synced", f"G3: {status}"
 
     def teardown(self) -> None:
         if self.f is not None:
@@ -240,6 +250,12 @@ class SourceMachine(RuleBasedStateMachine):
             self.f = None
         left = leaked_threads(self.threads)
         assert not left, f"I6: threads left after close: {left}"
+
+
+def _decided(record: SyncRecord, head: str) -> bool:
+    """The source fetched ``head`` and applied or refused it (a head equal to the applied commit counts once
+    fetched: before, the record may still hold an older commit's refusal)."""
+    return record.fetched_commit == head and head in (record.applied_commit, record.error_commit)
 
 
 def _bytes(size: str | None) -> int:

@@ -282,8 +282,7 @@ class _Done:
         drafted = (timings or {}).get("draft_n")
         if isinstance(drafted, int) and drafted > 0:  # llama-server's speculative decoding, this request's
             accepted = (timings or {}).get("draft_n_accepted")
-            self.metrics.speculative_drafted.labels(self.labels[0]).inc(drafted)
-            self.metrics.speculative_accepted.labels(self.labels[0]).inc(accepted if isinstance(accepted, int) else 0)
+            self.metrics.relayed_speculation.add(self.labels, drafted, accepted if isinstance(accepted, int) else 0)
         self.metrics.request_latency.labels(*self.labels).observe(time.monotonic() - self.arrived)
         self.metrics.requests.labels(*self.labels).inc()
         self.gen.traffic.record(ttft=ttft, failed=False)
