@@ -1,9 +1,11 @@
-"""Speculative decoding in the padded loop (``spec.speculative``, method ngram: prompt lookup): drafts of each
-decoding row's next tokens, and which of them the model's own choices accept.
+"""Speculative decoding in the padded loop (``spec.speculative``): drafts of each decoding row's next tokens,
+and which of them the model's own choices accept.
 
-Drafting: the tokens that followed the last occurrence of the row's trailing ``ngram_max`` .. ``ngram_min``
-tokens (longest first) in its prompt and output so far, at most ``num_tokens`` of them; under a grammar the
-draft stops before the first token the grammar forbids (its matcher tries them, then rolls back).
+Drafting, at most ``num_tokens`` tokens: method ngram (prompt lookup), the tokens that followed the last
+occurrence of the row's trailing ``ngram_max`` .. ``ngram_min`` tokens (longest first) in its prompt and output
+so far; method draft, the tokens a draft model chooses greedily after them (``drafting.py``, its own KV cache
+per row). Under a grammar the draft stops before the first token the grammar forbids (its matcher tries
+them, then rolls back).
 
 Verification (``forwards.Forwards.verify``): one forward of every row's last token and its drafts, ``K + 1``
 positions per row (``K`` the longest draft; a row with fewer fills the rest, which its causal mask keeps out of
@@ -30,6 +32,7 @@ from dataclasses import dataclass, field
 import torch
 
 from ..spec.speculative import verification_room
+from .drafting import DraftModel
 from .requests import RequestHandle
 from .types import Speculation
 
@@ -93,8 +96,9 @@ class Counters:
 class Speculator:
     """The drafts of a batch's rows and their acceptance (one per padded loop, used on its thread)."""
 
-    def __init__(self, settings: Speculation) -> None:
+    def __init__(self, settings: Speculation, draft_model: DraftModel | None = None) -> None:
         self.settings = settings
+        self.draft_model = draft_model  # method draft; None: ngram
         self.counters = Counters()
         self._paces: dict[str, Pace] = {}
 
@@ -103,6 +107,8 @@ class Speculator:
         s = self.settings
         live = {h.id for h in rows}
         self._paces = {k: v for k, v in self._paces.items() if k in live}  # rows that left take their pace along
+        if self.draft_model is not None:
+            self.draft_model.keep(live)  # and their draft caches
         most = verification_room(s.num_tokens, len(rows)) - 1
         if most < 1:
             return [[] for _ in rows]
@@ -114,8 +120,11 @@ class Speculator:
         k = min(most, room, pace.allowed())
         if h.done or k < 1:
             return []
-        draft = ngram_draft(list(h.request.prompt_ids) + h.tokens, k, self.settings.ngram_min,
-                            self.settings.ngram_max)
+        seq = list(h.request.prompt_ids) + h.tokens
+        if self.draft_model is not None:
+            draft = self.draft_model.draft(h.id, seq, k)
+        else:
+            draft = ngram_draft(seq, k, self.settings.ngram_min, self.settings.ngram_max)
         if draft and h.grammar is not None:
             draft = draft[:h.grammar.allowed_prefix(draft)]
         return draft

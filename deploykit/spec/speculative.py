@@ -53,8 +53,9 @@ class Draft(Strict):
                           "(transformers engine) or a GGUF file (llama.cpp engine). A relative path resolves "
                           "against the manifest's directory.")
     quantized: Literal["int8", "int4"] | None = Field(
-        None, description="The serving checkpoint itself, quantized this way, as its own draft (meant for the "
-                          "transformers engine, which does not serve method draft yet: refused at validation).")
+        None, description="The serving checkpoint itself, loaded a second time with its linear layers quantized "
+                          "this way, as its own draft (transformers engine; the serving model must not be "
+                          "quantized already).")
 
     @model_validator(mode="after")
     def _one_source(self) -> Draft:
@@ -71,7 +72,7 @@ class Speculative(Strict):
 
     method: Literal["ngram", "draft"] = Field(
         description="ngram: drafts looked up in the prompt and output so far (no second model); draft: drafts "
-                    "from spec.speculative.draft (the llama.cpp engine only, for now).")
+                    "chosen greedily by the model of spec.speculative.draft.")
     num_tokens: int = Field(
         8, ge=1, le=MAX_DRAFT_TOKENS, strict=True,
         description="Most tokens drafted per step; each is one more position in the verification forward.")
@@ -118,9 +119,10 @@ def speculative_problem(spec: Any) -> tuple[str, str] | None:
     if draft is not None and draft.path is not None and draft.path.suffix.lower() == ".gguf":
         return ("speculative.draft.path", "the transformers engine's draft model is a checkpoint directory "
                 "(config.json + *.safetensors), not a GGUF file")
-    if speculative.method == "draft":
-        return ("speculative.method", "method draft is not yet supported by the transformers engine: use method: "
-                "ngram (prompt lookup), or the llama.cpp engine with a GGUF draft model")
+    if draft is not None and draft.quantized is not None and spec.model.quantization != "none":
+        return ("speculative.draft.quantized", f"the serving model is already quantized "
+                f"({spec.model.quantization}): a quantized copy of it drafts at no gain; set draft.path to a "
+                "smaller model, or serve the model unquantized")
     if spec.serving.batching == "continuous":
         return ("speculative", "transformers' continuous batching has no speculative decoding; use batching: "
                 "padded (deploykit's batch loop)")
