@@ -169,3 +169,64 @@ def test_a_draft_that_fails_to_load_leaves_the_model_serving(llama: Any, tmp_pat
     assert [r.token_ids for r in served] == [r.token_ids for r in plain]
     assert status is not None and status["error"] == error and status["drafted"] == 0
     assert status["method"] == "draft"
+
+
+def draft_manifest_issues(tmp_path: Path, draft: str, model: Path) -> list[tuple[int, str, str]]:
+    from deploykit.spec.manifest import check_on_host, parse_manifests
+
+    text = ("apiVersion: deploykit/v1\nkind: ModelDeployment\nmetadata: {name: m}\nspec:\n"
+            f"  model: {{path: {model}}}\n  speculative:\n    method: draft\n    draft:\n      {draft}\n")
+    [loaded] = parse_manifests(text.encode(), source="m.yaml", base_dir=tmp_path)
+    return [(i.line or 0, i.field or "", i.message) for i in check_on_host(loaded)]
+
+
+def test_a_draft_checkpoint_sharing_the_tokenizer_is_accepted(tmp_path: Path) -> None:
+    base = build_chat_model(tmp_path / "chat", layers=2)
+    build_chat_model(tmp_path / "small", layers=1, seed=1)
+    assert draft_manifest_issues(tmp_path, "path: small", base) == []
+
+
+@pytest.mark.parametrize("change, says", [
+    ("missing", "does not exist"),
+    ("no-config", "no config.json"),
+    ("vocabulary", "vocabulary has"),
+    ("tokenizer", "tokenizer differs"),
+    ("template", "chat template differs"),
+])
+def test_a_draft_checkpoint_that_cannot_draft_is_refused_at_its_field(tmp_path: Path, change: str, says: str) -> None:
+    base = build_chat_model(tmp_path / "chat", layers=2)
+    small = build_chat_model(tmp_path / "small", layers=1, seed=1)
+    if change == "missing":
+        small = tmp_path / "gone"
+    elif change == "no-config":
+        (small / "config.json").unlink()
+    elif change == "vocabulary":
+        config = json.loads((small / "config.json").read_text())
+        (small / "config.json").write_text(json.dumps({**config, "vocab_size": config["vocab_size"] + 1}))
+    elif change == "tokenizer":
+        tok = json.loads((small / "tokenizer.json").read_text())
+        vocab = tok["model"]["vocab"]
+        a, b = list(vocab)[:2]
+        vocab[a], vocab[b] = vocab[b], vocab[a]  # two ids swapped: same size, other ids
+        (small / "tokenizer.json").write_text(json.dumps(tok))
+    else:
+        (small / "chat_template.jinja").write_text("{{ messages }}")
+        for f in ("tokenizer_config.json",):
+            cfg = json.loads((small / f).read_text())
+            cfg.pop("chat_template", None)
+            (small / f).write_text(json.dumps(cfg))
+    [(line, field, message)] = draft_manifest_issues(tmp_path, f"path: {small}", base)
+    assert field == "spec.speculative.draft.path" and line == 9 and says in message, message
+
+
+def test_a_quantized_self_draft_of_a_quantized_model_is_refused_at_its_field(tmp_path: Path) -> None:
+    from deploykit.errors import ManifestError
+    from deploykit.spec.manifest import load_manifests
+
+    path = tmp_path / "m.yaml"
+    path.write_text("apiVersion: deploykit/v1\nkind: ModelDeployment\nmetadata: {name: m}\nspec:\n"
+                    "  model: {path: /m, quantization: int8}\n  speculative:\n    method: draft\n"
+                    "    draft: {quantized: int4}\n")
+    with pytest.raises(ManifestError) as info:
+        load_manifests(path)
+    assert "spec.speculative.draft.quantized" in str(info.value) and "already quantized" in str(info.value)

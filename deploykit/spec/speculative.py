@@ -129,3 +129,70 @@ def speculative_problem(spec: Any) -> tuple[str, str] | None:
     if spec.cluster is not None or spec.placement.tensor_parallel > 1:
         return "speculative", "speculative decoding runs in one process: remove spec.cluster and tensor_parallel"
     return None
+
+
+_TOKENIZER_FILES = ("tokenizer.json", "vocab.json", "merges.txt", "tokenizer.model", "vocab.txt")
+
+
+def draft_checkpoint_problem(model_dir: Path, draft_dir: Path) -> str | None:
+    """Why the checkpoint at ``draft_dir`` cannot draft for the one at ``model_dir`` (transformers engine), from
+    their files: missing, not a checkpoint, another vocabulary size, tokenizer or chat template. None: it can."""
+    if not draft_dir.is_dir():
+        return f"the draft checkpoint {str(draft_dir)!r} " + ("is not a directory" if draft_dir.exists()
+                                                             else "does not exist")
+    if not (draft_dir / "config.json").is_file():
+        return f"{str(draft_dir)!r} holds no config.json: not a checkpoint directory"
+    try:
+        mine, its = _vocab_size(model_dir), _vocab_size(draft_dir)
+    except (OSError, ValueError) as exc:
+        return f"{str(draft_dir)!r}: config.json is not readable JSON ({exc})"
+    if mine is not None and its is not None and mine != its:
+        return f"the draft's vocabulary has {its} tokens, the model's {mine}: a draft must share the model's tokenizer"
+    theirs = [f for f in _TOKENIZER_FILES if (draft_dir / f).is_file()]
+    if not theirs:
+        return f"{str(draft_dir)!r} ships no tokenizer: a draft must share the model's (copy its tokenizer files)"
+    for name in sorted(set(theirs) | {f for f in _TOKENIZER_FILES if (model_dir / f).is_file()}):
+        if _tokenizer_part(model_dir / name) != _tokenizer_part(draft_dir / name):
+            return f"the draft's tokenizer differs from the model's ({name}): a draft must share the model's tokenizer"
+    if _chat_template(model_dir) != _chat_template(draft_dir):
+        return "the draft's chat template differs from the model's: a draft must share the model's tokenizer files"
+    return None
+
+
+def _vocab_size(directory: Path) -> int | None:
+    import json
+
+    config = json.loads((directory / "config.json").read_text())
+    size = config.get("vocab_size", (config.get("text_config") or {}).get("vocab_size"))
+    return size if isinstance(size, int) else None
+
+
+def _tokenizer_part(path: Path) -> Any:
+    """What of a tokenizer file decides the ids of a text (tokenizer.json: its model, added tokens, normalizer
+    and pre-tokenizer, not its padding or truncation settings); None for a missing file."""
+    import hashlib
+    import json
+
+    if not path.is_file():
+        return None
+    data = path.read_bytes()
+    if path.name == "tokenizer.json":
+        try:
+            parsed = json.loads(data)
+        except ValueError:
+            return hashlib.sha256(data).hexdigest()
+        return [parsed.get(k) for k in ("model", "added_tokens", "normalizer", "pre_tokenizer", "post_processor")]
+    return hashlib.sha256(data).hexdigest()
+
+
+def _chat_template(directory: Path) -> Any:
+    import json
+
+    jinja = directory / "chat_template.jinja"
+    if jinja.is_file():
+        return jinja.read_text()
+    config = directory / "tokenizer_config.json"
+    try:
+        return json.loads(config.read_text()).get("chat_template") if config.is_file() else None
+    except ValueError:
+        return None
