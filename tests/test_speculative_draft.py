@@ -230,3 +230,37 @@ def test_a_quantized_self_draft_of_a_quantized_model_is_refused_at_its_field(tmp
     with pytest.raises(ManifestError) as info:
         load_manifests(path)
     assert "spec.speculative.draft.quantized" in str(info.value) and "already quantized" in str(info.value)
+
+
+def test_the_plan_counts_the_draft_weights_and_kv(tmp_path: Path) -> None:
+    from test_cli import deploykit
+
+    from deploykit.placement.planning import plan_manifest
+    from deploykit.spec.manifest import parse_manifests
+
+    base = build_chat_model(tmp_path / "chat", layers=2)
+    small = build_chat_model(tmp_path / "small", layers=1, seed=1)
+
+    def planned(speculative: str) -> Any:
+        text = ("apiVersion: deploykit/v1\nkind: ModelDeployment\nmetadata: {name: m}\nspec:\n"
+                f"  model: {{path: {base}, dtype: float32}}\n  placement: {{gpus: []}}\n"
+                f"  serving: {{max_concurrent: 4, context_length: 100}}\n" + speculative)
+        (tmp_path / "m.yaml").write_text(text)
+        [loaded] = parse_manifests(text.encode(), source="m.yaml", base_dir=tmp_path)
+        return plan_manifest(loaded, devices="cpu=1GiB")
+
+    plain = planned("")
+    int8 = planned("  speculative: {method: draft, draft: {quantized: int8}}\n")
+    path = planned(f"  speculative: {{method: draft, draft: {{path: {small}}}}}\n")
+    assert plain.draft_bytes == 0 and "draft_bytes" not in plain.to_dict()
+    weights = sum(f.stat().st_size for f in small.glob("*.safetensors"))
+    kv_per_token = 2 * 2 * 16 * 4  # keys and values of one layer: 2 KV heads of 16 at float32
+    assert path.kv_cache_tokens is None  # CPU, no limit: each of the 4 rows' context_length
+    assert abs(path.draft_bytes - (weights + 4 * 100 * kv_per_token)) < 4096  # the files hold headers too
+    assert 0 < int8.draft_bytes and int8.total_bytes - plain.total_bytes == int8.draft_bytes
+    assert path.total_bytes - plain.total_bytes == path.draft_bytes
+    assert any("speculative draft model" in n for n in int8.notes)
+    shown = deploykit("plan", str(tmp_path / "m.yaml"), "--devices", "cpu=1GiB", "--output", "json")
+    assert shown.returncode == 0, shown.stderr
+    assert json.loads(shown.stdout)["draft_bytes"] == path.draft_bytes
+    assert any("speculative draft model" in n for n in json.loads(shown.stdout)["notes"])
