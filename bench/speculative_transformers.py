@@ -131,10 +131,11 @@ def main() -> None:
         fast, st = statistics.median(times[name]), stats[name]
         rate = st["speculative_accepted"] / max(1, st["speculative_drafted"])
         # forwards after the prefill: verification steps, and a decode step for each token none of them gave
-        forwards = st["speculative_steps"] + (n - 1 - st["speculative_emitted"])
+        # (the engine counts a step after it hands out its tokens: the warm-up's last step may be counted here)
+        forwards = st["speculative_steps"] + max(0, n - 1 - st["speculative_emitted"])
         print(f"median: {name} {n / fast:.1f} tok/s ({base / fast:.2f}x); identical answers; drafted "
-              f"{st['speculative_drafted']}, accepted {st['speculative_accepted']} ({rate:.0%}), {forwards} forwards "
-              f"of the model after the prefill ({st['speculative_steps']} verifying) against {n - 1}")
+              f"{st['speculative_drafted']}, accepted {st['speculative_accepted']} ({rate:.0%}), about {forwards} "
+              f"forwards of the model after the prefill ({st['speculative_steps']} verifying) against {n - 1}")
     print(f"load average after: {os.getloadavg()}")
     print("answer:", tokenizer.decode(answers["none"])[:300].replace("\n", " "))
 
