@@ -264,3 +264,19 @@ def test_the_plan_counts_the_draft_weights_and_kv(tmp_path: Path) -> None:
     assert shown.returncode == 0, shown.stderr
     assert json.loads(shown.stdout)["draft_bytes"] == path.draft_bytes
     assert any("speculative draft model" in n for n in json.loads(shown.stdout)["notes"])
+
+
+def test_a_draft_slower_than_what_it_saves_stops_drafting(tmp_path: Path) -> None:
+    """A draft model far larger than the model (same tokenizer): after its first drafts are timed, a batch of
+    16 rows decodes without them (each drafted token would cost more than its row's share of a step)."""
+    base = build_chat_model(tmp_path / "chat", layers=1)
+    big = build_chat_model(tmp_path / "big", layers=6, hidden=256, intermediate=1024, seed=1)
+    model = AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32)
+    tokenizer = AutoTokenizer.from_pretrained(base)
+    draft = load_draft(checkpoint=base, path=str(big), quantized=None, dtype=torch.float32, device=torch.device("cpu"))
+    requests = [GenerationRequest(p, max_new_tokens=24) for p in repeating_prompts(16, seed=19)]
+    plain, _ = answers(model, requests, None, tokenizer=tokenizer)
+    fast, stats = answers(model, requests, Speculation(method="draft", num_tokens=4, draft_path=str(big)),
+                          tokenizer=tokenizer, draft_model=draft, max_batch_size=16)
+    assert [r.token_ids for r in fast] == [r.token_ids for r in plain]
+    assert 1 <= stats["speculative_steps"] <= 2, stats  # drafted once (timed), then not while 16 rows run

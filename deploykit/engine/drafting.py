@@ -20,6 +20,7 @@ model's own. Rows draft one after another (one row per draft forward).
 from __future__ import annotations
 
 import logging
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -65,6 +66,7 @@ class DraftModel:
         self.model = model
         self.device = input_device(model)
         self._rows: dict[str, _Row] = {}
+        self.token_seconds: float | None = None  # one draft forward of one row, a running mean
 
     def keep(self, live: set[str]) -> None:
         """Forget the caches of rows that left the batch."""
@@ -109,12 +111,17 @@ class DraftModel:
     def _next(self, row: _Row, feed: list[int]) -> int:
         """Compute ``feed`` after what ``row``'s cache holds; the greedy next token."""
         n = len(row.ids)
+        started = time.perf_counter()
         ids = torch.tensor([feed], device=self.device)
         result = self.model(input_ids=ids, position_ids=torch.arange(n, n + len(feed), device=self.device)[None],
                             use_cache=True, logits_to_keep=1, **with_cache(self.model, row.cache))
         row.cache = returned_cache(result)
         row.ids += feed
-        return int(result.logits[0, -1].argmax())
+        token = int(result.logits[0, -1].argmax())
+        if len(feed) == 1:  # what one more drafted token costs (a row's catching up is not counted)
+            seconds = time.perf_counter() - started
+            self.token_seconds = seconds if self.token_seconds is None else 0.8 * self.token_seconds + 0.2 * seconds
+        return token
 
 
 def _common_prefix(a: list[int], b: list[int]) -> int:

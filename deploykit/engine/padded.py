@@ -211,6 +211,8 @@ class PaddedBackend:
         started = time.perf_counter()
         rows, logits, cache, mask = self._fw.decode_rows(rows, cache, mask)
         self._chunks.decoded(time.perf_counter() - started)  # what a chunk is sized against
+        if self.speculator is not None:
+            self.speculator.timed(time.perf_counter() - started)  # what a draft model's token is weighed against
         return rows, logits, cache, mask
 
     def _verify(self, rows: list[RequestHandle], drafts: list[list[int]], cache: Any, mask: torch.Tensor
@@ -220,12 +222,13 @@ class PaddedBackend:
         When the forward fails, the cache keeps none of it and the step is a decode step (each row's failure
         its own)."""
         assert self.speculator is not None
-        width = mask.shape[1]
+        width, started = mask.shape[1], time.perf_counter()
         try:
             logits, cache, wide = self._fw.verify(rows, drafts, cache, mask)
         except Exception:
             truncate(cache, width)
             return self._fw.decode_rows(rows, cache, mask)
+        self.speculator.timed(time.perf_counter() - started)
         self.speculator.stepped()
         kept = [self.speculator.accept(h, d, logits[i, :len(d) + 1], self._choose_one)
                 for i, (h, d) in enumerate(zip(rows, drafts))]

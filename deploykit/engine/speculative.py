@@ -18,6 +18,11 @@ gives y != x with probability p(y) / (1 - p(x)): the standard rejection rule, an
 The row's generator draws once per emitted token, as without speculation, so a seeded request gives the same
 tokens with and without it. The cache keeps the accepted positions only (``kvcache.keep_verified``).
 
+With a draft model, drafting also stops while it costs more than it saves (``Speculator.pays``): a drafted
+token costs a forward of the draft for its row, an accepted one saves that row's share of a step of the
+model (the step's time over its rows, times the acceptance so far); checked at every step from the running
+means of both times, and tried again every ``MAX_PAUSE`` steps to measure anew.
+
 On only where it pays: each request's draft length backs off (``Pace``: halved when nothing was accepted, then
 drafting pauses for 1, 2, 4 .. 64 steps; doubled back while all is accepted), and the batch's verification
 forward holds at most ``VERIFY_POSITIONS`` positions, so under batch load drafts shrink, then stop.
@@ -101,6 +106,8 @@ class Speculator:
         self.draft_model = draft_model  # method draft; None: ngram
         self.counters = Counters()
         self._paces: dict[str, Pace] = {}
+        self.step_seconds: float | None = None  # a step of the model's forward (decode or verify), a running mean
+        self._idle = 0  # steps since the draft model last drafted
 
     def drafts(self, rows: list[RequestHandle]) -> list[list[int]]:
         """Each row's draft (maybe empty) for the next step, within the batch's ``VERIFY_POSITIONS``."""
@@ -110,9 +117,28 @@ class Speculator:
         if self.draft_model is not None:
             self.draft_model.keep(live)  # and their draft caches
         most = verification_room(s.num_tokens, len(rows)) - 1
-        if most < 1:
+        if most < 1 or not self.pays(len(rows)):
             return [[] for _ in rows]
         return [self._draft(h, most) for h in rows]
+
+    def timed(self, seconds: float) -> None:
+        """A decode or verification step of the model took ``seconds``."""
+        self.step_seconds = seconds if self.step_seconds is None else 0.8 * self.step_seconds + 0.2 * seconds
+
+    def pays(self, rows: int) -> bool:
+        """Whether the draft model drafts this step for ``rows`` rows: while a drafted token (a forward of the
+        draft for one row) costs less than what it saves on average (its row's share of a step, times the
+        acceptance so far); always for ngram, and once every ``MAX_PAUSE`` steps to measure anew."""
+        draft = self.draft_model
+        if draft is None or draft.token_seconds is None or self.step_seconds is None:
+            return True
+        with self.counters.lock:
+            rate = self.counters.accepted / self.counters.drafted if self.counters.drafted else 1.0
+        if rate * self.step_seconds / rows > draft.token_seconds or self._idle >= MAX_PAUSE:
+            self._idle = 0
+            return True
+        self._idle += 1
+        return False
 
     def _draft(self, h: RequestHandle, most: int) -> list[int]:
         pace = self._paces.setdefault(h.id, Pace(self.settings.num_tokens))
