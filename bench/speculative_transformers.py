@@ -86,8 +86,11 @@ def variants(args: argparse.Namespace) -> list[tuple[str, Any, Any]]:
         draft = load_draft(checkpoint=args.model, path=None, quantized=scheme, dtype=torch.float32,
                            device=torch.device("cpu"))
         print(f"draft {scheme} loaded in {time.perf_counter() - started:.1f} s")
-        out.append((f"draft-{scheme}", Speculation(method="draft", num_tokens=args.num_tokens,
-                                                   draft_quantized=scheme), draft))
+        from deploykit.engine.drafting import DraftModel
+
+        for threads in args.draft_threads:
+            out.append((f"{scheme}-t{threads}", Speculation(method="draft", num_tokens=args.num_tokens,
+                                                            draft_quantized=scheme), DraftModel(draft, threads)))
     return out
 
 
@@ -100,6 +103,8 @@ def main() -> None:
     parser.add_argument("--num-tokens", type=int, default=8)
     parser.add_argument("--task", choices=("copy", "chat"), default="copy")
     parser.add_argument("--drafts", default="int8,int4", help="--task chat: the quantized self-drafts to run")
+    parser.add_argument("--draft-threads", type=lambda v: [int(x) for x in v.split(",")], default=[1],
+                        help="--task chat: the draft's torch threads to run (0: as the engine's), e.g. 1,0")
     args = parser.parse_args()
     loaded = load(args)
     if loaded is None:
@@ -111,6 +116,9 @@ def main() -> None:
     if not isinstance(prompt, list):
         prompt = list(prompt["input_ids"])
     runs = variants(args)
+    from deploykit.threads import release_openmp_threads
+
+    release_openmp_threads()  # the loads' OpenMP threads would slow the engines' (deploykit/threads.py)
     print(f"load average before: {os.getloadavg()}; prompt {len(prompt)} tokens, {args.max_tokens} new, "
           f"threads {__import__('torch').get_num_threads()}")
     times: dict[str, list[float]] = {name: [] for name, _, _ in runs}

@@ -14,7 +14,10 @@ draft per token; the first forward computes what the cache lacks: the ids after 
 shares with the sequence (the cache is cut back to it first, so the positions of rejected drafts go, as
 ``kvcache.keep_verified`` does for the model's own cache), the whole prompt on the row's first draft. The
 draft is deterministic (greedy), so verification's point-mass acceptance keeps every emitted token the
-model's own. Rows draft one after another (one row per draft forward).
+model's own. Rows draft one after another (one row per draft forward), on one CPU thread (``DRAFT_THREADS``):
+a draft forward of one row is many small matmuls, which a team of OpenMP threads slows down more than it
+speeds them up (SmolLM2-135M on 2 shared cores, ms per drafted token with 2 threads / 1: float32 280 / 81,
+int8 1335-1526 / 40, int4 627-1231 / 23-30; the machine was loaded, load average 3.5-5.5).
 """
 
 from __future__ import annotations
@@ -32,6 +35,8 @@ from .devices import input_device
 from .kvcache import growing_cache, returned_cache, truncate, with_cache
 
 log = logging.getLogger(__name__)
+
+DRAFT_THREADS = 1  # torch's intra-op threads while the draft model runs (0: as the engine's forwards)
 
 
 def load_draft(*, checkpoint: Path, path: str | None, quantized: str | None, dtype: torch.dtype,
@@ -62,8 +67,9 @@ class DraftModel:
     """Greedy drafts of a small (or quantized) model for the padded loop's rows, each row with its own cache
     (used on the loop's thread)."""
 
-    def __init__(self, model: Any) -> None:
+    def __init__(self, model: Any, threads: int = DRAFT_THREADS) -> None:
         self.model = model
+        self.threads = threads
         self.device = input_device(model)
         self._rows: dict[str, _Row] = {}
         self.token_seconds: float | None = None  # one draft forward of one row, a running mean
@@ -84,12 +90,18 @@ class DraftModel:
         if k < 1 or not seq:
             return []
         row = self._rows.setdefault(key, _Row())
+        before = torch.get_num_threads()
+        if self.threads and self.threads != before:
+            torch.set_num_threads(self.threads)
         try:
             return self._draft(row, seq, k)
         except Exception as exc:  # the draft is an optimisation: the model's own step still runs
             log.warning("the draft model failed on a row (it decodes without drafts this step): %r", exc)
             self._rows.pop(key, None)
             return []
+        finally:
+            if torch.get_num_threads() != before:
+                torch.set_num_threads(before)
 
     def _draft(self, row: _Row, seq: list[int], k: int) -> list[int]:
         shared = _common_prefix(row.ids, seq)

@@ -71,7 +71,9 @@ class PaddedBackend:
                               kv_bytes_per_token=kv_bytes_per_token, layers=layers, prefix=self.prefix,
                               prefill_chunk=prefill_chunk,  # admission and start of new requests (intake.py)
                               draft_tokens=speculative.num_tokens if speculative else 0)
-        self.speculator = (Speculator(speculative, DraftModel(draft_model) if draft_model is not None else None)
+        if draft_model is not None and not isinstance(draft_model, DraftModel):
+            draft_model = DraftModel(draft_model)  # a model: drafting with the default threads
+        self.speculator = (Speculator(speculative, draft_model)
                            if speculative is not None else None)  # drafts (speculative.py, drafting.py)
         self.mixable = mixable(model)  # decode steps and prompt chunks share forwards (mixed.py)
         self.mixed_steps = 0  # forwards that held the rows' tokens and a prompt's chunk (read by any thread)
