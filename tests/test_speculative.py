@@ -302,16 +302,3 @@ def test_the_plan_counts_the_verification_positions_in_the_kv_cache() -> None:
     assert plain.kv_cache_tokens == 100 and fast.kv_cache_tokens == 100 + 4 * 6  # 4 rows x (5 drafts + 1)
     assert fast.devices[0].bytes - plain.devices[0].bytes == 4 * 6 * 2 * 3
     assert any("speculative decoding" in note for note in fast.notes)
-
-
-def test_method_draft_is_refused_for_the_transformers_engine_at_its_field(tmp_path: Path) -> None:
-    from deploykit.errors import ManifestError
-    from deploykit.spec.manifest import load_manifests
-
-    path = tmp_path / "m.yaml"
-    path.write_text("apiVersion: deploykit/v1\nkind: ModelDeployment\nmetadata: {name: m}\nspec:\n"
-                    "  model: {path: /m}\n  speculative:\n    method: draft\n    draft: {quantized: int4}\n")
-    with pytest.raises(ManifestError) as info:
-        load_manifests(path)
-    assert "spec.speculative.method" in str(info.value) and "not yet supported by the transformers engine" in str(
-        info.value)

@@ -51,3 +51,38 @@ def test_a_reload_that_adds_ngram_speculation_answers_the_same_and_counts_drafts
         [chat] = [d for d in status if d["name"] == "chat"]
         assert chat["speculative"]["method"] == "ngram" and chat["speculative"]["num_tokens"] == 6
         assert chat["speculative"]["accepted"] == accepted
+
+
+def test_a_quantized_self_draft_serves_the_same_answers_over_http(tmp_path: Path) -> None:
+    model = build_chat_model(tmp_path / "model", context=512)
+    path = tmp_path / "chat.yaml"
+    path.write_text(manifest(model, "{method: draft, num_tokens: 4, draft: {quantized: int8}}"))
+    with Server(path, tmp_path / "state") as server:
+        client = openai.OpenAI(base_url=f"{server.url}/v1", api_key="none")
+        fast = answers(client)
+        accepted = server.metric("deploykit_speculative_accepted_tokens_total", model_name="chat", generation="1")
+        assert accepted > 0
+        code, status = get(f"{server.url}/status")
+        [chat] = [d for d in status if d["name"] == "chat"]
+        assert chat["speculative"]["method"] == "draft" and chat["speculative"]["draft_quantized"] == "int8"
+        assert "error" not in chat["speculative"]
+        replace_like_an_editor(path, manifest(model))
+        wait_until(lambda: server.metric("deploykit_generation", deployment="chat") == 2, timeout=120,
+                   what="the reload to generation 2")
+        assert answers(client) == fast
+
+
+def test_a_draft_that_fails_to_load_leaves_the_model_serving_and_says_why(tmp_path: Path) -> None:
+    model = build_chat_model(tmp_path / "model", context=512)
+    draft = build_chat_model(tmp_path / "draft", layers=1, seed=1, context=512)
+    for shard in draft.glob("*.safetensors"):  # validation reads no weights: the load finds them broken
+        shard.write_bytes(b"not safetensors")
+    path = tmp_path / "chat.yaml"
+    path.write_text(manifest(model, f"{{method: draft, draft: {{path: {draft}}}}}"))
+    with Server(path, tmp_path / "state") as server:
+        client = openai.OpenAI(base_url=f"{server.url}/v1", api_key="none")
+        assert len(answers(client)) == 3
+        code, status = get(f"{server.url}/status")
+        [chat] = [d for d in status if d["name"] == "chat"]
+        assert chat["phase"] == "Ready"
+        assert "failed to load" in chat["speculative"]["error"] and str(draft) in chat["speculative"]["error"]

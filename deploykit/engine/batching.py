@@ -60,7 +60,8 @@ class Engine:
                  max_batch_size: int = 16, max_queued: int = 64, kv_cache_bytes: int = 256 << 20,
                  forward_lock: threading.Lock | None = None, cb_page_size: int = 64, prefix_cache_bytes: int = 0,
                  prefill_chunk: int = 256, context_length: int | None = None,
-                 adapters: Adapters | None = None, speculative: Speculation | None = None) -> None:
+                 adapters: Adapters | None = None, speculative: Speculation | None = None, draft_model: Any = None,
+                 speculative_error: str | None = None) -> None:
         if forward_lock is not None:
             backend = "padded"  # offload hooks: deploykit's loop takes the lock around each forward
         self.model, self.tokenizer, self.backend = model.eval(), tokenizer, backend
@@ -71,6 +72,11 @@ class Engine:
         self.context_length = context_length or context_of(model.config, Limits())  # the longest request
         self.adapters = adapters  # LoRA adapters: the padded loop computes each row with its own
         self.speculative = speculative  # spec.speculative: drafts verified by the padded loop (speculative.py)
+        self.draft_model = draft_model  # method draft: the model that drafts (drafting.py)
+        # why the engine does not speculate as spec.speculative asks (a draft model that failed to load)
+        self.speculative_error = speculative_error
+        if speculative is not None and speculative.method == "draft" and draft_model is None:
+            self.speculative_error = speculative_error or "method draft without a draft model"
         if speculative is not None and backend == "continuous":
             raise ValueError("spec.speculative: transformers' continuous batching has no speculative decoding; "
                              "use spec.serving.batching: padded")
@@ -90,7 +96,8 @@ class Engine:
                              max_batch_size=self.max_batch_size, kv_cache_bytes=self.kv_cache_bytes,
                              kv_bytes_per_token=self.kv_bytes_per_token, forward_lock=forward_lock,
                              prefix_cache_bytes=self.prefix_cache_bytes, prefill_chunk=self.prefill_chunk,
-                             adapters=self.adapters, speculative=self.speculative)
+                             adapters=self.adapters, draft_model=self.draft_model,
+                             speculative=self.speculative if self.speculative_error is None else None)
 
     def resize_kv_cache(self, kv_cache_bytes: int) -> bool:
         """Admit new requests against ``kv_cache_bytes`` from now (the plan's KV room changed: a live adapter

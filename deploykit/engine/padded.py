@@ -39,6 +39,7 @@ from ..threads import release_openmp_threads
 from .adapters import Adapters
 from .admission import Admission, FinishReason, stop_reason
 from .batch_rows import drop_done, join
+from .drafting import DraftModel
 from .forwards import Forwards
 from .intake import Intake
 from .kvcache import growing_cache, keep_verified, merged, truncate
@@ -58,7 +59,7 @@ class PaddedBackend:
     def __init__(self, model: Any, tokenizer: Any, queue: Admission, *, eos_ids: set[int], max_batch_size: int,
                  kv_cache_bytes: int, kv_bytes_per_token: int, forward_lock: threading.Lock | None,
                  prefix_cache_bytes: int = 0, prefill_chunk: int = 256, adapters: Adapters | None = None,
-                 speculative: Speculation | None = None) -> None:
+                 speculative: Speculation | None = None, draft_model: Any = None) -> None:
         self.model, self.tokenizer, self.eos_ids = model, tokenizer, eos_ids
         self._fw = Forwards(model, forward_lock, adapters)  # the model's forwards (forwards.py)
         self.device, self.adapters = self._fw.device, adapters
@@ -70,7 +71,10 @@ class PaddedBackend:
                               kv_bytes_per_token=kv_bytes_per_token, layers=layers, prefix=self.prefix,
                               prefill_chunk=prefill_chunk,  # admission and start of new requests (intake.py)
                               draft_tokens=speculative.num_tokens if speculative else 0)
-        self.speculator = Speculator(speculative) if speculative is not None else None  # drafts (speculative.py)
+        if draft_model is not None and not isinstance(draft_model, DraftModel):
+            draft_model = DraftModel(draft_model)  # a model: drafting with the default threads
+        self.speculator = (Speculator(speculative, draft_model)
+                           if speculative is not None else None)  # drafts (speculative.py, drafting.py)
         self.mixable = mixable(model)  # decode steps and prompt chunks share forwards (mixed.py)
         self.mixed_steps = 0  # forwards that held the rows' tokens and a prompt's chunk (read by any thread)
         self._slots: set[str] = set()  # the adapter slots the prefix cache was last trimmed to
@@ -209,6 +213,8 @@ class PaddedBackend:
         started = time.perf_counter()
         rows, logits, cache, mask = self._fw.decode_rows(rows, cache, mask)
         self._chunks.decoded(time.perf_counter() - started)  # what a chunk is sized against
+        if self.speculator is not None:
+            self.speculator.timed(time.perf_counter() - started)  # what a draft model's token is weighed against
         return rows, logits, cache, mask
 
     def _verify(self, rows: list[RequestHandle], drafts: list[list[int]], cache: Any, mask: torch.Tensor
@@ -218,12 +224,13 @@ class PaddedBackend:
         When the forward fails, the cache keeps none of it and the step is a decode step (each row's failure
         its own)."""
         assert self.speculator is not None
-        width = mask.shape[1]
+        width, started = mask.shape[1], time.perf_counter()
         try:
             logits, cache, wide = self._fw.verify(rows, drafts, cache, mask)
         except Exception:
             truncate(cache, width)
             return self._fw.decode_rows(rows, cache, mask)
+        self.speculator.timed(time.perf_counter() - started)
         self.speculator.stepped()
         kept = [self.speculator.accept(h, d, logits[i, :len(d) + 1], self._choose_one)
                 for i, (h, d) in enumerate(zip(rows, drafts))]

@@ -294,7 +294,6 @@ def quantize_head(model: Any, task: str, scheme: str) -> None:
     """Quantize ``model``'s output head under ``scheme`` now that it is loaded (``model.quantization``:
     the head is stored at dtype). A head tied to the input embeddings leaves them as they are (lookups
     read them); an untied head's weight at dtype is dropped."""
-    from ..artifacts.quantize import quantize_rows
     from ..model.quantization import quantized_head
 
     found = quantized_head(model, task, scheme)
@@ -307,21 +306,46 @@ def quantize_head(model: Any, task: str, scheme: str) -> None:
     weight = head.weight.detach()
     tied = any(weight is p.detach() or weight.data_ptr() == p.data_ptr()
                for p in model.get_input_embeddings().parameters())
-    stored = quantize_rows(weight.float(), scheme, weight.dtype)
-    q = QuantizedLinear(head.in_features, head.out_features, bias=head.bias is not None, scheme=scheme,
-                        dtype=weight.dtype)
-    q.weight = nn.Parameter(stored[0], requires_grad=False)
-    q.weight_scale = nn.Parameter(stored[1], requires_grad=False)
-    if scheme != "int8":
-        q.weight_zero = nn.Parameter(stored[2], requires_grad=False)
-    if head.bias is not None:
-        q.bias = nn.Parameter(head.bias.detach(), requires_grad=False)
-    q.prepare()
+    q = quantized_linear(head, scheme)
     parent, _, child = name.rpartition(".")
     setattr(model.get_submodule(parent) if parent else model, child, q)
     if not tied and weight.device.type == "cpu":
         _release_pages(weight)
     _trim_heap()
+
+
+def quantized_linear(linear: nn.Linear, scheme: str) -> QuantizedLinear:
+    """``linear`` quantized under ``scheme`` in memory, ready to run (its weight is left as it was)."""
+    from ..artifacts.quantize import quantize_rows
+
+    weight = linear.weight.detach()
+    stored = quantize_rows(weight.float(), scheme, weight.dtype)
+    q = QuantizedLinear(linear.in_features, linear.out_features, bias=linear.bias is not None, scheme=scheme,
+                        dtype=weight.dtype)
+    q.weight = nn.Parameter(stored[0], requires_grad=False)
+    q.weight_scale = nn.Parameter(stored[1], requires_grad=False)
+    if scheme != "int8":
+        q.weight_zero = nn.Parameter(stored[2], requires_grad=False)
+    if linear.bias is not None:
+        q.bias = nn.Parameter(linear.bias.detach(), requires_grad=False)
+    q.prepare()
+    return q
+
+
+def quantize_linears(model: Any, scheme: str) -> int:
+    """Quantize, in memory, every ``nn.Linear`` of ``model`` that ``scheme`` can hold (int4: inputs in
+    groups of 32 and outputs a multiple of 16, as torch's int4 kernel needs), the head included (a tied
+    head leaves the input embeddings as they are): the quantized self-draft of
+    ``spec.speculative.draft.quantized``. Returns how many were quantized."""
+    from ..model.quantization import quantizable
+
+    found = [(name, m) for name, m in model.named_modules() if isinstance(m, nn.Linear)
+             and quantizable(m.in_features, scheme) and (scheme == "int8" or m.out_features % 16 == 0)]
+    for name, linear in found:
+        parent, _, child = name.rpartition(".")
+        setattr(model.get_submodule(parent) if parent else model, child, quantized_linear(linear, scheme))
+    _trim_heap()
+    return len(found)
 
 
 def quantization_config(scheme: str, modules: list[str], dtype: str) -> DeploykitQuantConfig:

@@ -93,11 +93,13 @@ class TextRuntime:
                 raise RequestError("LoRA adapters are served by the padded batch loop only", code="unsupported")
             registry.load(source)
         length = context_length(loaded.model.config, limits)
+        draft, error = draft_of(loaded, speculative) if padded else (None, None)
         engine = Engine(loaded.model, loaded.tokenizer, max_batch_size=limits.max_concurrent,
                         max_queued=limits.max_queued, kv_cache_bytes=kv_cache_bytes, forward_lock=forward_lock,
                         backend="padded" if padded else "continuous",
                         prefix_cache_bytes=loaded.plan.prefix_cache_bytes, prefill_chunk=limits.prefill_chunk,
-                        context_length=length, adapters=registry, speculative=speculative)
+                        context_length=length, adapters=registry, speculative=speculative, draft_model=draft,
+                        speculative_error=error)
         return cls(engine, loaded.tokenizer, limits, context_length=length, loaded=loaded)
 
     @property
@@ -146,6 +148,27 @@ class TextRuntime:
 
     def close(self, timeout: float | None = 30.0) -> None:
         self.engine.close(timeout)
+
+
+def draft_of(loaded: LoadedModel, speculative: Speculation | None) -> tuple[Any, str | None]:
+    """The draft model of ``spec.speculative.method: draft`` (``drafting.py``), on the device of the model's
+    first layers at its dtype, or why it could not be loaded: the model then serves without speculation, and
+    the status shows the error (``speculative.error``)."""
+    if speculative is None or speculative.method != "draft":
+        return None, None
+    from .devices import input_device
+    from .drafting import load_draft
+
+    try:
+        draft = load_draft(checkpoint=loaded.source, path=speculative.draft_path,
+                           quantized=speculative.draft_quantized, dtype=loaded.model.dtype,
+                           device=input_device(loaded.model))
+    except Exception as exc:  # a draft is an optimisation: the model serves without it
+        where = speculative.draft_path or f"{loaded.source} quantized {speculative.draft_quantized}"
+        error = f"the draft model ({where}) failed to load: {str(exc).strip().splitlines()[0] if str(exc) else repr(exc)}"
+        log.warning("%s; serving without speculative decoding", error)
+        return None, error
+    return draft, None
 
 
 class EmbeddingRuntime:

@@ -32,7 +32,7 @@ class ServingSpec:
     health_input: str = "Hello"
     health_timeout: float = 60.0
     adapters: tuple[AdapterSource, ...] = ()  # spec.adapters, paths resolved
-    speculative: Speculation | None = None  # spec.speculative (method ngram; the padded loop's drafts)
+    speculative: Speculation | None = None  # spec.speculative (the padded loop's drafts: ngram, or a draft model)
 
     @property
     def task(self) -> Task:

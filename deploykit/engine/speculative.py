@@ -1,9 +1,11 @@
-"""Speculative decoding in the padded loop (``spec.speculative``, method ngram: prompt lookup): drafts of each
-decoding row's next tokens, and which of them the model's own choices accept.
+"""Speculative decoding in the padded loop (``spec.speculative``): drafts of each decoding row's next tokens,
+and which of them the model's own choices accept.
 
-Drafting: the tokens that followed the last occurrence of the row's trailing ``ngram_max`` .. ``ngram_min``
-tokens (longest first) in its prompt and output so far, at most ``num_tokens`` of them; under a grammar the
-draft stops before the first token the grammar forbids (its matcher tries them, then rolls back).
+Drafting, at most ``num_tokens`` tokens: method ngram (prompt lookup), the tokens that followed the last
+occurrence of the row's trailing ``ngram_max`` .. ``ngram_min`` tokens (longest first) in its prompt and output
+so far; method draft, the tokens a draft model chooses greedily after them (``drafting.py``, its own KV cache
+per row). Under a grammar the draft stops before the first token the grammar forbids (its matcher tries
+them, then rolls back).
 
 Verification (``forwards.Forwards.verify``): one forward of every row's last token and its drafts, ``K + 1``
 positions per row (``K`` the longest draft; a row with fewer fills the rest, which its causal mask keeps out of
@@ -15,6 +17,11 @@ row's processed distribution p and accepting iff y == x accepts x with probabili
 gives y != x with probability p(y) / (1 - p(x)): the standard rejection rule, and every emitted token follows p.
 The row's generator draws once per emitted token, as without speculation, so a seeded request gives the same
 tokens with and without it. The cache keeps the accepted positions only (``kvcache.keep_verified``).
+
+With a draft model, drafting also stops while it costs more than it saves (``Speculator.pays``): a drafted
+token costs a forward of the draft for its row, an accepted one saves that row's share of a step of the
+model (the step's time over its rows, times the acceptance so far); checked at every step from the running
+means of both times, and tried again every ``MAX_PAUSE`` steps to measure anew.
 
 On only where it pays: each request's draft length backs off (``Pace``: halved when nothing was accepted, then
 drafting pauses for 1, 2, 4 .. 64 steps; doubled back while all is accepted), and the batch's verification
@@ -30,6 +37,7 @@ from dataclasses import dataclass, field
 import torch
 
 from ..spec.speculative import verification_room
+from .drafting import DraftModel
 from .requests import RequestHandle
 from .types import Speculation
 
@@ -93,20 +101,44 @@ class Counters:
 class Speculator:
     """The drafts of a batch's rows and their acceptance (one per padded loop, used on its thread)."""
 
-    def __init__(self, settings: Speculation) -> None:
+    def __init__(self, settings: Speculation, draft_model: DraftModel | None = None) -> None:
         self.settings = settings
+        self.draft_model = draft_model  # method draft; None: ngram
         self.counters = Counters()
         self._paces: dict[str, Pace] = {}
+        self.step_seconds: float | None = None  # a step of the model's forward (decode or verify), a running mean
+        self._idle = 0  # steps since the draft model last drafted
 
     def drafts(self, rows: list[RequestHandle]) -> list[list[int]]:
         """Each row's draft (maybe empty) for the next step, within the batch's ``VERIFY_POSITIONS``."""
         s = self.settings
         live = {h.id for h in rows}
         self._paces = {k: v for k, v in self._paces.items() if k in live}  # rows that left take their pace along
+        if self.draft_model is not None:
+            self.draft_model.keep(live)  # and their draft caches
         most = verification_room(s.num_tokens, len(rows)) - 1
-        if most < 1:
+        if most < 1 or not self.pays(len(rows)):
             return [[] for _ in rows]
         return [self._draft(h, most) for h in rows]
+
+    def timed(self, seconds: float) -> None:
+        """A decode or verification step of the model took ``seconds``."""
+        self.step_seconds = seconds if self.step_seconds is None else 0.8 * self.step_seconds + 0.2 * seconds
+
+    def pays(self, rows: int) -> bool:
+        """Whether the draft model drafts this step for ``rows`` rows: while a drafted token (a forward of the
+        draft for one row) costs less than what it saves on average (its row's share of a step, times the
+        acceptance so far); always for ngram, and once every ``MAX_PAUSE`` steps to measure anew."""
+        draft = self.draft_model
+        if draft is None or draft.token_seconds is None or self.step_seconds is None:
+            return True
+        with self.counters.lock:
+            rate = self.counters.accepted / self.counters.drafted if self.counters.drafted else 1.0
+        if rate * self.step_seconds / rows > draft.token_seconds or self._idle >= MAX_PAUSE:
+            self._idle = 0
+            return True
+        self._idle += 1
+        return False
 
     def _draft(self, h: RequestHandle, most: int) -> list[int]:
         pace = self._paces.setdefault(h.id, Pace(self.settings.num_tokens))
@@ -114,8 +146,11 @@ class Speculator:
         k = min(most, room, pace.allowed())
         if h.done or k < 1:
             return []
-        draft = ngram_draft(list(h.request.prompt_ids) + h.tokens, k, self.settings.ngram_min,
-                            self.settings.ngram_max)
+        seq = list(h.request.prompt_ids) + h.tokens
+        if self.draft_model is not None:
+            draft = self.draft_model.draft(h.id, seq, k)
+        else:
+            draft = ngram_draft(seq, k, self.settings.ngram_min, self.settings.ngram_max)
         if draft and h.grammar is not None:
             draft = draft[:h.grammar.allowed_prefix(draft)]
         return draft

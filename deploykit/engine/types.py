@@ -29,12 +29,16 @@ class Limits:
 @dataclass(frozen=True)
 class Speculation:
     """``spec.speculative`` as the padded loop serves it (``speculative.py``): drafts of at most ``num_tokens``
-    tokens, looked up after the last ``ngram_max`` .. ``ngram_min`` tokens of the prompt and output so far."""
+    tokens, looked up after the last ``ngram_max`` .. ``ngram_min`` tokens of the prompt and output so far
+    (method ngram), or chosen by a draft model (method draft, ``drafting.py``): ``draft_path`` (a checkpoint
+    directory, resolved) or ``draft_quantized`` (int8 | int4: the serving checkpoint quantized)."""
 
     method: str = "ngram"
     num_tokens: int = 8
     ngram_min: int = 1
     ngram_max: int = 4
+    draft_path: str | None = None
+    draft_quantized: str | None = None
 
 
 @dataclass(frozen=True)

@@ -96,7 +96,10 @@ class Plan:
     quantization: str = "none"  # spec.model.quantization: block sizes are the quantized bytes
     prefix_cache_bytes: int = 0  # spec.serving.prefix_cache, spread as the KV is (placement.kv)
     adapters: tuple[AdapterPlan, ...] = ()  # spec.adapters; their bytes are in total_bytes, not in devices
-    draft: DraftPlan | None = None  # spec.speculative's draft model; its bytes are in total_bytes, not in devices
+    draft: DraftPlan | None = None  # llama.cpp: spec.speculative's draft model; its bytes are in total_bytes, not in devices
+    # spec.speculative method draft (transformers engine): the draft model's weights and its rows' KV, on the
+    # device of the model's first layers; in total_bytes, not in devices
+    draft_bytes: int = 0
 
     @property
     def adapter_bytes(self) -> int:
@@ -116,6 +119,8 @@ class Plan:
             data.pop("quantization")
         if not self.prefix_cache_bytes:
             data.pop("prefix_cache_bytes")
+        if not self.draft_bytes:  # plans without a draft model keep their exact former shape
+            data.pop("draft_bytes")
         if not self.adapters:  # plans without adapters keep their exact former shape
             data.pop("adapters")
         else:

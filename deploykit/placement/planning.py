@@ -55,7 +55,8 @@ def plan_manifest(loaded: LoadedManifest, *, devices: str | None = None,
         return _plan_tensor_parallel(loaded, inv)
     structure = structure_for(loaded)
     # the adapters first: the prefix cache is sized from (and checked against) the KV room they leave
-    planned = with_prefix_cache(_with_adapters(plan(structure, spec, inv, name=loaded.name), loaded), spec, inv)
+    planned = _with_draft(_with_adapters(plan(structure, spec, inv, name=loaded.name), loaded), loaded)
+    planned = with_prefix_cache(planned, spec, inv)
     if spec.engine.name == LLAMA_CPP and spec.placement.nodes == 1:  # the layers where llama.cpp holds them
         planned = plan_draft(loaded, as_llama_cpp_places(planned, structure, block_sizes(structure, spec)))
     return planned
@@ -71,6 +72,39 @@ def _with_adapters(planned: Plan, loaded: LoadedManifest) -> Plan:
 
     adapters = plan_adapters(planned, [(a.name, loaded.resolve(a.path)) for a in adapters_spec])
     return replace(planned, adapters=adapters, total_bytes=planned.total_bytes + sum(a.bytes for a in adapters))
+
+
+def _with_draft(planned: Plan, loaded: LoadedManifest) -> Plan:
+    """``planned`` with the draft model of ``spec.speculative`` method draft (transformers engine): its weights
+    (``draft.path``'s checkpoint at the model's dtype, or the model's own blocks quantized ``draft.quantized``)
+    and its KV (every row's context, ``kv_cache_tokens``, in each of the draft's layers), on the device of the
+    model's first layers; PlanInfeasible where that device's budget has no room for them."""
+    spec = loaded.manifest.spec
+    draft = spec.speculative.draft if spec.speculative is not None else None
+    if draft is None or spec.engine.name == LLAMA_CPP:
+        return planned
+    model = spec.model
+    source = loaded.resolve(draft.path) if draft.path is not None else loaded.model_path
+    try:
+        structure = load_structure(source, task=model.task, dtype=model.dtype, trust_remote_code=model.trust_remote_code,
+                                   quantization=draft.quantized or "none")
+    except CheckpointError as exc:
+        raise CheckpointError(f"spec.speculative.draft: {exc}") from None
+    weights = structure.weight_bytes
+    per_token = sum(b.kv_bytes_per_token for b in structure.blocks)
+    tokens = planned.kv_cache_tokens or spec.serving.max_concurrent * (spec.serving.context_length or 0)
+    kv = per_token * tokens
+    first = planned.devices[0]
+    if first.budget is not None and first.bytes + weights + kv > first.budget:
+        short = first.bytes + weights + kv - first.budget
+        raise PlanInfeasible(f"the draft model of spec.speculative does not fit beside the model on {first.device}: "
+                             f"{format_size(weights)} of weights and {format_size(kv)} of KV, short by "
+                             f"{format_size(short)}", shortfall={str(first.device): short}, field="spec.speculative.draft")
+    what = f"{draft.path} at {model.dtype}" if draft.path is not None else f"this checkpoint {draft.quantized}"
+    note = (f"speculative draft model ({what}) on {first.device}: {format_size(weights)} of weights and "
+            f"{format_size(kv)} of KV ({tokens} tokens x {format_size(per_token)}), {format_size(weights + kv)} in all")
+    return replace(planned, draft_bytes=weights + kv, total_bytes=planned.total_bytes + weights + kv,
+                   notes=planned.notes + (note,))
 
 
 def keeps_prefixes(spec: Spec) -> bool:

@@ -21,6 +21,7 @@ from ..errors import ApplyError, Issue, ManifestError
 from ..names import Task
 from .adapters import AdapterFileError, base_weight_shapes, fit_problem, read_adapter
 from .engines import LLAMA_CPP
+from .speculative import draft_checkpoint_problem
 from .schema import ModelDeployment
 from .tensor_parallel import heads_issues
 from .validation import header_issues, validation_issues
@@ -205,6 +206,7 @@ def check_on_host(loaded: LoadedManifest) -> list[Issue]:
     if not issues:
         issues.extend(heads_issues(loaded))
         issues.extend(adapter_issues(loaded))
+        issues.extend(draft_issues(loaded))
     issues.extend(_golden_issues(loaded))
     issues.extend(_scale_out_issues(loaded))
     disk = loaded.manifest.spec.offload.disk
@@ -238,6 +240,20 @@ def adapter_issues(loaded: LoadedManifest) -> list[Issue]:
             issues.append(loaded.issue(f"spec.adapters.{i}.path", problem,
                                        hint="a directory saved by peft's save_pretrained for this base model"))
     return issues
+
+
+def draft_issues(loaded: LoadedManifest) -> list[Issue]:
+    """A draft checkpoint (``spec.speculative.draft.path``, transformers engine) that is missing, not a
+    checkpoint, or does not share the model's vocabulary, tokenizer and chat template."""
+    speculative = loaded.manifest.spec.speculative
+    draft = speculative.draft if speculative is not None else None
+    if draft is None or draft.path is None or loaded.manifest.spec.engine.name == LLAMA_CPP:
+        return []
+    problem = draft_checkpoint_problem(loaded.model_path, loaded.resolve(draft.path))
+    if problem is None:
+        return []
+    return [loaded.issue("spec.speculative.draft.path", problem,
+                         hint="a smaller checkpoint of the same family, saved with the model's tokenizer files")]
 
 
 def golden_path(loaded: LoadedManifest) -> Path | None:

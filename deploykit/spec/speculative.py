@@ -53,8 +53,9 @@ class Draft(Strict):
                           "(transformers engine) or a GGUF file (llama.cpp engine). A relative path resolves "
                           "against the manifest's directory.")
     quantized: Literal["int8", "int4"] | None = Field(
-        None, description="The serving checkpoint itself, quantized this way, as its own draft (meant for the "
-                          "transformers engine, which does not serve method draft yet: refused at validation).")
+        None, description="The serving checkpoint itself, loaded a second time with its linear layers quantized "
+                          "this way, as its own draft (transformers engine; the serving model must not be "
+                          "quantized already).")
 
     @model_validator(mode="after")
     def _one_source(self) -> Draft:
@@ -71,7 +72,7 @@ class Speculative(Strict):
 
     method: Literal["ngram", "draft"] = Field(
         description="ngram: drafts looked up in the prompt and output so far (no second model); draft: drafts "
-                    "from spec.speculative.draft (the llama.cpp engine only, for now).")
+                    "chosen greedily by the model of spec.speculative.draft.")
     num_tokens: int = Field(
         8, ge=1, le=MAX_DRAFT_TOKENS, strict=True,
         description="Most tokens drafted per step; each is one more position in the verification forward.")
@@ -122,12 +123,80 @@ def speculative_problem(spec: Any) -> tuple[str, str] | None:
     if draft is not None and draft.path is not None and draft.path.suffix.lower() == ".gguf":
         return ("speculative.draft.path", "the transformers engine's draft model is a checkpoint directory "
                 "(config.json + *.safetensors), not a GGUF file")
-    if speculative.method == "draft":
-        return ("speculative.method", "method draft is not yet supported by the transformers engine: use method: "
-                "ngram (prompt lookup), or the llama.cpp engine with a GGUF draft model")
+    if draft is not None and draft.quantized is not None and spec.model.quantization != "none":
+        return ("speculative.draft.quantized", f"the serving model is already quantized "
+                f"({spec.model.quantization}): a quantized copy of it drafts at no gain; set draft.path to a "
+                "smaller model, or serve the model unquantized")
     if spec.serving.batching == "continuous":
         return ("speculative", "transformers' continuous batching has no speculative decoding; use batching: "
                 "padded (deploykit's batch loop)")
     if spec.cluster is not None or spec.placement.tensor_parallel > 1:
         return "speculative", "speculative decoding runs in one process: remove spec.cluster and tensor_parallel"
     return None
+
+
+_TOKENIZER_FILES = ("tokenizer.json", "vocab.json", "merges.txt", "tokenizer.model", "vocab.txt")
+
+
+def draft_checkpoint_problem(model_dir: Path, draft_dir: Path) -> str | None:
+    """Why the checkpoint at ``draft_dir`` cannot draft for the one at ``model_dir`` (transformers engine), from
+    their files: missing, not a checkpoint, another vocabulary size, tokenizer or chat template. None: it can."""
+    if not draft_dir.is_dir():
+        return f"the draft checkpoint {str(draft_dir)!r} " + ("is not a directory" if draft_dir.exists()
+                                                             else "does not exist")
+    if not (draft_dir / "config.json").is_file():
+        return f"{str(draft_dir)!r} holds no config.json: not a checkpoint directory"
+    try:
+        mine, its = _vocab_size(model_dir), _vocab_size(draft_dir)
+    except (OSError, ValueError) as exc:
+        return f"{str(draft_dir)!r}: config.json is not readable JSON ({exc})"
+    if mine is not None and its is not None and mine != its:
+        return f"the draft's vocabulary has {its} tokens, the model's {mine}: a draft must share the model's tokenizer"
+    theirs = [f for f in _TOKENIZER_FILES if (draft_dir / f).is_file()]
+    if not theirs:
+        return f"{str(draft_dir)!r} ships no tokenizer: a draft must share the model's (copy its tokenizer files)"
+    for name in sorted(set(theirs) | {f for f in _TOKENIZER_FILES if (model_dir / f).is_file()}):
+        if _tokenizer_part(model_dir / name) != _tokenizer_part(draft_dir / name):
+            return f"the draft's tokenizer differs from the model's ({name}): a draft must share the model's tokenizer"
+    if _chat_template(model_dir) != _chat_template(draft_dir):
+        return "the draft's chat template differs from the model's: a draft must share the model's tokenizer files"
+    return None
+
+
+def _vocab_size(directory: Path) -> int | None:
+    import json
+
+    config = json.loads((directory / "config.json").read_text())
+    size = config.get("vocab_size", (config.get("text_config") or {}).get("vocab_size"))
+    return size if isinstance(size, int) else None
+
+
+def _tokenizer_part(path: Path) -> Any:
+    """What of a tokenizer file decides the ids of a text (tokenizer.json: its model, added tokens, normalizer
+    and pre-tokenizer, not its padding or truncation settings); None for a missing file."""
+    import hashlib
+    import json
+
+    if not path.is_file():
+        return None
+    data = path.read_bytes()
+    if path.name == "tokenizer.json":
+        try:
+            parsed = json.loads(data)
+        except ValueError:
+            return hashlib.sha256(data).hexdigest()
+        return [parsed.get(k) for k in ("model", "added_tokens", "normalizer", "pre_tokenizer", "post_processor")]
+    return hashlib.sha256(data).hexdigest()
+
+
+def _chat_template(directory: Path) -> Any:
+    import json
+
+    jinja = directory / "chat_template.jinja"
+    if jinja.is_file():
+        return jinja.read_text()
+    config = directory / "tokenizer_config.json"
+    try:
+        return json.loads(config.read_text()).get("chat_template") if config.is_file() else None
+    except ValueError:
+        return None

@@ -151,8 +151,10 @@ def speculation_of(engine: Any) -> dict[str, Any] | None:
         return None
     stats = engine.stats()
     drafted, accepted = stats.get("speculative_drafted", 0), stats.get("speculative_accepted", 0)
+    error = getattr(engine, "speculative_error", None)  # not speculating: a draft model that failed to load
     return {**asdict(settings), "drafted": drafted, "accepted": accepted,
-            "acceptance_rate": round(accepted / drafted, 4) if drafted else None}
+            "acceptance_rate": round(accepted / drafted, 4) if drafted else None,
+            **({"error": error} if error else {})}
 
 
 def _phase(state: State, process: EngineProcess | None) -> Phase:

@@ -83,13 +83,16 @@ def serving_of(loaded: LoadedManifest, *, show_progress: bool = False) -> Servin
 
 def speculation_of(loaded: LoadedManifest) -> Speculation | None:
     """``spec.speculative`` as the transformers engine serves it (the llama.cpp engine reads the manifest's
-    own: its flags); method draft is refused at validation for this engine (``spec.speculative``)."""
+    own: its flags); a draft's path resolved against the manifest's directory."""
     from ...engine.types import Speculation
 
     s = loaded.manifest.spec.speculative
-    if s is None or s.method != "ngram" or is_llama_cpp(loaded):
+    if s is None or is_llama_cpp(loaded):
         return None
-    return Speculation(s.method, s.num_tokens, s.ngram_min, s.ngram_max)
+    draft = s.draft
+    path = str(loaded.resolve(draft.path)) if draft is not None and draft.path is not None else None
+    return Speculation(s.method, s.num_tokens, s.ngram_min, s.ngram_max, draft_path=path,
+                       draft_quantized=draft.quantized if draft is not None else None)
 
 
 def load_checked(loaded: LoadedManifest, plan: Plan, shards: Path, timer: StepTimer, *,
