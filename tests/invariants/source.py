@@ -4,7 +4,8 @@ commit that changes nothing served, a force-push back to an older commit), syncs
 API (an apply of another file, a rollback) and restarts. After every step, once the source has settled:
 
 - G1 what serves is what the model says should: the store's current revision holds the expected content
-  (its shard size), it answers (I1), and its greedy answer is the base's reference (I4);
+  (its shard size), it answers (I1), and its greedy answer is the base's reference (I4); a commit that
+  rewrites the source's file ends drift (as an auto-sync does), a commit that leaves it alone does not;
 - G2 a revision records the commit its content came from: the applied commit's content serves with that
   commit, or the drift's revision with its own;
 - G3 the source's phase says the truth: Degraded with the broken commit named while the newest commit is
@@ -83,7 +84,7 @@ class SourceMachine(RuleBasedStateMachine):
                        f"  url: file://{self.repo}\n  ref: {{branch: main}}\n  path: hosts/a\n  interval: 1h\n"
                        "  timeout: 20s\n")
         self.history: list[Pushed] = []
-        self.applied = self._push(SHARDS[0], "first")  # the newest commit whose content the file holds
+        self.applied = self._push(SHARDS[0], "first")  # the commit whose text the source's file holds
         self.commit = self.applied.commit  # the commit the serving revision should record (without drift)
         self.refused: Pushed | None = None  # the newest commit, when it is refused
         self.drift: str | None = None  # the shard size an API apply or a rollback serves instead
@@ -106,13 +107,19 @@ class SourceMachine(RuleBasedStateMachine):
     def push(self, shard: str) -> None:
         """A commit of the manifest (the same content as served, or another shard size), synced now."""
         assert self.f is not None
-        changes_content = shard != self.applied.shard
         pushed = self._push(shard, f"shards of {shard}")
         self.refused = None
-        if changes_content:  # the file changes: the watcher applies it over any drift
-            self.applied, self.commit, self.drift, self.drift_revision = pushed, pushed.commit, None, None
+        self._file_holds(pushed)
         self.f.sync.sync_now()
         self._settle(head=pushed.commit)
+
+    def _file_holds(self, commit: Pushed) -> None:
+        """The source publishes ``commit``'s text (every commit's text differs): the watcher applies it, over
+        any drift (as an auto-sync does); a new revision, with that commit, unless the manifest is the one that
+        serves already."""
+        if commit.shard != self.applied.shard or self.drift is not None:
+            self.commit = commit.commit
+        self.applied, self.drift, self.drift_revision = commit, None, None
 
     @rule()
     def push_broken(self) -> None:
@@ -131,8 +138,8 @@ class SourceMachine(RuleBasedStateMachine):
         target = data.draw(st.sampled_from(good), label="reset to")
         _git(self.repo, "reset", "--hard", target.commit)
         self.refused = None
-        if target.shard != self.applied.shard:  # else the file stays as it is, and so does any drift
-            self.applied, self.commit, self.drift, self.drift_revision = target, target.commit, None, None
+        if target.commit != self.applied.commit:  # else the file stays as it is, and so does any drift
+            self._file_holds(target)
         self.f.sync.sync_now()
         self._settle(head=target.commit)
 
