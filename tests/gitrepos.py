@@ -1,5 +1,6 @@
 """Real git repositories for the git source tests: made with `git`, served over file:// or by `git daemon`
-on a loopback port, commits signed with ssh-keygen keys, and a TCP listener that never answers."""
+on a loopback port, commits signed with ssh-keygen keys, a TCP listener that never answers, and a supervisor
+following a source as `deploykit serve --source` composes them."""
 
 from __future__ import annotations
 
@@ -11,6 +12,11 @@ from pathlib import Path
 from servers import free_port
 
 from helpers import wait_until
+
+from deploykit.control.live.supervisor import Supervisor
+from deploykit.control.revisions.state import StateStore
+from deploykit.control.sources.worker import SourceSync, live_directory, source_root
+from deploykit.spec.source import parse_source
 
 
 def git(repo: Path, *args: str) -> str:
@@ -189,3 +195,29 @@ class HttpsGit:
         self.server.shutdown()
         self.server.server_close()
         self._thread.join(10)
+
+
+class Followed:
+    """A supervisor following a git source, as ``deploykit serve --source`` composes them."""
+
+    def __init__(self, state: Path, text: str) -> None:
+        source = parse_source(text.encode(), source="source.yaml")
+        self.store = StateStore(state)
+        root = source_root(state, source.name)
+        live_directory(root).mkdir(parents=True, exist_ok=True)
+        self.supervisor = Supervisor(live_directory(root), store=self.store, debounce=0.1,
+                                     prune=source.spec.prune, rollback_owned=True)
+        self.sync = SourceSync(source, root=root, supervisor=self.supervisor)
+        self.supervisor.start()
+        self.sync.start()
+
+    def close(self) -> None:
+        self.sync.close()
+        self.supervisor.close()
+
+    def commit_of(self, name: str) -> str | None:
+        current = self.store.current(name)
+        return current.git_commit if current else None
+
+    def phase(self) -> str:
+        return self.sync.status().phase.value

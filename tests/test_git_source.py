@@ -13,12 +13,8 @@ from pathlib import Path
 
 import pytest
 
-from deploykit.control.live.supervisor import Supervisor
-from deploykit.control.revisions.state import StateStore
-from deploykit.control.sources.worker import SourceSync, live_directory, source_root
 from deploykit.spec.manifest import load_manifests
-from deploykit.spec.source import parse_source
-from gitrepos import GitDaemon, allowed_signers, commit_files, new_repo, ssh_key
+from gitrepos import Followed, GitDaemon, allowed_signers, commit_files, new_repo, ssh_key
 from helpers import wait_until
 from manifests import manifest_text
 
@@ -36,32 +32,6 @@ def source_text(url: str, **spec: str) -> str:
     extra = "".join(f"  {k}: {v}\n" for k, v in spec.items())
     return (f"apiVersion: deploykit/v1\nkind: GitSource\nmetadata: {{name: models}}\nspec:\n  url: {url}\n"
             f"  ref: {{branch: main}}\n  path: hosts/a\n  interval: 1h\n  timeout: 20s\n{extra}")
-
-
-class Followed:
-    """A supervisor following a git source, as ``deploykit serve --source`` composes them."""
-
-    def __init__(self, state: Path, text: str) -> None:
-        source = parse_source(text.encode(), source="source.yaml")
-        self.store = StateStore(state)
-        root = source_root(state, source.name)
-        live_directory(root).mkdir(parents=True, exist_ok=True)
-        self.supervisor = Supervisor(live_directory(root), store=self.store, debounce=0.1,
-                                     prune=source.spec.prune, rollback_owned=True)
-        self.sync = SourceSync(source, root=root, supervisor=self.supervisor)
-        self.supervisor.start()
-        self.sync.start()
-
-    def close(self) -> None:
-        self.sync.close()
-        self.supervisor.close()
-
-    def commit_of(self, name: str) -> str | None:
-        current = self.store.current(name)
-        return current.git_commit if current else None
-
-    def phase(self) -> str:
-        return self.sync.status().phase.value
 
 
 @pytest.fixture

@@ -135,7 +135,7 @@ def test_ssh_without_a_key_file_still_refuses_an_unknown_host_and_never_prompts(
 
 @pytest.mark.parametrize("prune", ["true", "false"])
 def test_a_manifest_renamed_in_git_keeps_its_deployment_serving(tmp_path, model, prune):
-    from test_git_source import Followed
+    from gitrepos import Followed
     from test_git_source import source_text as followed_text
 
     repo = new_repo(tmp_path / "upstream")

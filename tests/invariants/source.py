@@ -21,14 +21,11 @@ from pathlib import Path
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
-from deploykit.control.live.supervisor import Supervisor
 from deploykit.control.revisions.loading import recorded_manifest
-from deploykit.control.revisions.state import StateStore
 from deploykit.control.sources.status import SyncRecord
-from deploykit.control.sources.worker import SourceSync, live_directory, source_root
+from deploykit.control.sources.worker import live_directory, source_root
 from deploykit.spec.manifest import load_manifests
-from deploykit.spec.source import parse_source
-from gitrepos import commit_files, new_repo
+from gitrepos import Followed, commit_files, new_repo
 from helpers import wait_until
 from manifests import manifest_text
 
@@ -47,25 +44,6 @@ _examples = itertools.count()
 class Pushed:
     commit: str
     shard: str | None  # what the commit's manifest asks for; None: the commit is refused (a broken manifest)
-
-
-class Followed:
-    """A supervisor following one source (``deploykit serve --source``)."""
-
-    def __init__(self, state: Path, text: str) -> None:
-        source = parse_source(text.encode(), source="source.yaml")
-        self.store = StateStore(state)
-        root = source_root(state, source.name)
-        live_directory(root).mkdir(parents=True, exist_ok=True)
-        self.supervisor = Supervisor(live_directory(root), store=self.store, debounce=0.1,
-                                     prune=source.spec.prune, rollback_owned=True)
-        self.sync = SourceSync(source, root=root, supervisor=self.supervisor)
-        self.supervisor.start()
-        self.sync.start()
-
-    def close(self) -> None:
-        self.sync.close()
-        self.supervisor.close()
 
 
 class SourceMachine(RuleBasedStateMachine):
