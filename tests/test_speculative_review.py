@@ -40,8 +40,8 @@ def rows_of(prompts: list[list[int]]) -> list[RequestHandle]:
 def test_a_verification_beside_a_row_at_the_end_of_its_context_runs(tiny_model: Callable[[str], Path]) -> None:
     """gpt2 has n_positions = 128 absolute positions. Row 0 has used 127 of them (its last token at position
     126, no draft: its max_tokens ends it at 128); row 1 drafts 3 tokens. Row 0's filler positions must stay
-    inside the model's positions (on CPU an index error made the whole step a plain decode step; on CUDA it
-    is a device-side assert that ends the process), and row 1's logits are its own."""
+    inside the model's positions (on CPU an index error made the whole step a plain decode step; on CUDA an
+    out-of-range embedding index is a device-side assert, which leaves the context unusable), and row 1's logits are its own."""
     model = AutoModelForCausalLM.from_pretrained(tiny_model("gpt2"), dtype=torch.float32).eval()
     prompts = [[(7 * i) % 250 + 3 for i in range(127)], [5, 9, 11, 5, 9, 11, 5, 9]]
     cache, mask = prefilled(model, prompts)
