@@ -84,3 +84,24 @@ def test_the_draft_models_caches_go_with_their_rows(tiny_model: Callable[[str], 
         eng.submit(GenerationRequest(prompt, max_new_tokens=1)).result(120)
         assert first.finish_reason == "length"
         assert eng._batcher.speculator.draft_model.cached_positions() == 0
+
+
+def test_a_draft_model_with_a_shorter_context_drafts_within_it(caplog: pytest.LogCaptureFixture) -> None:
+    """A draft checkpoint (``draft.path``) whose absolute positions end before the model's context: a row
+    longer than the draft's context gets no draft (it ran a forward of its whole sequence that failed, and
+    logged a warning, at every step, and again once its cache was dropped), one near its end a shorter one."""
+    from transformers import GPT2Config
+
+    from deploykit.engine.drafting import DraftModel
+
+    torch.manual_seed(0)
+    small = AutoModelForCausalLM.from_config(GPT2Config(n_embd=32, n_layer=2, n_head=2, vocab_size=256,
+                                                        n_positions=32)).eval()
+    draft = DraftModel(small)
+    seq = [(5 * i) % 250 + 3 for i in range(40)]
+    with caplog.at_level("WARNING", logger="deploykit.engine.drafting"):
+        assert draft.draft("long", seq, 4) == []
+        assert len(draft.draft("near", seq[:30], 4)) == 3  # fed at positions 30 and 31, the last one never fed
+        assert len(draft.draft("short", seq[:10], 4)) == 4
+    assert not caplog.records, [r.getMessage() for r in caplog.records]
+    assert draft.cached_positions() == 32 + 13  # the rows that drafted: their sequences and the fed drafts
