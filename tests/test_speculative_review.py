@@ -1,6 +1,7 @@
 """Speculative decoding in the padded loop under the cases its own tests leave out, on tiny real models: a
 verification next to a row at the end of its context (absolute positions), rows whose accepted runs
-alternate (the batch's padding), and the draft model's caches once their rows have left."""
+alternate (the batch's padding), the draft model's caches once their rows have left, and a draft model whose
+context is shorter than the rows."""
 
 from __future__ import annotations
 
