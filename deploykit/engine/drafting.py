@@ -72,6 +72,7 @@ class DraftModel:
         self.threads = threads
         self.device = input_device(model)
         self._rows: dict[str, _Row] = {}
+        self.positions = _positions(model.config)  # the draft's own context (None: not bounded)
         self.token_seconds: float | None = None  # one draft forward of one row, a running mean
 
     def keep(self, live: set[str]) -> None:
@@ -86,7 +87,11 @@ class DraftModel:
     @torch.inference_mode()
     def draft(self, key: str, seq: list[int], k: int) -> list[int]:
         """Up to ``k`` tokens the draft model chooses greedily after ``seq`` (row ``key``'s prompt and output
-        so far). A failing draft forward drops the row's cache and drafts nothing (the row decodes on)."""
+        so far), within the draft's own context (a draft with fewer positions than the model drafts for a
+        row only while the row fits in them). A failing draft forward drops the row's cache and drafts
+        nothing (the row decodes on)."""
+        if self.positions is not None:  # the last drafted token is never fed: positions up to len(seq) + k - 2
+            k = min(k, self.positions - len(seq) + 1)
         if k < 1 or not seq:
             return []
         row = self._rows.setdefault(key, _Row())
@@ -134,6 +139,13 @@ class DraftModel:
             seconds = time.perf_counter() - started
             self.token_seconds = seconds if self.token_seconds is None else 0.8 * self.token_seconds + 0.2 * seconds
         return token
+
+
+def _positions(config: Any) -> int | None:
+    """How many positions ``config``'s model has (gpt2's ``n_positions`` is its ``max_position_embeddings``)."""
+    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    n = getattr(text, "max_position_embeddings", None)
+    return int(n) if isinstance(n, int) and n > 0 else None
 
 
 def _common_prefix(a: list[int], b: list[int]) -> int:

@@ -102,16 +102,20 @@ class Forwards:
                ) -> tuple[torch.Tensor, Any, torch.Tensor]:
         """A verification step (``speculative.py``): each row's last token and its draft, ``K + 1`` positions
         per row (``K`` the longest draft; a shorter one is filled with its last token, after its real
-        positions, where the causal mask keeps them out of the real ones). Every position's logits
-        ``[rows, K + 1, vocab]``, the cache with ``K + 1`` new positions per row, and its mask."""
+        positions, where the causal mask keeps them out of the real ones; the filler repeats its last real
+        position, so a row near the end of its context never asks for a position past it: absolute
+        position embeddings have none). Every position's logits ``[rows, K + 1, vocab]``, the cache with
+        ``K + 1`` new positions per row, and its mask."""
         k, width = max(len(d) for d in drafts), mask.shape[1]
         ids = [[h.tokens[-1], *d] for h, d in zip(rows, drafts)]
         ids = [row + [row[-1]] * (k + 1 - len(row)) for row in ids]
         before = mask.sum(1, keepdim=True)  # each row's real positions so far
+        last = torch.tensor([[len(d)] for d in drafts], device=mask.device)  # each row's last real offset
+        positions = before + torch.minimum(torch.arange(k + 1, device=mask.device)[None], last)
         mask = F.pad(mask, (0, k + 1), value=1)
         with self.of(rows):
             out = self.model(input_ids=torch.tensor(ids, device=mask.device), attention_mask=mask,
-                             position_ids=before + torch.arange(k + 1, device=mask.device), use_cache=True,
+                             position_ids=positions, use_cache=True,
                              logits_to_keep=k + 1, **with_cache(self.model, cache))
         assert mask.shape[1] == width + k + 1
         return out.logits.float(), returned_cache(out), mask

@@ -206,20 +206,34 @@ def keep_verified(cache: Any, mask: torch.Tensor, width: int, kept: list[int]) -
     """After a verification step (``speculative.py``): row i keeps the first ``kept[i]`` of the positions the
     step appended after column ``width`` (its rejected drafts go). Rows that keep fewer than the most are
     moved right, in place in their buffers, so every row still ends at the last column; the new columns
-    on their left are zeroed padding. Returns the batch's new mask."""
+    on their left are zeroed padding. Columns that are then padding in every row go (rows whose accepted
+    runs alternate would grow them at every step): the layers' buffers start after them, no copy. Returns
+    the batch's new mask."""
     most, rows = max(kept), len(kept)
     end = width + most
     shifts = [(i, most - k) for i, k in enumerate(kept) if k < most]
+    out = mask.new_zeros(rows, end)
+    for i, k in enumerate(kept):
+        out[i, most - k:] = mask[i, :width + k]
+    lead = all_pad_columns(out)
     for layer in cache.layers:
         for x in (layer.keys, layer.values):
             for i, shift in shifts:
                 x[i, :, shift:end] = x[i, :, :end - shift].clone()
                 x[i, :, :shift].zero_()
-        layer.keys, layer.values = layer.keys[:, :, :end], layer.values[:, :, :end]
-    out = mask.new_zeros(rows, end)
-    for i, k in enumerate(kept):
-        out[i, most - k:] = mask[i, :width + k]
-    return out
+        _cut(layer, lead, end)
+    return out[:, lead:]
+
+
+def _cut(layer: Any, lead: int, end: int) -> None:
+    """``layer`` holds its columns ``lead`` .. ``end``; a ``GrowingLayer`` whose keys are its buffers' view keeps
+    appending in place after them (its buffers start at ``lead``)."""
+    buffers = getattr(layer, "_buffers", None)
+    if lead and buffers is not None and _views(layer.keys, buffers[0], end):
+        layer._buffers = (buffers[0][:, :, lead:], buffers[1][:, :, lead:])
+        layer.keys, layer.values = layer._buffers[0][:, :, :end - lead], layer._buffers[1][:, :, :end - lead]
+    else:
+        layer.keys, layer.values = layer.keys[:, :, lead:end], layer.values[:, :, lead:end]
 
 
 def keep_rows(cache: Any, rows: torch.Tensor, lead: int) -> None:

@@ -112,6 +112,8 @@ class PaddedBackend:
         try:
             while True:
                 rows, cache, mask = drop_done(self.prefix, rows, cache, mask)
+                if self.speculator is not None:  # rows that left take their drafts' state along
+                    self.speculator.keep(rows)
                 self._forget_gone_adapters()
                 reading = [p for p in reading if not p.handle.done]
                 new = self._intake.admit(rows + [p.handle for p in reading], mask.shape[1])

@@ -112,14 +112,20 @@ class Speculator:
     def drafts(self, rows: list[RequestHandle]) -> list[list[int]]:
         """Each row's draft (maybe empty) for the next step, within the batch's ``VERIFY_POSITIONS``."""
         s = self.settings
-        live = {h.id for h in rows}
-        self._paces = {k: v for k, v in self._paces.items() if k in live}  # rows that left take their pace along
-        if self.draft_model is not None:
-            self.draft_model.keep(live)  # and their draft caches
+        self.keep(rows)
         most = verification_room(s.num_tokens, len(rows)) - 1
         if most < 1 or not self.pays(len(rows)):
             return [[] for _ in rows]
         return [self._draft(h, most) for h in rows]
+
+    def keep(self, rows: list[RequestHandle]) -> None:
+        """Forget what rows no longer in ``rows`` left: their pace and their draft caches (the loop calls this
+        as rows leave, so that a draft model's KV goes with its row, not at the next step that drafts)."""
+        live = {h.id for h in rows}
+        if any(k not in live for k in self._paces):
+            self._paces = {k: v for k, v in self._paces.items() if k in live}
+        if self.draft_model is not None:
+            self.draft_model.keep(live)
 
     def timed(self, seconds: float) -> None:
         """A decode or verification step of the model took ``seconds``."""
