@@ -33,7 +33,7 @@ def new_repo(path: Path) -> Path:
 
 def commit_files(repo: Path, files: dict[str, str | None], message: str = "change", *,
                  signing_key: Path | None = None) -> str:
-    """Write (None: delete) ``files`` and commit them; the new commit's id."""
+    """Write (None: delete) ``files`` and commit them (a commit even when nothing changed); its id."""
     for name, text in files.items():
         target = repo / name
         if text is None:
@@ -44,7 +44,7 @@ def commit_files(repo: Path, files: dict[str, str | None], message: str = "chang
     git(repo, "add", "-A")
     signing = ["-c", "gpg.format=ssh", "-c", f"user.signingkey={signing_key}", "commit", "-S"] if signing_key else [
         "commit"]
-    git(repo, *signing, "-qm", message)
+    git(repo, *signing, "--allow-empty", "-qm", message)
     return git(repo, "rev-parse", "HEAD")
 
 
