@@ -68,3 +68,38 @@ def test_an_abort_after_the_candidate_loaded_ends_it_before_the_swap(tmp_path: P
         assert dep.generate("hello", max_tokens=2).text is not None
     finally:
         dep.close()
+
+
+def test_a_file_change_older_than_a_handed_over_change_does_not_end_it(tmp_path: Path) -> None:
+    """A change handed over while the watched file says otherwise (a git source's drift: an API apply, a
+    rollback) is ended by a newer change of the file only: the watcher reporting late a change the file
+    already held when the handed-over one began supersedes nothing."""
+    model = build_chat_model(tmp_path / "model")
+    path, elsewhere = tmp_path / "chat.yaml", tmp_path / "elsewhere.yaml"
+    path.write_text(manifest(model))
+    dep = Deployment.from_manifest(path, store=StateStore(tmp_path / "state"))
+    try:
+        path.write_text(manifest(model, shard="1MiB"))  # written before the apply; its event comes late
+        late = load_manifests(path)[0].digest
+        elsewhere.write_text(manifest(model, shard="3MiB"))
+        superseded: list[bool] = []
+
+        def on_step(step: str) -> None:
+            if step == "health-check":
+                superseded.append(dep.supersede(load_manifests(path)[0]))
+
+        dep.roll_to(load_manifests(elsewhere)[0], on_step=on_step, adopt=False)
+        assert superseded == [False] and dep.status()["revision"] == 2
+
+        def newer(step: str) -> None:
+            if step == "health-check":
+                path.write_text(manifest(model, shard="5MiB"))  # a change made while it rolls out
+                superseded.append(dep.supersede(load_manifests(path)[0]))
+
+        elsewhere.write_text(manifest(model, shard="4MiB"))
+        with pytest.raises(ApplyError, match="superseded by a newer change"):
+            dep.roll_to(load_manifests(elsewhere)[0], on_step=newer, adopt=False)
+        assert superseded == [False, True] and dep.status()["revision"] == 2
+        assert late != load_manifests(path)[0].digest
+    finally:
+        dep.close()

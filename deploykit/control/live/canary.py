@@ -100,6 +100,7 @@ class AbortSignal:
         self._closed: str | None = None  # the deployment is closing: every rollout from now on aborts
         self._pokes = 0
         self._digest: str | None = None  # the manifest the armed rollout rolls out
+        self._file_before: str | None = None  # what the watched file said when a handed-over change began
 
     def arm(self, digest: str | None = None) -> None:
         with self._cond:
@@ -109,10 +110,18 @@ class AbortSignal:
         with self._cond:
             self._armed, self._reason, self._digest = False, None, None
 
-    def supersede(self, digest: str, reason: str) -> bool:
-        """``abort`` the armed rollout if it rolls out a manifest other than ``digest``."""
+    def file_before(self, digest: str | None) -> None:
+        """The watched file's manifest when the next change began (a change handed over by the control API
+        while the file says otherwise); None: the change is the file's own."""
         with self._cond:
-            if not self._armed or self._digest == digest:
+            self._file_before = digest
+
+    def supersede(self, digest: str, reason: str) -> bool:
+        """``abort`` the armed rollout if it rolls out a manifest other than ``digest``, and ``digest`` is
+        newer than the rollout: not what the file already said when it began (a watcher that reports that
+        change late, after an API apply began, has nothing newer to say)."""
+        with self._cond:
+            if not self._armed or digest in (self._digest, self._file_before):
                 return False
         return self.abort(reason)
 

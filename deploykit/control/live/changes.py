@@ -227,6 +227,7 @@ class ChangeRunner:
             admit(loaded, self.loads.policy)  # a reload, a rollback, an adapter change: each admitted
             if change is None or change.loaded is not loaded:
                 change = Change(loaded, self.devices, budget_cpu=self.budget_cpu)  # parsed once, checked and planned once from here
+            self.abort.file_before(self._file_digest() if given is not None else None)
             result = self._rollout(change, force=force, progress=progress, on_step=on_step)
             strategy = result.strategy
         except Exception as exc:  # any failure, expected or not: recorded, the last good generation serves
@@ -276,6 +277,15 @@ class ChangeRunner:
         self.closed = True
         self.pool.close(timeout)
         self.cell.move(Event(Trigger.CLOSED))
+
+    def _file_digest(self) -> str | None:
+        """The watched file's manifest as it is now; None without one (or when it cannot be read)."""
+        if self.given is not None:
+            return None
+        try:
+            return manifest_named(self.manifest_path, self.wanted_name).digest
+        except DeploykitError:
+            return None
 
     def manifest(self) -> LoadedManifest:
         return self.given if self.given is not None else manifest_named(self.manifest_path, self.wanted_name)
