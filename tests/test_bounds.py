@@ -510,9 +510,9 @@ def _upstream_event(model: str, content: str, **extra: object) -> bytes:
 def test_a_relayed_stream_names_neither_the_gguf_path_nor_the_engine_build(gguf):
     import json
 
-    from deploykit.serve.openai.relay import _Rewriter
+    from deploykit.serve.openai.rewrite import Rewriter
 
-    rewrite = _Rewriter("chatcmpl-ours", "tiny-chat", wants_usage=False)
+    rewrite = Rewriter("chatcmpl-ours", "tiny-chat", wants_usage=False)
     upstream = (_upstream_event(gguf, "Hé") + _upstream_event(gguf, " there") + _upstream_event(gguf, "!")
                 + b"data: [DONE]\n\n")
     out = b"".join(rewrite.feed(upstream[i:i + 7]) for i in range(0, len(upstream), 7))  # split anywhere
@@ -526,9 +526,9 @@ def test_a_relayed_stream_names_neither_the_gguf_path_nor_the_engine_build(gguf)
 
 def test_an_engine_event_that_never_ends_fails_the_stream_instead_of_growing():
     from deploykit.engine.llamacpp.client import UpstreamError
-    from deploykit.serve.openai.relay import MAX_EVENT_BYTES, _Rewriter
+    from deploykit.serve.openai.rewrite import MAX_EVENT_BYTES, Rewriter
 
-    rewrite = _Rewriter("chatcmpl-ours", "tiny-chat", wants_usage=False)
+    rewrite = Rewriter("chatcmpl-ours", "tiny-chat", wants_usage=False)
     rewrite.feed(_upstream_event("/m.gguf", "a"))
     with pytest.raises(UpstreamError, match="more than"):
         for _ in range(MAX_EVENT_BYTES // (1 << 20) + 2):

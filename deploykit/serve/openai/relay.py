@@ -43,6 +43,7 @@ from ..errors import APIError, ClientGone
 from ..served_by import arrival
 from .common import RETRY_AFTER_SECONDS, Lease, as_api_error
 from .protocol import IGNORED, ChatCompletionRequest, CompletionRequest, new_id, now
+from .rewrite import NOT_RELAYED, Rewriter
 from .stream import LeasedStream
 from .structured import plan_of
 
@@ -50,8 +51,6 @@ if TYPE_CHECKING:
     from ..metrics import ServingMetrics
 
 DISCONNECT_POLL_SECONDS = 0.5
-MAX_EVENT_BYTES = 4 << 20  # one upstream SSE event (a token, its logprobs, usage): more is a broken engine
-_NOT_RELAYED = ("timings", "system_fingerprint")  # llama.cpp's build ("b0-unknown") and timings
 _NOT_FORWARDED = set(IGNORED) | {"model", "max_completion_tokens", "stream_options", "temperature", "top_p", "seed"}
 ENGINE_RETRY_AFTER_SECONDS = 5
 T = TypeVar("T")
@@ -209,7 +208,7 @@ async def _relay(path: str, upstream: dict[str, Any], body: ChatCompletionReques
             client, opened = await _sent(held, request, name, lambda c: c.open_stream(path, upstream))
             ticket.upstream = opened
             wants_usage = bool(body.stream_options and body.stream_options.include_usage)
-            events = _events(held, client, opened, _Rewriter(our_id, name, wants_usage), done)
+            events = _events(held, client, opened, Rewriter(our_id, name, wants_usage), done)
             return LeasedStream(events, lease=held, runs=[ticket], model=name)  # type: ignore[list-item]
         _, raw = await _sent(held, request, name, lambda c: c.post(path, upstream))
     except BaseException:
@@ -219,7 +218,7 @@ async def _relay(path: str, upstream: dict[str, Any], body: ChatCompletionReques
     try:
         answer = json.loads(raw)
         done.finished(answer.get("usage"), ttft=None, timings=answer.get("timings"))
-        for key in _NOT_RELAYED:
+        for key in NOT_RELAYED:
             answer.pop(key, None)
         answer.update(id=our_id, created=now(), model=name)
         return Response(json.dumps(answer, separators=(",", ":")), media_type="application/json")
@@ -291,95 +290,7 @@ class _Done:
         self.gen.traffic.record(ttft=ttft, failed=True)
 
 
-class _Rewriter:
-    """llama-server's SSE bytes, with deploykit's id and model name. The first event is parsed once to learn
-    the upstream id, model and fingerprint, as the bytes llama-server wrote them (raw UTF-8: a model named
-    after a GGUF path with non-ASCII characters is not the ``json.dumps`` escape of it); later events are
-    rewritten by a bytes replace. An event with ``usage``, ``timings`` or ``error`` (keys: inside JSON
-    strings their quotes would be escaped) is parsed: usage is counted and passed on only if the client
-    asked for it, timings and the fingerprint dropped, an error raised. An event is at most
-    ``MAX_EVENT_BYTES``: an engine that never ends one fails the stream instead of growing it."""
-
-    def __init__(self, our_id: str, model: str, wants_usage: bool) -> None:
-        self.our_id, self.model, self.wants_usage = our_id, model, wants_usage
-        self.usage: dict[str, Any] | None = None
-        self.timings: dict[str, Any] | None = None  # llama-server's, of the last event: its drafts counted
-        self.ended = False
-        self._pending = b""
-        self._swaps: list[tuple[bytes, bytes]] | None = None
-
-    def feed(self, chunk: bytes) -> bytes:
-        """The bytes to send for ``chunk`` (whole events only; a partial one waits for the next chunk)."""
-        events = (self._pending + chunk).split(b"\n\n")
-        self._pending = events.pop()
-        if len(self._pending) > MAX_EVENT_BYTES:
-            self._pending = b""
-            raise UpstreamError(502, f"the engine sent an event of more than {MAX_EVENT_BYTES} bytes")
-        return b"".join(self._event(e) for e in events if e.strip())
-
-    def _event(self, event: bytes) -> bytes:
-        if not event.startswith(b"data: "):
-            return b""  # comments, keep-alives: not deploykit's to forward
-        data = event[6:]
-        if data == b"[DONE]":
-            self.ended = True
-            return b"data: [DONE]\n\n"
-        if data.strip() == b"null":  # llama-server's separator between the prompts of one request: no event
-            return b""
-        if self._swaps is None or b'"usage"' in data or b'"timings"' in data or b'"error"' in data:
-            return self._parsed(data)
-        for old, new in self._swaps:
-            data = data.replace(old, new)
-        return b"data: " + data + b"\n\n"
-
-    def _parsed(self, data: bytes) -> bytes:
-        event = json.loads(data)
-        if "error" in event:
-            error = event["error"]
-            raise UpstreamError(int(error.get("code", 500)), str(error.get("message", error)))
-        if self._swaps is None:
-            self._swaps = _swaps(data, event, {"id": self.our_id, "model": self.model})
-        if isinstance(event.get("timings"), dict):
-            self.timings = event["timings"]
-        for key in _NOT_RELAYED:
-            event.pop(key, None)
-        usage = event.get("usage") if not event.get("choices") else None
-        if usage is not None:
-            self.usage = usage
-            if not self.wants_usage:
-                return b""
-        elif not self.wants_usage:
-            event.pop("usage", None)
-        event.update(id=self.our_id, model=self.model)
-        return b"data: " + json.dumps(event, separators=(",", ":")).encode() + b"\n\n"
-
-
-def _swaps(raw: bytes, event: dict[str, Any], ours: dict[str, str]) -> list[tuple[bytes, bytes]]:
-    """The byte replacements that turn later events of this stream into deploykit's: each of ``ours``'
-    keys given its value, the fingerprint removed. Each upstream pair is looked for in ``raw`` as written,
-    escaped (``json.dumps``'s default) or not (llama-server's)."""
-    swaps: list[tuple[bytes, bytes]] = []
-    for key, value in ours.items():
-        if isinstance(event.get(key), str):
-            swaps.extend((old, _quoted(key, value)) for old in _forms(key, event[key]) if old in raw)
-    fingerprint = event.get("system_fingerprint")
-    if isinstance(fingerprint, str):
-        for old in _forms("system_fingerprint", fingerprint):
-            swaps.extend((pair, b"") for pair in (b"," + old, old + b",") if pair in raw)
-    return swaps
-
-
-def _forms(key: str, value: str) -> list[bytes]:
-    """``"key":"value"`` as JSON writers write it: raw UTF-8 first, then with non-ASCII escaped."""
-    forms = [f"{json.dumps(key)}:{json.dumps(value, ensure_ascii=False)}".encode(), _quoted(key, value)]
-    return forms[:1] if forms[0] == forms[1] else forms
-
-
-def _quoted(key: str, value: str) -> bytes:
-    return f"{json.dumps(key)}:{json.dumps(value)}".encode()
-
-
-async def _events(held: Lease, client: RelayClient, upstream: Upstream, rewrite: _Rewriter,
+async def _events(held: Lease, client: RelayClient, upstream: Upstream, rewrite: Rewriter,
                   done: _Done) -> AsyncIterator[bytes]:
     ttft: float | None = None
     try:
