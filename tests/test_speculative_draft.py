@@ -232,6 +232,21 @@ def test_a_quantized_self_draft_of_a_quantized_model_is_refused_at_its_field(tmp
     assert "spec.speculative.draft.quantized" in str(info.value) and "already quantized" in str(info.value)
 
 
+def test_prompt_lookup_sizes_beside_a_draft_model_are_refused_not_ignored(tmp_path: Path) -> None:
+    from deploykit.errors import ManifestError
+    from deploykit.spec.manifest import load_manifests
+
+    path = tmp_path / "m.yaml"
+    path.write_text("apiVersion: deploykit/v1\nkind: ModelDeployment\nmetadata: {name: m}\nspec:\n"
+                    "  model: {path: /m}\n  speculative:\n    method: draft\n    ngram_max: 8\n"
+                    "    draft: {quantized: int4}\n")
+    with pytest.raises(ManifestError) as info:
+        load_manifests(path)
+    assert "m.yaml:8:" in str(info.value) and "spec.speculative.ngram_max" in str(info.value), str(info.value)
+    path.write_text(path.read_text().replace("    ngram_max: 8\n", "    ngram_max: 4\n"))  # the default
+    assert load_manifests(path)[0].manifest.spec.speculative.method == "draft"
+
+
 def test_the_plan_counts_the_draft_weights_and_kv(tmp_path: Path) -> None:
     from test_cli import deploykit
 

@@ -98,6 +98,12 @@ class Speculative(Strict):
             raise PydanticCustomError(
                 "draft_unused", "method ngram drafts from the token history; remove draft, or set method: draft",
                 {"at": "draft"})
+        if self.method == "draft":  # (a recorded manifest names the defaults: only another value is refused)
+            for name in ("ngram_min", "ngram_max"):
+                if getattr(self, name) != type(self).model_fields[name].default:
+                    raise PydanticCustomError(
+                        "ngram_unused", "{f} sets the prompt lookup of method ngram; a draft model drafts "
+                        "without it: remove {f}, or set method: ngram", {"f": name, "at": name})
         return self
 
 
