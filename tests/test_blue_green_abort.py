@@ -103,3 +103,47 @@ def test_a_file_change_older_than_a_handed_over_change_does_not_end_it(tmp_path:
         assert late != load_manifests(path)[0].digest
     finally:
         dep.close()
+
+
+def test_an_abort_while_from_pretrained_loads_the_candidates_weights_ends_it_at_the_next_tensor(
+        tmp_path: Path) -> None:
+    """A rollback (or SIGTERM) that comes while transformers loads the candidate's weights, inside
+    ``from_pretrained``, ends that load at the next tensor rather than at its end: the candidate is recorded
+    Failed, the serving revision answers on, and transformers' progress hook is left as it was."""
+    from transformers.utils import logging as hf_logging
+
+    model = build_chat_model(tmp_path / "model")
+    path = tmp_path / "chat.yaml"
+    path.write_text(manifest(model))
+    dep = Deployment.from_manifest(path, store=StateStore(tmp_path / "state"))
+    loaded: list[int] = []
+    aborted: list[bool] = []
+    total: list[int] = []
+
+    def watching(factory, args, kwargs):  # type: ignore[no-untyped-def]
+        bar = factory(*args, **kwargs)
+        if kwargs.get("desc") != "Loading weights":
+            return bar
+        total.append(len(args[0]))
+
+        def tensors():  # type: ignore[no-untyped-def]
+            for i, item in enumerate(bar):
+                loaded.append(i)
+                if i == 1:  # the first tensor is in: the rollout is rolled back now
+                    aborted.append(dep.abort_rollout("rolled back by hand"))
+                yield item
+        return tensors()
+
+    previous = hf_logging.set_tqdm_hook(watching)
+    try:
+        path.write_text(manifest(model, shard="1MiB"))
+        assert dep.reload() is False
+        assert aborted == [True] and loaded == [0, 1] and total[0] > 2  # it stopped at the tensor after the abort
+        last = dep.store.history("chat")[-1]
+        assert (last.revision, last.phase, last.reason) == (
+            2, "Failed", "rollout aborted before its candidate loaded: rolled back by hand")
+        assert dep.status()["revision"] == 1 and dep.generation == 1 and dep.pool.candidate is None
+        assert dep.generate("hello", max_tokens=2).text is not None
+    finally:
+        assert hf_logging.set_tqdm_hook(previous) is watching
+        dep.close()

@@ -21,7 +21,9 @@ from __future__ import annotations
 
 
 import logging
-
+import threading
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -148,10 +150,64 @@ def _prefetch(model: Any, modules: list[str]) -> None:
                 libc.madvise(start, length, _MADV_WILLNEED)
 
 
-def load(plan: Plan, checkpoint_dir: Path, options: LoadOptions) -> LoadedModel:
+class _Checked:
+    """A transformers progress bar whose every step first calls ``interrupted`` (which raises to stop)."""
+
+    def __init__(self, bar: Any, interrupted: Callable[[], None]) -> None:
+        self._bar, self._interrupted = bar, interrupted
+
+    def __iter__(self) -> Iterator[Any]:
+        for item in self._bar:
+            self._interrupted()
+            yield item
+
+    def update(self, *args: Any, **kwargs: Any) -> Any:
+        self._interrupted()
+        return self._bar.update(*args, **kwargs)
+
+    def __enter__(self) -> _Checked:
+        self._bar.__enter__()
+        return self
+
+    def __exit__(self, *exc: Any) -> Any:
+        return self._bar.__exit__(*exc)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._bar, name)
+
+
+@contextmanager
+def interruptible(interrupted: Callable[[], None] | None) -> Iterator[None]:
+    """While inside, transformers' weight loading on this thread calls ``interrupted`` before each tensor, so
+    an abort (a rollback, SIGTERM) ends a ``from_pretrained`` in progress within one tensor's time instead of
+    at its end. Through transformers' own progress-bar hook (``utils.logging.set_tqdm_hook``: the one
+    per-tensor callback ``from_pretrained`` offers), chained to any hook already set; other threads' bars
+    pass through untouched. Callers hold ``BUILD_LOCK`` (one ``from_pretrained`` at a time)."""
+    if interrupted is None:
+        yield
+        return
+    from transformers.utils import logging as hf_logging
+
+    me = threading.get_ident()
+    check: Callable[[], None] = interrupted
+
+    def hook(factory: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        bar = previous(factory, args, kwargs) if previous is not None else factory(*args, **kwargs)
+        return _Checked(bar, check) if threading.get_ident() == me else bar
+
+    previous = hf_logging.set_tqdm_hook(hook)
+    try:
+        yield
+    finally:
+        hf_logging.set_tqdm_hook(previous)
+
+
+def load(plan: Plan, checkpoint_dir: Path, options: LoadOptions,
+         interrupted: Callable[[], None] | None = None) -> LoadedModel:
     """Load the checkpoint at ``checkpoint_dir`` placed as ``plan`` says. ``model.hf_device_map`` is
     the plan's placement on every path (transformers sets it for GPU plans; the CPU path sets it
-    here, with the plan's tiers: "cpu" or "disk")."""
+    here, with the plan's tiers: "cpu" or "disk"). ``interrupted`` (raising to stop) is called between
+    the weights loaded (``interruptible``) and before the CPU tier is faulted in."""
     import torch
 
     task, dtype, offload_dir = options.task, options.dtype, options.offload_dir
@@ -177,8 +233,8 @@ def load(plan: Plan, checkpoint_dir: Path, options: LoadOptions) -> LoadedModel:
 
         kwargs["quantization_config"] = quantization_config(plan.quantization, quantized, dtype)
     try:
-        with BUILD_LOCK, quiet_transformers(progress=show_progress):  # see model.hf.BUILD_LOCK
-            model, info = auto_class(task).from_pretrained(str(checkpoint_dir), **kwargs)
+        with BUILD_LOCK, quiet_transformers(progress=show_progress), interruptible(interrupted):
+            model, info = auto_class(task).from_pretrained(str(checkpoint_dir), **kwargs)  # model.hf.BUILD_LOCK
     except (OSError, ValueError, RuntimeError, KeyError) as exc:
         raise ApplyError(f"loading {checkpoint_dir} failed: {str(exc).strip().splitlines()[0]}") from None
     _check_loading_info(info, checkpoint_dir)
@@ -187,6 +243,8 @@ def load(plan: Plan, checkpoint_dir: Path, options: LoadOptions) -> LoadedModel:
         from .quantized import quantize_head
 
         quantize_head(model, task, plan.quantization)
+    if interrupted is not None:
+        interrupted()
     if not gpus:
         _prefetch(model, [m for m, d in plan.device_map.items() if d == "cpu"])
         model.hf_device_map = dict(plan.device_map)

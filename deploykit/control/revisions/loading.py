@@ -96,9 +96,11 @@ def speculation_of(loaded: LoadedManifest) -> Speculation | None:
 
 
 def load_checked(loaded: LoadedManifest, plan: Plan, shards: Path, timer: StepTimer, *,
-                  show_progress: bool = False) -> tuple[LoadedModel, str]:
+                  show_progress: bool = False,
+                  interrupted: Callable[[], None] | None = None) -> tuple[LoadedModel, str]:
     """Load ``shards`` as ``plan`` places them, where the manifest says (this process, pipeline stages on
-    its cluster, or Serve replicas), and health-check the result."""
+    its cluster, or Serve replicas), and health-check the result. ``interrupted`` (raising to stop: a
+    rollout's abort) is checked between the weights this process loads (``engine.loader.interruptible``)."""
     from ...engine.health import check
 
     serving = serving_of(loaded, show_progress=show_progress)
@@ -112,7 +114,7 @@ def load_checked(loaded: LoadedManifest, plan: Plan, shards: Path, timer: StepTi
     if is_tensor_parallel(loaded):
         return _start_ranks(plan, shards, serving, loaded.manifest.spec.placement.tensor_parallel, timer)
     with timer.step("load"):
-        model = load_model(plan, shards, serving)
+        model = load_model(plan, shards, serving, interrupted=interrupted)
     with timer.step("health-check"):
         health = check(model, task=serving.load.task, text=serving.health_input, timeout=serving.health_timeout)
     return model, health.detail
@@ -235,12 +237,13 @@ def _start_pipeline(plan: Plan, shards: Path, serving: ServingSpec, address: str
                                 serving, timer)
 
 
-def load_model(plan: Plan, shards: Path, serving: ServingSpec) -> LoadedModel:
+def load_model(plan: Plan, shards: Path, serving: ServingSpec,
+               interrupted: Callable[[], None] | None = None) -> LoadedModel:
     """Load ``shards`` as ``plan`` places them, with the manifest's model options (not health-checked:
     callers go through ``load_revision`` or ``apply``)."""
     from ...engine.loader import load
 
-    return load(plan, shards, serving.load)
+    return load(plan, shards, serving.load, interrupted)
 
 
 def load_revision(revision: Revision) -> LoadedModel:

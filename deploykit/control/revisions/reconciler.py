@@ -243,7 +243,8 @@ def _act(change: Change, store: StateStore, checkpoint: Checkpoint | None, finge
         if options.before_load is not None:
             with timer.step("drain"):
                 options.before_load()
-        model, health = load_checked(loaded, plan, shards, timer, show_progress=progress is not None)
+        model, health = load_checked(loaded, plan, shards, timer, show_progress=progress is not None,
+                                     interrupted=options.interrupted)
     except BaseException as exc:
         reason = str(exc) if isinstance(exc, DeploykitError) else f"{type(exc).__name__}: {exc}"
         store.finish_revision(loaded.name, revision, ready=False, reason=reason or type(exc).__name__,
