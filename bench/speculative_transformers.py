@@ -52,18 +52,21 @@ def load(args: argparse.Namespace) -> tuple[Any, Any] | None:
     return AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval(), AutoTokenizer.from_pretrained(path)
 
 
-def one(model: Any, tokenizer: Any, prompt: list[int], max_tokens: int, speculative: Any, draft: Any = None
-        ) -> tuple[float, list[int], dict[str, int]]:
+def one(model: Any, tokenizer: Any, prompts: list[list[int]], max_tokens: int, speculative: Any, draft: Any = None
+        ) -> tuple[float, list[list[int]], dict[str, int]]:
+    """All ``prompts`` at once on one engine (one client each): (wall seconds, each answer, speculation counts)."""
     from deploykit.engine.batching import Engine, GenerationRequest
 
-    engine = Engine(model, tokenizer, speculative=speculative, draft_model=draft)
+    engine = Engine(model, tokenizer, speculative=speculative, draft_model=draft, max_batch_size=max(16, len(prompts)))
     try:
-        engine.submit(GenerationRequest(prompt, max_new_tokens=4)).result(600)  # warm: first-call costs
+        engine.submit(GenerationRequest(prompts[0], max_new_tokens=4)).result(600)  # warm: first-call costs
         before = engine.stats()
         start = time.perf_counter()
-        result = engine.submit(GenerationRequest(prompt, max_new_tokens=max_tokens)).result(600)
+        futures = [engine.submit(GenerationRequest(p, max_new_tokens=max_tokens)) for p in prompts]
+        results = [f.result(600) for f in futures]
         seconds, after = time.perf_counter() - start, engine.stats()
-        return seconds, result.token_ids, {k: v - before.get(k, 0) for k, v in after.items() if k.startswith("spec")}
+        return seconds, [r.token_ids for r in results], {k: v - before.get(k, 0) for k, v in after.items()
+                                                        if k.startswith("spec")}
     finally:
         engine.close(60)
 
@@ -78,7 +81,7 @@ def variants(args: argparse.Namespace) -> list[tuple[str, Any, Any]]:
     from deploykit.engine.drafting import load_draft
     from deploykit.engine.types import Speculation
 
-    if args.task == "copy":
+    if args.task == "copy" or args.drafts == "ngram":
         return [("none", None, None), ("ngram", Speculation(num_tokens=args.num_tokens, ngram_min=1, ngram_max=4), None)]
     out: list[tuple[str, Any, Any]] = [("none", None, None)]
     for scheme in args.drafts.split(","):
@@ -102,7 +105,9 @@ def main() -> None:
     parser.add_argument("--max-tokens", type=int, default=96)
     parser.add_argument("--num-tokens", type=int, default=8)
     parser.add_argument("--task", choices=("copy", "chat"), default="copy")
-    parser.add_argument("--drafts", default="int8,int4", help="--task chat: the quantized self-drafts to run")
+    parser.add_argument("--drafts", default="int8,int4",
+                        help="--task chat: the quantized self-drafts to run, or ngram (prompt lookup on open chat)")
+    parser.add_argument("--clients", type=int, default=1, help="concurrent requests on the one engine")
     parser.add_argument("--draft-threads", type=lambda v: [int(x) for x in v.split(",")], default=[1],
                         help="--task chat: the draft's torch threads to run (0: as the engine's), e.g. 1,0")
     args = parser.parse_args()
@@ -110,28 +115,34 @@ def main() -> None:
     if loaded is None:
         return
     model, tokenizer = loaded
-    content = f"Repeat this text exactly, word for word:\n\n{TEXT}" if args.task == "copy" else QUESTION
-    prompt = tokenizer.apply_chat_template([{"role": "user", "content": content}], add_generation_prompt=True,
-                                           tokenize=True, return_dict=False)
-    if not isinstance(prompt, list):
-        prompt = list(prompt["input_ids"])
+    def prompt_of(i: int) -> list[int]:
+        content = f"Repeat this text exactly, word for word:\n\n{TEXT}" if args.task == "copy" else QUESTION
+        if i:  # each further client asks something a little different (no two rows the same)
+            content += f" (Version {i + 1}.)"
+        ids = tokenizer.apply_chat_template([{"role": "user", "content": content}], add_generation_prompt=True,
+                                            tokenize=True, return_dict=False)
+        return ids if isinstance(ids, list) else list(ids["input_ids"])
+
+    prompts = [prompt_of(i) for i in range(args.clients)]
+    prompt = prompts[0]
     runs = variants(args)
     from deploykit.threads import release_openmp_threads
 
     release_openmp_threads()  # the loads' OpenMP threads would slow the engines' (deploykit/threads.py)
     print(f"load average before: {os.getloadavg()}; prompt {len(prompt)} tokens, {args.max_tokens} new, "
-          f"threads {__import__('torch').get_num_threads()}")
+          f"threads {__import__('torch').get_num_threads()}, clients {args.clients}")
     times: dict[str, list[float]] = {name: [] for name, _, _ in runs}
-    answers: dict[str, list[int]] = {}
+    answers: dict[str, list[list[int]]] = {}
     stats: dict[str, dict[str, int]] = {}
     for _ in range(args.rounds):
         for name, spec, draft in runs:
-            seconds, ids, got = one(model, tokenizer, prompt, args.max_tokens, spec, draft)
+            seconds, ids, got = one(model, tokenizer, prompts, args.max_tokens, spec, draft)
             times[name].append(seconds)
             answers[name] = ids
             stats[name] = got
-            print(f"  {name:10s} {len(ids)} tokens in {seconds:.2f} s ({len(ids) / seconds:.1f} tok/s)", flush=True)
-    n = len(answers["none"])
+            n = sum(len(a) for a in ids)
+            print(f"  {name:10s} {n} tokens in {seconds:.2f} s ({n / seconds:.1f} tok/s)", flush=True)
+    n = sum(len(a) for a in answers["none"])
     base = statistics.median(times["none"])
     print(f"median: none {n / base:.1f} tok/s")
     for name, _, _ in runs[1:]:
@@ -142,10 +153,12 @@ def main() -> None:
         # (the engine counts a step after it hands out its tokens: the warm-up's last step may be counted here)
         forwards = st["speculative_steps"] + max(0, n - 1 - st["speculative_emitted"])
         print(f"median: {name} {n / fast:.1f} tok/s ({base / fast:.2f}x); identical answers; drafted "
-              f"{st['speculative_drafted']}, accepted {st['speculative_accepted']} ({rate:.0%}), about {forwards} "
-              f"forwards of the model after the prefill ({st['speculative_steps']} verifying) against {n - 1}")
+              f"{st['speculative_drafted']}, accepted {st['speculative_accepted']} ({rate:.0%}), "
+              f"{st['speculative_steps']} verification steps"
+              + (f", about {forwards} forwards of the model after the prefill against {n - 1}"
+                 if args.clients == 1 else ""))
     print(f"load average after: {os.getloadavg()}")
-    print("answer:", tokenizer.decode(answers["none"])[:300].replace("\n", " "))
+    print("answer:", tokenizer.decode(answers["none"][0])[:300].replace("\n", " "))
 
 
 if __name__ == "__main__":

@@ -21,11 +21,12 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from deploykit.engine.adapters import Adapters, AdapterSource
 from deploykit.engine.batching import Engine, GenerationRequest, GenerationResult
-from deploykit.engine.speculative import Pace, ngram_draft
+from deploykit.engine.requests import RequestHandle
+from deploykit.engine.speculative import Pace, Speculator, ngram_draft
 from deploykit.engine.types import Constraint, Speculation
 from lora import chat_ids
 
-NGRAM = Speculation(num_tokens=6, ngram_min=1, ngram_max=3)
+NGRAM = Speculation(num_tokens=6, ngram_min=1, ngram_max=3, hold=False)  # every step drafts: exactness, not the policy
 
 
 class CharTokenizer:
@@ -95,6 +96,27 @@ def test_pace_backs_off_to_a_pause_and_grows_back() -> None:
     pace.after(1, 1, 8)
     pace.after(2, 2, 8)
     assert pace.limit == 4
+
+
+def test_the_batch_holds_its_drafts_while_verification_pays_less_than_decoding() -> None:
+    """Verification steps that emit fewer tokens per second than decode steps (many rows whose drafts fail)
+    hold the whole batch's drafts for 1, 2, 4 .. steps, then one step drafts again to measure; a step that pays
+    ends the holds."""
+    spec = Speculator(Speculation(num_tokens=6, ngram_min=1, ngram_max=3))
+    rows = [RequestHandle(GenerationRequest((1, 2, 3, 1, 2, 3, 1, 2), max_new_tokens=64), id=str(i)) for i in range(4)]
+
+    def drafting() -> bool:
+        return any(spec.drafts(rows))
+
+    assert drafting()  # nothing measured yet: drafts
+    spec.decoded(0.10)
+    spec.verified(0.20, rows=4, emitted=5)  # 1.25 tokens a row for twice a decode step's time
+    assert spec.gain is not None and spec.gain < 1
+    assert [drafting() for _ in range(2)] == [False, True]  # held one step, then drafts to measure anew
+    spec.verified(0.20, rows=4, emitted=5)
+    assert [drafting() for _ in range(3)] == [False, False, True]  # held two steps now
+    spec.verified(0.12, rows=4, emitted=24)  # 6 tokens a row: it pays again
+    assert spec.gain > 1 and drafting() and drafting()
 
 
 def test_greedy_answers_are_identical_and_drafts_are_accepted(llama: Any) -> None:
@@ -206,7 +228,7 @@ def test_sampled_tokens_at_drafted_positions_follow_the_model(llama: Any) -> Non
         second = torch.softmax(llama(pairs).logits[:, -1] / temperature, -1)
     exact = (first[:, None] * second).sum(0)
     requests = [GenerationRequest(prompt, max_new_tokens=3, temperature=temperature, seed=s) for s in range(n)]
-    results, stats = answers(llama, requests, Speculation(num_tokens=4), max_batch_size=32,
+    results, stats = answers(llama, requests, Speculation(num_tokens=4, hold=False), max_batch_size=32,
                              max_queued=n)
     assert stats["speculative_drafted"] > n // 2 and stats["speculative_accepted"] > 0, stats
     counts = Counter(r.token_ids[1] for r in results)

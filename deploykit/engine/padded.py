@@ -215,8 +215,8 @@ class PaddedBackend:
         started = time.perf_counter()
         rows, logits, cache, mask = self._fw.decode_rows(rows, cache, mask)
         self._chunks.decoded(time.perf_counter() - started)  # what a chunk is sized against
-        if self.speculator is not None:
-            self.speculator.timed(time.perf_counter() - started)  # what a draft model's token is weighed against
+        if self.speculator is not None:  # what a draft token and a verification step are weighed against
+            self.speculator.decoded(time.perf_counter() - started)
         return rows, logits, cache, mask
 
     def _verify(self, rows: list[RequestHandle], drafts: list[list[int]], cache: Any, mask: torch.Tensor
@@ -232,10 +232,11 @@ class PaddedBackend:
         except Exception:
             truncate(cache, width)
             return self._fw.decode_rows(rows, cache, mask)
-        self.speculator.timed(time.perf_counter() - started)
+        seconds = time.perf_counter() - started
         self.speculator.stepped()
         kept = [self.speculator.accept(h, d, logits[i, :len(d) + 1], self._choose_one)
                 for i, (h, d) in enumerate(zip(rows, drafts))]
+        self.speculator.verified(seconds, len(rows), sum(kept))
         return rows, None, cache, keep_verified(cache, wide, width, kept)
 
     def _choose(self, rows: list[RequestHandle], logits: torch.Tensor | None) -> None:

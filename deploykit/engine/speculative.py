@@ -25,7 +25,12 @@ means of both times, and tried again every ``MAX_PAUSE`` steps to measure anew.
 
 On only where it pays: each request's draft length backs off (``Pace``: halved when nothing was accepted, then
 drafting pauses for 1, 2, 4 .. 64 steps; doubled back while all is accepted), and the batch's verification
-forward holds at most ``VERIFY_POSITIONS`` positions, so under batch load drafts shrink, then stop.
+forward holds at most ``VERIFY_POSITIONS`` positions, so under batch load drafts shrink, then stop. For the
+batch as a whole (either method), drafting pauses while verification steps give fewer tokens per second than
+decode steps do (``Speculator.verified``: the tokens a verification step emitted per row, times a decode
+step's time over its own, a running mean under 1): for 1, 2, 4 .. 64 steps, then one step drafts to measure
+anew. Many rows whose drafts mostly fail (open-ended chat under load) pay for the wider forward without
+getting tokens back; one row copying its prompt gets several per forward.
 """
 
 from __future__ import annotations
@@ -108,12 +113,19 @@ class Speculator:
         self._paces: dict[str, Pace] = {}
         self.step_seconds: float | None = None  # a step of the model's forward (decode or verify), a running mean
         self._idle = 0  # steps since the draft model last drafted
+        self._decode_seconds: float | None = None  # a plain decode step, a running mean
+        self.gain: float | None = None  # verification's tokens per second over decoding's, a running mean
+        self._hold = 0  # steps the batch drafts nothing for now (verification did not pay)
+        self._pause = 1  # the next hold's length: doubled while verification does not pay, up to MAX_PAUSE
 
     def drafts(self, rows: list[RequestHandle]) -> list[list[int]]:
         """Each row's draft (maybe empty) for the next step, within the batch's ``VERIFY_POSITIONS``."""
         s = self.settings
         self.keep(rows)
         most = verification_room(s.num_tokens, len(rows)) - 1
+        if self._hold > 0:
+            self._hold -= 1
+            return [[] for _ in rows]
         if most < 1 or not self.pays(len(rows)):
             return [[] for _ in rows]
         return [self._draft(h, most) for h in rows]
@@ -130,6 +142,24 @@ class Speculator:
     def timed(self, seconds: float) -> None:
         """A decode or verification step of the model took ``seconds``."""
         self.step_seconds = seconds if self.step_seconds is None else 0.8 * self.step_seconds + 0.2 * seconds
+
+    def decoded(self, seconds: float) -> None:
+        """A plain decode step (no drafts) took ``seconds``: one token per row."""
+        self.timed(seconds)
+        self._decode_seconds = seconds if self._decode_seconds is None else 0.8 * self._decode_seconds + 0.2 * seconds
+
+    def verified(self, seconds: float, rows: int, emitted: int) -> None:
+        """A verification step of ``rows`` rows took ``seconds`` and emitted ``emitted`` tokens: the batch holds
+        its drafts for the next ``_pause`` steps (doubling it) while that pays less than decoding."""
+        self.timed(seconds)
+        if self._decode_seconds is None or seconds <= 0 or rows < 1:
+            return
+        gain = emitted / rows * self._decode_seconds / seconds
+        self.gain = gain if self.gain is None else 0.5 * self.gain + 0.5 * gain
+        if self.gain < 1.0 and self.settings.hold:
+            self._hold, self._pause = self._pause, min(MAX_PAUSE, self._pause * 2)
+        else:
+            self._pause = 1
 
     def pays(self, rows: int) -> bool:
         """Whether the draft model drafts this step for ``rows`` rows: while a drafted token (a forward of the

@@ -31,7 +31,8 @@ class Speculation:
     """``spec.speculative`` as the padded loop serves it (``speculative.py``): drafts of at most ``num_tokens``
     tokens, looked up after the last ``ngram_max`` .. ``ngram_min`` tokens of the prompt and output so far
     (method ngram), or chosen by a draft model (method draft, ``drafting.py``): ``draft_path`` (a checkpoint
-    directory, resolved) or ``draft_quantized`` (int8 | int4: the serving checkpoint quantized)."""
+    directory, resolved) or ``draft_quantized`` (int8 | int4: the serving checkpoint quantized); ``hold``: the
+    batch-level back-off (``Speculator.verified``)."""
 
     method: str = "ngram"
     num_tokens: int = 8
@@ -39,6 +40,8 @@ class Speculation:
     ngram_max: int = 4
     draft_path: str | None = None
     draft_quantized: str | None = None
+    hold: bool = True  # the batch holds its drafts while verification pays less than decoding (off: every step
+    #                    drafts what the rows' paces allow; the engine's tests of verification itself)
 
 
 @dataclass(frozen=True)
