@@ -100,7 +100,7 @@ def test_pace_backs_off_to_a_pause_and_grows_back() -> None:
 
 def test_the_batch_holds_its_drafts_while_verification_pays_less_than_decoding() -> None:
     """Verification steps that emit fewer tokens per second than decode steps (many rows whose drafts fail)
-    hold the whole batch's drafts for 1, 2, 4 .. steps, then one step drafts again to measure; a step that pays
+    hold the whole batch's drafts for 4, 8, 16 .. steps, then one step drafts again to measure; a step that pays
     ends the holds."""
     spec = Speculator(Speculation(num_tokens=6, ngram_min=1, ngram_max=3))
     rows = [RequestHandle(GenerationRequest((1, 2, 3, 1, 2, 3, 1, 2), max_new_tokens=64), id=str(i)) for i in range(4)]
@@ -112,9 +112,9 @@ def test_the_batch_holds_its_drafts_while_verification_pays_less_than_decoding()
     spec.decoded(0.10)
     spec.verified(0.20, rows=4, emitted=5)  # 1.25 tokens a row for twice a decode step's time
     assert spec.gain is not None and spec.gain < 1
-    assert [drafting() for _ in range(2)] == [False, True]  # held one step, then drafts to measure anew
+    assert [drafting() for _ in range(5)] == [False] * 4 + [True]  # held four steps, then drafts to measure anew
     spec.verified(0.20, rows=4, emitted=5)
-    assert [drafting() for _ in range(3)] == [False, False, True]  # held two steps now
+    assert [drafting() for _ in range(9)] == [False] * 8 + [True]  # held eight steps now
     spec.verified(0.12, rows=4, emitted=24)  # 6 tokens a row: it pays again
     assert spec.gain > 1 and drafting() and drafting()
 

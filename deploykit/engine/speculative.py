@@ -28,7 +28,7 @@ drafting pauses for 1, 2, 4 .. 64 steps; doubled back while all is accepted), an
 forward holds at most ``VERIFY_POSITIONS`` positions, so under batch load drafts shrink, then stop. For the
 batch as a whole (either method), drafting pauses while verification steps give fewer tokens per second than
 decode steps do (``Speculator.verified``: the tokens a verification step emitted per row, times a decode
-step's time over its own, a running mean under 1): for 1, 2, 4 .. 64 steps, then one step drafts to measure
+step's time over its own, a running mean under 1): for 4, 8, 16 .. 64 steps, then one step drafts to measure
 anew. Many rows whose drafts mostly fail (open-ended chat under load) pay for the wider forward without
 getting tokens back; one row copying its prompt gets several per forward.
 """
@@ -47,6 +47,7 @@ from .requests import RequestHandle
 from .types import Speculation
 
 MAX_PAUSE = 64  # steps a request that keeps failing waits at most before it drafts again
+FIRST_HOLD = 4  # steps the batch's first hold lasts (a verification step that did not pay costs a few decode steps)
 
 
 def ngram_draft(seq: Sequence[int], k: int, lo: int, hi: int) -> list[int]:
@@ -116,7 +117,7 @@ class Speculator:
         self._decode_seconds: float | None = None  # a plain decode step, a running mean
         self.gain: float | None = None  # verification's tokens per second over decoding's, a running mean
         self._hold = 0  # steps the batch drafts nothing for now (verification did not pay)
-        self._pause = 1  # the next hold's length: doubled while verification does not pay, up to MAX_PAUSE
+        self._pause = FIRST_HOLD  # the next hold's length: doubled while verification does not pay, up to MAX_PAUSE
 
     def drafts(self, rows: list[RequestHandle]) -> list[list[int]]:
         """Each row's draft (maybe empty) for the next step, within the batch's ``VERIFY_POSITIONS``."""
@@ -159,7 +160,7 @@ class Speculator:
         if self.gain < 1.0 and self.settings.hold:
             self._hold, self._pause = self._pause, min(MAX_PAUSE, self._pause * 2)
         else:
-            self._pause = 1
+            self._pause = FIRST_HOLD
 
     def pays(self, rows: int) -> bool:
         """Whether the draft model drafts this step for ``rows`` rows: while a drafted token (a forward of the
