@@ -15,9 +15,11 @@ and the median of the round-by-round ratios, which the host's changing load move
   dk-llama.cpp          `deploykit serve`, spec.engine.name: llama.cpp, the same engine settings
   dk-llama.cpp+ngram    the same with spec.speculative {method: ngram, num_tokens: 16, ngram_min: 4, ngram_max: 4}
                         (which deploykit turns into exactly the flags above)
-  dk-transformers+ngram (a hook: ``TRANSFORMERS`` below) deploykit's transformers engine with the same
-                        spec.speculative on a float32 SmolLM2 checkpoint (``--transformers-checkpoint``), once that
-                        engine accepts spec.speculative
+  dk-transformers       deploykit's transformers engine on a float32 SmolLM2 checkpoint
+                        (``--transformers-checkpoint``; left out where there is none)
+  dk-transformers+ngram the same with the same spec.speculative
+Each engine's gain from speculation is its +ngram contender against itself without, round by round: the
+transformers engine's against llama-server's own on the same task, in the same run.
 Tokens/s = completion tokens / wall time of the request. Drafts accepted: llama-server's own count for the
 request (its ``timings.draft_n_accepted``), through deploykit the increase of
 ``deploykit_speculative_accepted_tokens_total``. The host's load average is printed with every figure:
@@ -94,15 +96,13 @@ def _transformers_manifest(checkpoint: Path, speculative: str) -> str:
             f"  serving: {{max_tokens: {MAX_TOKENS}}}\n" + speculative)
 
 
-TRANSFORMERS = False  # set True once deploykit's transformers engine accepts spec.speculative
-
-
 def contenders(work: Path, gguf: Path, threads: int | None, checkpoint: Path | None) -> dict[str, Contender]:
     binary = find_binary(None).path
     out: dict[str, Contender] = {}
     manifests = {"dk-llama.cpp": _deploykit_manifest(gguf, threads, ""),
                  "dk-llama.cpp+ngram": _deploykit_manifest(gguf, threads, SPECULATIVE)}
-    if TRANSFORMERS and checkpoint is not None:
+    if checkpoint is not None:
+        manifests["dk-transformers"] = _transformers_manifest(checkpoint, "")
         manifests["dk-transformers+ngram"] = _transformers_manifest(checkpoint, SPECULATIVE)
     for name, spec in (("llama-server", None), ("llama-server+ngram", NGRAM_FLAGS)):  # each beside its pair
         flags = ServerOptions(binary, gguf, slots=SLOTS, context=CONTEXT, threads=threads, speculative=spec).flags()
@@ -198,9 +198,17 @@ def report(figures: dict[str, list[Figure]], answers: dict[str, set[str]]) -> No
               f"{statistics.median(r[2] for r in runs):.0f} | {tps / base:.2f}x (paired by round: "
               f"{paired:.2f}x) | {statistics.median(r[3] for r in runs):.0f} us, "
               f"{statistics.median(r[4] for r in runs):.0f} us |")
-    distinct = {text for texts in answers.values() for text in texts}
-    print(f"greedy answers: {'all identical' if len(distinct) == 1 else f'{len(distinct)} different'}")
-
+    print("\nspeculation's gain, each engine against itself without it (medians; paired by round):")
+    for name, runs in figures.items():
+        plain = figures.get(name.removesuffix("+ngram")) if name.endswith("+ngram") else None
+        if plain:
+            gain = statistics.median(r[0] for r in runs) / statistics.median(r[0] for r in plain)
+            paired = statistics.median(r[0] / b[0] for r, b in zip(runs, plain))
+            print(f"  {name}: {gain:.2f}x ({paired:.2f}x)")
+    for family in ("llama", "transformers"):  # the GGUF's Q4_1 weights and the float32 checkpoint differ
+        distinct = {text for name, texts in answers.items() if family in name for text in texts}
+        if distinct:
+            print(f"greedy answers, {family}: {'all identical' if len(distinct) == 1 else f'{len(distinct)} different'}")
 
 if __name__ == "__main__":
     main()
