@@ -66,6 +66,7 @@ PROMPT = f"Repeat the following text exactly, word for word, and nothing else:\n
 
 @dataclass(frozen=True)
 class Contender:
+    name: str
     server: Server
     url: str  # base URL, without /v1
     accepted: Callable[[str, dict], int]  # (url, the answer) -> drafts accepted for that request
@@ -77,7 +78,7 @@ def _from_timings(url: str, answer: dict) -> int:
 
 def _metric(url: str, name: str) -> float:
     for line in httpx.get(f"{url}/metrics", timeout=30).text.splitlines():
-        if line.startswith(name + "{") and 'deployment="smol"' in line:
+        if line.startswith(name + "{") and 'model_name="smol"' in line:
             return float(line.rsplit(" ", 1)[1])
     return 0.0
 
@@ -107,7 +108,7 @@ def contenders(work: Path, gguf: Path, threads: int | None, checkpoint: Path | N
     for name, spec in (("llama-server", None), ("llama-server+ngram", NGRAM_FLAGS)):  # each beside its pair
         flags = ServerOptions(binary, gguf, slots=SLOTS, context=CONTEXT, threads=threads, speculative=spec).flags()
         port = free_port()
-        out[name] = Contender(Server([str(binary), "--host", "127.0.0.1", "--port", str(port), *flags],
+        out[name] = Contender(name, Server([str(binary), "--host", "127.0.0.1", "--port", str(port), *flags],
                                      work / f"{name}.log"), f"http://127.0.0.1:{port}", _from_timings)
         mine = f"dk-llama.cpp{name.removeprefix('llama-server')}"
         out[mine] = _deploykit(work, mine, manifests.pop(mine))
@@ -122,7 +123,7 @@ def _deploykit(work: Path, name: str, text: str) -> Contender:
     path.write_text(text)
     cmd = [sys.executable, "-m", "deploykit.cli", "serve", str(path), "--port", str(port)]
     env = {**os.environ, "DEPLOYKIT_STATE": str(work / f"state-{name}")}
-    return Contender(Server(cmd, work / f"{name}.log", env), f"http://127.0.0.1:{port}",
+    return Contender(name, Server(cmd, work / f"{name}.log", env), f"http://127.0.0.1:{port}",
                      lambda url, _: int(_metric(url, "deploykit_speculative_accepted_tokens_total")))
 
 
@@ -140,7 +141,10 @@ def measure(contender: Contender) -> tuple[Figure, str]:
     """One copy request: its figure, and the answer. CPU/token: the CPU time (user + system) deploykit's
     process ("front", 0 for llama-server alone) and the llama-server process ("engine") spent per completion
     token; it moves far less than wall time when other work shares the machine."""
-    front, engine = engine_pid(contender.server)
+    if "llama" in contender.name:
+        front, engine = engine_pid(contender.server)
+    else:  # the transformers engine runs in deploykit's own process: its CPU is the "engine" column
+        front, engine = None, contender.server.proc.pid
     cpu = (cpu_seconds(front) if front else 0.0, cpu_seconds(engine))
     before = contender.accepted(contender.url, {})
     start = time.perf_counter()
