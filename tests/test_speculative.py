@@ -119,6 +119,37 @@ def test_the_batch_holds_its_drafts_while_verification_pays_less_than_decoding()
     assert spec.gain > 1 and drafting() and drafting()
 
 
+def held_speculator() -> tuple[Speculator, list[RequestHandle], Callable[[], bool]]:
+    """A speculator whose batch of four rows has just been held (verification paid a quarter of decoding)."""
+    spec = Speculator(Speculation(num_tokens=6, ngram_min=1, ngram_max=3))
+    rows = [RequestHandle(GenerationRequest((1, 2, 3, 1, 2, 3, 1, 2), max_new_tokens=64), id=str(i)) for i in range(4)]
+    spec.decoded(0.10)
+    spec.verified(0.20, rows=4, emitted=2)  # half a token a row for twice a decode step's time
+    return spec, rows, lambda: any(spec.drafts(rows))
+
+
+def test_one_verification_step_that_pays_after_a_hold_ends_the_holds() -> None:
+    """The step that drafts after a hold measures anew: when it pays, the batch drafts on (the gain before the
+    hold, which the hold answered, does not outweigh it), and when it does not, the next hold is longer."""
+    spec, _, drafting = held_speculator()
+    assert [drafting() for _ in range(5)] == [False] * 4 + [True]
+    spec.verified(0.10, rows=4, emitted=6)  # 1.5 tokens a row in a decode step's time: it pays
+    assert spec.gain is not None and spec.gain > 1 and drafting() and drafting()
+    spec.verified(0.20, rows=4, emitted=2)  # it stopped paying: held four steps again
+    assert [drafting() for _ in range(5)] == [False] * 4 + [True]
+    spec.verified(0.20, rows=4, emitted=2)  # the probe after it did not pay either: eight
+    assert [drafting() for _ in range(9)] == [False] * 8 + [True]
+
+
+def test_a_batch_that_empties_forgets_its_holds() -> None:
+    """A request that comes after the batch emptied drafts at once: the holds (up to 64 steps) and the gain were
+    the rows' that left."""
+    spec, _, _ = held_speculator()
+    spec.keep([])  # the loop going idle
+    copying = [RequestHandle(GenerationRequest((5, 6, 7, 5, 6, 7, 5, 6), max_new_tokens=64), id="copy")]
+    assert spec.gain is None and any(spec.drafts(copying))
+
+
 def test_greedy_answers_are_identical_and_drafts_are_accepted(llama: Any) -> None:
     requests = [GenerationRequest(p, max_new_tokens=48) for p in repeating_prompts(24)]
     stats = assert_same_and_accepted(llama, requests)

@@ -29,7 +29,7 @@ forward holds at most ``VERIFY_POSITIONS`` positions, so under batch load drafts
 batch as a whole (either method), drafting pauses while verification steps give fewer tokens per second than
 decode steps do (``Speculator.verified``: the tokens a verification step emitted per row, times a decode
 step's time over its own, a running mean under 1): for 4, 8, 16 .. 64 steps, then one step drafts to measure
-anew. Many rows whose drafts mostly fail (open-ended chat under load) pay for the wider forward without
+anew (its gain alone: one that pays ends the holds), and a batch that empties forgets them. Many rows whose drafts mostly fail (open-ended chat under load) pay for the wider forward without
 getting tokens back; one row copying its prompt gets several per forward.
 """
 
@@ -118,6 +118,7 @@ class Speculator:
         self.gain: float | None = None  # verification's tokens per second over decoding's, a running mean
         self._hold = 0  # steps the batch drafts nothing for now (verification did not pay)
         self._pause = FIRST_HOLD  # the next hold's length: doubled while verification does not pay, up to MAX_PAUSE
+        self._probing = False  # the next verification follows a hold: its gain stands alone
 
     def drafts(self, rows: list[RequestHandle]) -> list[list[int]]:
         """Each row's draft (maybe empty) for the next step, within the batch's ``VERIFY_POSITIONS``."""
@@ -135,6 +136,8 @@ class Speculator:
         """Forget what rows no longer in ``rows`` left: their pace and their draft caches (the loop calls this
         as rows leave, so that a draft model's KV goes with its row, not at the next step that drafts)."""
         live = {h.id for h in rows}
+        if not live:  # the batch emptied: its holds and gain were the rows' that left, not the next ones'
+            self.gain, self._hold, self._pause, self._probing = None, 0, FIRST_HOLD, False
         if any(k not in live for k in self._paces):
             self._paces = {k: v for k, v in self._paces.items() if k in live}
         if self.draft_model is not None:
@@ -151,14 +154,17 @@ class Speculator:
 
     def verified(self, seconds: float, rows: int, emitted: int) -> None:
         """A verification step of ``rows`` rows took ``seconds`` and emitted ``emitted`` tokens: the batch holds
-        its drafts for the next ``_pause`` steps (doubling it) while that pays less than decoding."""
+        its drafts for the next ``_pause`` steps (doubling it) while that pays less than decoding. The step
+        after a hold is judged on its own gain (one that pays ends the holds)."""
         self.timed(seconds)
         if self._decode_seconds is None or seconds <= 0 or rows < 1:
             return
         gain = emitted / rows * self._decode_seconds / seconds
-        self.gain = gain if self.gain is None else 0.5 * self.gain + 0.5 * gain
+        # the step after a hold measures anew: the mean before it is what the hold already answered
+        self.gain = gain if self.gain is None or self._probing else 0.5 * self.gain + 0.5 * gain
+        self._probing = False
         if self.gain < 1.0 and self.settings.hold:
-            self._hold, self._pause = self._pause, min(MAX_PAUSE, self._pause * 2)
+            self._hold, self._pause, self._probing = self._pause, min(MAX_PAUSE, self._pause * 2), True
         else:
             self._pause = FIRST_HOLD
 
