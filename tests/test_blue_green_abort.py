@@ -4,10 +4,15 @@ never the revision that serves; the candidate is recorded Failed and nothing of 
 
 from __future__ import annotations
 
+import os
+import signal
+import time
 from pathlib import Path
 
 import pytest
 from chatmodel import build_chat_model
+from helpers import wait_until
+from servers import Server
 
 from deploykit import Deployment
 from deploykit.control.revisions.state import StateStore
@@ -147,3 +152,55 @@ def test_an_abort_while_from_pretrained_loads_the_candidates_weights_ends_it_at_
     finally:
         assert hf_logging.set_tqdm_hook(previous) is watching
         dep.close()
+
+
+SLOW_CANDIDATE = '''
+import os, threading
+from transformers.utils import logging as hf_logging
+bars = []
+
+def slow(factory, args, kwargs):  # every tensor of the second load (the candidate) takes 2 s: a slow disk
+    bar = factory(*args, **kwargs)
+    if kwargs.get("desc") != "Loading weights":
+        return bar
+    bars.append(bar)
+    if len(bars) < 2:
+        return bar
+
+    def tensors():
+        for item in bar:
+            with open(os.environ["DEPLOYKIT_TEST_TENSORS"], "a") as f:
+                f.write("tensor\\n")
+            threading.Event().wait(2)
+            yield item
+    return tensors()
+
+hf_logging.set_tqdm_hook(slow)
+'''
+
+
+def test_sigterm_while_a_real_server_loads_a_blue_green_candidate_ends_it_within_a_tensor(tmp_path: Path) -> None:
+    """``deploykit serve`` stopped by SIGTERM while its candidate's 21 tensors load at 2 s each exits with 0
+    within seconds (the load ends at the next tensor), not after the whole load, and the candidate is recorded
+    Failed with why."""
+    model = build_chat_model(tmp_path / "model")
+    path = tmp_path / "chat.yaml"
+    path.write_text(manifest(model))
+    (tmp_path / "hooks").mkdir()
+    (tmp_path / "hooks" / "sitecustomize.py").write_text(SLOW_CANDIDATE)
+    tensors = tmp_path / "tensors"
+    tensors.write_text("")
+    env = {"PYTHONPATH": os.pathsep.join([str(tmp_path / "hooks"), os.environ.get("PYTHONPATH", "")]),
+           "DEPLOYKIT_TEST_TENSORS": str(tensors)}
+    with Server(path, tmp_path / "state", env=env) as server:
+        path.write_text(manifest(model, shard="1MiB"))
+        wait_until(lambda: tensors.read_text().count("tensor") >= 2, 60, "the candidate's weights load")
+        assert server.process is not None
+        started = time.monotonic()
+        server.process.send_signal(signal.SIGTERM)
+        assert server.stop() == 0, server.stderr
+        assert time.monotonic() - started < 15, server.stderr  # the whole load: 42 s
+    assert tensors.read_text().count("tensor") < 10
+    last = StateStore(tmp_path / "state").history("chat")[-1]
+    assert (last.revision, last.phase, last.reason) == (
+        2, "Failed", "rollout aborted before its candidate loaded: the server is stopping")
