@@ -1,4 +1,7 @@
-"""How a deployment starts and rolls out under the host's budget (``deploykit serve``).
+"""How a deployment starts, serves its last Ready revision after a failed start, and rolls out: the one
+path, under its host. Under ``deploykit serve`` the host holds the budget; without one (a library
+``Deployment``, a ``Supervisor`` given none) it is ``Host.unlimited()``: every room below is granted at once,
+nothing waits and nothing is unloaded for room, and ``lifecycle`` (on-demand, keep-alive) works the same.
 
 - Start: the plan's bytes are known before anything loads; a plan that alone exceeds the budget is
   refused (a ``BudgetError`` naming the budget: the deployment is Failed, the others are untouched).

@@ -114,10 +114,11 @@ class LiveStatus:
         return out
 
 
-def live_status(view: PoolView, state: State, *, name: str, host: Host | None, manifest: Path,
+def live_status(view: PoolView, state: State, *, name: str, host: Host, manifest: Path,
                 reloads: ReloadLog, rollout: CanaryProgress | None = None) -> LiveStatus:
     """The snapshot of one deployment: its pool ``view`` (read at one moment, first) and ``state`` (its one
-    state, read after: it can only be newer), with its budget under ``host`` (if any) and its reloads."""
+    state, read after: it can only be newer), its load state as ``host`` says, its budget where ``host`` has
+    one (None under ``Host.unlimited``: no budget was set) and its reloads."""
     gen = view.current
     engine = getattr(gen.runtime, "engine", None) if gen is not None else None
     process = engine_process(gen)
@@ -125,8 +126,8 @@ def live_status(view: PoolView, state: State, *, name: str, host: Host | None, m
     return LiveStatus(
         name=name, phase=_phase(state, process), trigger=str(state.trigger), generation=view.number,
         revision=view.revision, serving=state.phase != Phase.CLOSED and view.serving and not degraded,
-        loaded=(host.state(name) if host is not None else None) or ("loaded" if gen else "unloaded"),
-        budget=host.describe(name) if host is not None else None,
+        loaded=host.state(name) or ("loaded" if gen else "unloaded"),
+        budget=host.describe(name) if host.limited else None,
         in_flight=view.in_flight, last_error=state.message or (_engine_failure(process) if degraded else None),
         conflict=state.conflict, staged=view.candidate,
         created=gen.created if gen is not None else None,
