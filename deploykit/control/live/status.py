@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING, Any
 
 from ...names import Phase
 from ...placement.inventory import process_rss
-from ..revisions.report import Held, status_report
+from ..revisions.report import LiveFacts, status_report
 from ..revisions.state import StateStore
 
 if TYPE_CHECKING:
@@ -179,7 +179,7 @@ def served_status(store: StateStore, name: str, live: LiveStatus | None) -> dict
     store's record (``status_report``) and, where this process holds it, its live state, which decides
     the phase and the error (a pending broken change, a conflict)."""
     waiting = live.budget.waiting if live is not None and live.budget is not None else None  # for room
-    held = None if live is None else Held(progressing=live.phase == Phase.PROGRESSING, error=live.last_error,
+    held = None if live is None else LiveFacts(progressing=live.phase == Phase.PROGRESSING, error=live.last_error,
                                           activity=waiting or _activity(live.rollout), serving=live.serving,
                                           conflict=live.conflict is not None)
     report = status_report(store, name, held)  # one place decides phase, error and conditions
