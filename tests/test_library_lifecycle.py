@@ -4,12 +4,14 @@ Deployments of a tiny real chat model, real threads."""
 
 from __future__ import annotations
 
+import threading
 from pathlib import Path
 
 import pytest
 
 from chatmodel import build_chat_model
 from deploykit.control.live.deployment import Deployment
+from deploykit.control.live.supervisor import Supervisor
 from deploykit.control.revisions.state import StateStore
 from helpers import wait_until
 from manifests import replace_like_an_editor
@@ -59,7 +61,12 @@ def test_an_on_demand_deployment_without_a_budget_stays_unloaded_until_its_first
         dep.unpin(gen)
 
 
+def keep_alive_threads() -> int:
+    return sum(t.name == "deploykit-keep-alive" and t.is_alive() for t in threading.enumerate())
+
+
 def test_keep_alive_without_a_budget_unloads_when_idle_and_the_next_request_loads_it_again(deploy):
+    before = keep_alive_threads()
     dep = deploy(keep_alive="1s")
     assert dep.status()["loaded"] == "loaded"  # eager: loaded at start
     first = dep.pool.current
@@ -69,6 +76,9 @@ def test_keep_alive_without_a_budget_unloads_when_idle_and_the_next_request_load
     assert dep.generate("hi", max_tokens=2).text is not None  # loaded again for this request
     assert dep.pool.current is not None and dep.pool.current is not first
     assert dep.status()["last_error"] is None
+    assert keep_alive_threads() == before + 1  # its own host's
+    dep.close()
+    assert keep_alive_threads() == before  # joined by close
 
 
 def test_a_change_of_an_unloaded_on_demand_deployment_is_applied_by_its_next_request(deploy, tmp_path, chat_model):
@@ -88,3 +98,21 @@ def test_a_reload_without_a_budget_rolls_out_as_its_strategy_says(deploy, tmp_pa
     assert dep.reload() is True
     assert dep.reloads[-1].strategy == expected and dep.generation == 2
     assert dep.reload() is False and dep.generation == 2  # nothing changed: a no-op
+
+
+def test_a_supervisor_without_a_budget_loads_on_demand_and_shows_no_budget(tmp_path, chat_model):
+    (tmp_path / "m").mkdir()
+    (tmp_path / "m" / "chat.yaml").write_text(text(chat_model, load="on-demand"))
+    supervisor = Supervisor(tmp_path / "m", store=StateStore(tmp_path / "state"))
+    try:
+        supervisor.start()
+        assert not supervisor.host.limited
+        [status] = supervisor.statuses()
+        assert (status["loaded"], status["budget"], status["serving"]) == ("unloaded", None, True)
+        dep = supervisor.get("chat")
+        assert dep.pool.current is None
+        assert dep.generate("hi", max_tokens=2).text is not None
+        [status] = supervisor.statuses()
+        assert (status["loaded"], status["budget"], status["phase"]) == ("loaded", None, "Ready")
+    finally:
+        supervisor.close()
