@@ -95,7 +95,9 @@ class Deployment(EmbeddedApi):
                       store: StateStore | None = None, acquire_timeout: float = DEFAULT_ACQUIRE_TIMEOUT,
                       debounce: float = 0.3, host: Host | None = None, policy: Policy | None = None) -> Deployment:
         """Apply the manifest at ``path`` and hold its model. ``watch=True`` reloads on changes. ``policy``: what
-        each of its manifests is admitted under (``admission.admit``; default: anything)."""
+        each of its manifests is admitted under (``admission.admit``; default: anything). ``host``: the budget
+        it loads under (default: its own ``Host.unlimited()``, which ``close`` stops; ``lifecycle.load`` and
+        ``keep_alive`` work under either)."""
         store = store or open_store(Path(state_dir) if state_dir is not None else None)
         dep = cls(Path(path), name=name, devices=devices, store=store, acquire_timeout=acquire_timeout, host=host,
                   policy=policy)
