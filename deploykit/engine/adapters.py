@@ -38,9 +38,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
-from ..spec.adapters import SAFE_INITS, WEIGHTS_FILE, AdapterFileError, adapter_fingerprint
-
-BASE = "__base__"  # peft's per-row name of "no adapter"
+from ..spec.adapters import BASE, SAFE_INITS, WEIGHTS_FILE, AdapterFileError, adapter_fingerprint
 _PREFIX = "base_model.model."  # of every tensor name in a PEFT adapter file
 
 

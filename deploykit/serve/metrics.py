@@ -137,7 +137,7 @@ class DeploymentCollector:
         yield from rates
         yield from rollout_metrics([(name, snap) for name, _, snap in snapshots])
         host = getattr(self.registry, "host", None)
-        if host is not None:
+        if host is not None and host.limited:  # no budget set (``Host.unlimited``): no budget metrics
             yield from budget_metrics(host, {name: snap.loaded for name, _, snap in snapshots})
 
 

@@ -37,7 +37,7 @@ BASE = "__base__"  # peft's per-row name of "no adapter" (adapter_names)
 MAX_RANK = 256  # larger ranks are fine-tunes in all but name: serve them as a model
 MAX_HEADER_BYTES = 64 << 20  # a safetensors header larger than this is refused before it is read
 # used with fullmatch: "$" would also take a trailing newline
-_NAME_RE = re.compile(r"[A-Za-z0-9]([A-Za-z0-9._-]{0,62}[A-Za-z0-9])?")
+_ADAPTER_NAME_RE = re.compile(r"[A-Za-z0-9]([A-Za-z0-9._-]{0,62}[A-Za-z0-9])?")
 _KEY_RE = re.compile(r"base_model\.model\.(?P<module>.+)\.lora_(?P<part>[AB])\.weight")
 # init_lora_weights values whose initialisation leaves the base's weights as they are (peft's
 # ``LoraLayer.update_layer``); every other one (pissa*, olora, corda*, loftq, lora_ga, mica, ...) rewrites
@@ -69,7 +69,7 @@ class Adapter(Strict):
     @field_validator("name")
     @classmethod
     def _model_name_part(cls, name: str) -> str:
-        if not _NAME_RE.fullmatch(name):
+        if not _ADAPTER_NAME_RE.fullmatch(name):
             raise PydanticCustomError(
                 "adapter_name", "not a valid adapter name: use 1 to 64 of A-Z, a-z, 0-9, '.', '_' and '-', "
                                 "starting and ending with a letter or digit")

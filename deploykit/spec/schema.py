@@ -43,7 +43,7 @@ KIND = "ModelDeployment"
 # sized from them (a device list, a thread pool, a queue) can exhaust the host (docs/control.md).
 MAX_RATIO = 1e6  # a relative share per GPU
 MAX_KV_TOKENS = 1 << 24  # KV-cache tokens planned per layer (batch x sequence)
-_NAME_RE = re.compile(r"[a-z0-9]([a-z0-9-]{0,61}[a-z0-9])?")  # fullmatch: "$" would take a trailing newline
+_DEPLOYMENT_NAME_RE = re.compile(r"[a-z0-9]([a-z0-9-]{0,61}[a-z0-9])?")  # fullmatch: "$" would take a trailing newline
 
 
 class ModelSpec(Strict):
@@ -359,7 +359,7 @@ class Metadata(Strict):
     @field_validator("name")
     @classmethod
     def _dns_label(cls, name: str) -> str:
-        if not _NAME_RE.fullmatch(name):
+        if not _DEPLOYMENT_NAME_RE.fullmatch(name):
             raise PydanticCustomError(
                 "name", "not a valid name: use 1 to 63 of a-z, 0-9 and '-', starting and "
                         "ending with a letter or digit")

@@ -1,4 +1,5 @@
-"""``Host``: the deployments of one ``deploykit serve`` under one memory budget.
+"""``Host``: the deployments of one ``deploykit serve`` under one memory budget, or of a library
+``Deployment`` (or a ``Supervisor`` given no budget) under none: ``Host.unlimited``, the same path.
 
 It keeps what the scheduler needs (bytes per tier, priority, keep-alive, busy counts), asks
 ``scheduler.make_room`` before every load and does what it answers: asks the chosen idle deployments to
@@ -122,8 +123,9 @@ class Host:
     """Thread-safe. See the module docstring."""
 
     def __init__(self, budget: Budget, *, wait_timeout: float = DEFAULT_WAIT_TIMEOUT,
-                 clock: Callable[[], float] = time.monotonic) -> None:
+                 clock: Callable[[], float] = time.monotonic, limited: bool = True) -> None:
         self.budget = budget
+        self.limited = limited  # False: ``unlimited`` (no budget was set: status and metrics show none)
         self.wait_timeout = wait_timeout
         self.clock = clock
         self._cond = threading.Condition()
@@ -133,6 +135,14 @@ class Host:
         self.load_seconds: deque[float] = deque(maxlen=LOAD_HISTORY)
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
+        self._thread_lock = threading.Lock()
+
+    @classmethod
+    def unlimited(cls) -> Host:
+        """The host of deployments loaded without a budget (a library ``Deployment``, a ``Supervisor`` given
+        none): no tier is limited, so room is always granted at once; nothing waits and nothing is unloaded
+        for room. It still loads on demand and unloads past keep-alive: ``lifecycle`` means what it says."""
+        return cls(Budget({}, source="no budget"), limited=False)
 
     @property
     def cpu_bytes(self) -> int | None:
@@ -159,6 +169,8 @@ class Host:
                 if entry.state == UNLOADED and not entry.extra:  # holds nothing: its next load is this plan
                     entry.bytes = dict(need)
             entry.want, entry.shrink = dict(need), shrink
+        if keep_alive is not None:
+            self.start()  # someone to unload it once idle past its keep-alive (``stop`` joins it)
 
     def _zero(self) -> dict[str, int]:
         return {tier: 0 for tier in self.budget.tiers}
@@ -430,9 +442,13 @@ class Host:
         return [e.name for e, f in zip(victims, futures) if f.done() and f.exception() is None and f.result()]
 
     def start(self) -> None:
-        if self._thread is None:
-            self._thread = threading.Thread(target=self._keep_alive_loop, name="deploykit-keep-alive", daemon=True)
-            self._thread.start()
+        """Start the keep-alive thread (once; never after ``stop``). ``register`` starts it for the first
+        deployment with a keep-alive; the host's owner joins it (``stop``)."""
+        with self._thread_lock:
+            if self._thread is None and not self._stop.is_set():
+                self._thread = threading.Thread(target=self._keep_alive_loop, name="deploykit-keep-alive",
+                                                daemon=True)
+                self._thread.start()
 
     def _keep_alive_loop(self) -> None:
         while not self._stop.wait(KEEP_ALIVE_POLL):
@@ -450,8 +466,10 @@ class Host:
 
     def stop(self) -> None:
         self.interrupt()
-        if self._thread is not None:
-            self._thread.join(timeout=5)
+        with self._thread_lock:
+            thread = self._thread
+        if thread is not None:
+            thread.join(timeout=5)
 
 
 def _retiring(entry: Entry) -> list[dict[str, int]]:

@@ -102,7 +102,7 @@ class ApiChanges:
             raise DeploykitError("--devices applies only to --dry-run when a server holds the deployments; "
                                  "the server plans with its own inventory (deploykit serve --devices)")
         change = Change(loaded, devices or roster.devices,  # checked once, planned once, whatever runs it
-                        budget_cpu=roster.host.cpu_bytes if roster.host is not None and not devices else None)
+                        budget_cpu=roster.host.cpu_bytes if not devices else None)
         if what == "apply" and self._source_owned(name, loaded):  # drift from the source: OutOfSync, healable
             if dry_run:
                 return self.dry_run(change, force=force)

@@ -1,4 +1,7 @@
-"""How a deployment starts and rolls out under the host's budget (``deploykit serve``).
+"""How a deployment starts, serves its last Ready revision after a failed start, and rolls out: the one
+path, under its host. Under ``deploykit serve`` the host holds the budget; without one (a library
+``Deployment``, a ``Supervisor`` given none) it is ``Host.unlimited()``: every room below is granted at once,
+nothing waits and nothing is unloaded for room, and ``lifecycle`` (on-demand, keep-alive) works the same.
 
 - Start: the plan's bytes are known before anything loads; a plan that alone exceeds the budget is
   refused (a ``BudgetError`` naming the budget: the deployment is Failed, the others are untouched).
@@ -18,7 +21,7 @@ from collections.abc import Callable
 from dataclasses import replace
 from typing import TYPE_CHECKING
 
-from ...errors import PlanInfeasible
+from ...errors import ManifestError, PlanInfeasible
 from ...names import Load, Strategy
 from ..budget import BudgetError, plan_tiers
 from ..budget.host import Shrink
@@ -70,6 +73,7 @@ def start_budgeted(loads: Loads, host: Host, change: Change, *, force: bool = Fa
                    progress: ProgressSink | None = None, on_step: StepSink = None) -> bool:
     """Start under the budget; True when the last promoted revision was loaded instead of the manifest,
     which the caller then rolls out through its gates (``Loads.promoted_before_gates``)."""
+    _refuse_invalid(loads, change)
     lifecycle = change.loaded.manifest.spec.lifecycle
     need, shrink = need_of(change), shrink_of(change)
     host.register(loads.name, loads.pool, need, priority=lifecycle.priority, keep_alive=lifecycle.keep_alive,
@@ -81,6 +85,17 @@ def start_budgeted(loads: Loads, host: Host, change: Change, *, force: bool = Fa
         raise
     finally:
         loads.room_left = None
+
+
+def _refuse_invalid(loads: Loads, change: Change) -> None:
+    """A manifest this host refuses (``change.issues()``) fails as its apply says, before it is sized for the
+    host: a located error, or, when its source is gone and the recorded shards are damaged too, the shard
+    (``reconciler``'s validate step; planning it first would only say the source is missing)."""
+    if not change.issues():
+        return
+    apply(change.loaded, store=loads.store, change=change, options=ApplyOptions(
+        devices=loads.devices, load_if_unchanged=True, dry_run=True))  # raises at its validate step
+    raise ManifestError(change.issues())
 
 
 def serve_last_ready(loads: Loads, host: Host, change: Change) -> None:

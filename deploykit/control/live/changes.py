@@ -26,7 +26,7 @@ from .canary import AbortSignal, CanaryProgress
 from .machine import Event, StateCell, Trigger
 from .on_demand import Loads
 from .reloads import ReloadClock, ReloadLog, describe, store_failure
-from .rollout import Rollout, RolloutResult
+from .rollout import RolloutResult
 
 if TYPE_CHECKING:
     from ...artifacts.reshard import ProgressSink
@@ -70,7 +70,7 @@ class ChangeRunner:
         return self.loads.store
 
     @property
-    def host(self) -> Host | None:
+    def host(self) -> Host:
         return self.loads.host
 
     @property
@@ -79,7 +79,7 @@ class ChangeRunner:
 
     @property
     def budget_cpu(self) -> int | None:
-        return self.host.cpu_bytes if self.host is not None else None
+        return self.host.cpu_bytes
 
     @property
     def acquire_timeout(self) -> float:
@@ -97,11 +97,8 @@ class ChangeRunner:
         self.store.interrupt_restarted(loaded.name)  # a rollout a dead process left Progressing: say so
         try:
             admit(loaded, self.loads.policy)  # before anything looks at it (a restore, a watched file's first load)
-            if self.host is None:
-                gated_next = self.loads.start(loaded, force=force, progress=progress, on_step=on_step, change=change)
-            else:
-                gated_next = start_budgeted(self.loads, self.host, change, force=force, progress=progress,
-                                            on_step=on_step)
+            gated_next = start_budgeted(self.loads, self.host, change, force=force, progress=progress,
+                                        on_step=on_step)
         except Exception as exc:
             if not self._serve_last_good(exc, change):
                 self.cell.move(Event(Trigger.CHANGE_FAILED, serving=False, error=describe(exc, loaded)))
@@ -113,17 +110,14 @@ class ChangeRunner:
 
     def _serve_last_good(self, failure: Exception, change: Change) -> bool:
         """A start whose manifest fails (a restart while the file holds a broken change): the last Ready
-        revision serves, as it did before the restart (under the budget too: ``serve_last_ready``), and the
+        revision serves, as it did before the restart (through the host: ``serve_last_ready``), and the
         failure shows as the pending error. False (the start fails) when there is none, something serves
         already, or it cannot be loaded either."""
         current = self.store.current(self.name)
         if self.pool.current is not None or current is None or current.plan is None:
             return False
         try:
-            if self.host is not None:
-                serve_last_ready(self.loads, self.host, change)
-            else:
-                self.loads.load_current()
+            serve_last_ready(self.loads, self.host, change)
         except DeploykitError as exc:  # refused or broken too (a policy that refuses it, files gone): said once
             log.warning("%s: the last Ready revision cannot serve either: %s", self.name, exc)
             return False
@@ -140,7 +134,6 @@ class ChangeRunner:
         """On the worker: a request found the deployment unloaded; load it once the host has made room
         (waiting for room here, on this deployment's own thread; a close stops the wait). True when the
         last promoted revision loaded and a gated change waits to roll out from it (``roll_pending``)."""
-        assert self.host is not None
         if self.closed:
             raise ApplyError(f"deployment {self.name!r} is closed")
         if self.pool.unloaded:
@@ -155,13 +148,13 @@ class ChangeRunner:
         if pending is not None and self._reload_once(pending, adopt=not from_file) is True:
             self._notify()
 
-    def load_on_demand(self, grant: Grant | None = None) -> None:
+    def load_on_demand(self, grant: Grant) -> None:
         """On the worker: load what serves now (``Loads.load_current``), in the room the host's ``grant``
         left; a failure that is not a lack of room shows in ``status()`` like a failed reload, and a load
         that works clears it."""
         if not self.pool.unloaded:
             return  # loaded meanwhile (a rollout, another request)
-        self.loads.room_left = grant.left if grant is not None else None
+        self.loads.room_left = grant.left
         try:
             gated_next = self.loads.load_current()
         except BudgetError:
@@ -244,10 +237,6 @@ class ChangeRunner:
 
     def _rollout(self, change: Change, *, force: bool, progress: ProgressSink | None,
                  on_step: StepSink) -> RolloutResult:
-        if self.host is None:
-            rollout = Rollout(self.pool, self.store, devices=self.devices, acquire_timeout=self.acquire_timeout,
-                              abort=self.abort, publish=self._owner._publish)
-            return rollout.run(change.loaded, force=force, progress=progress, on_step=on_step, change=change)
         return roll_budgeted(self.loads, self.host, change, force=force, progress=progress, on_step=on_step,
                              abort=self.abort, publish=self._owner._publish)
 

@@ -31,13 +31,14 @@ import threading
 from collections.abc import Callable
 from concurrent.futures import Future
 from concurrent.futures import TimeoutError as FutureTimeout
-from contextlib import AbstractContextManager, nullcontext
+from contextlib import AbstractContextManager
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from ...errors import ApplyError, DeploykitError
 from ...spec.manifest import LoadedManifest, manifest_named
 from ..admission import Policy
+from ..budget.host import Host
 from ..revisions.change import Change
 from ..revisions.reconciler import ApplyOutcome
 from ..revisions.state import StateStore, open_store
@@ -54,7 +55,6 @@ from .worker import ChangeWorker
 
 if TYPE_CHECKING:
     from ...artifacts.reshard import ProgressSink
-    from ..budget.host import Host
     from .watcher import ManifestWatcher
 
 log = logging.getLogger(__name__)
@@ -72,10 +72,11 @@ class Deployment(EmbeddedApi):
         self.devices = devices
         self.store = store or open_store()
         self.acquire_timeout = acquire_timeout
-        self.host = host  # the budget this deployment loads and unloads under (deploykit serve), if any
+        self._own_host = host is None  # without one, this deployment's own unlimited host (``close`` stops it)
+        self.host = host or Host.unlimited()  # what it loads and unloads under (deploykit serve: the budget)
         self.name: str = name or ""
         self.pool = GenerationPool(self.name)
-        self.loads = Loads(self.name, self.pool, self.store, devices, host, acquire_timeout,
+        self.loads = Loads(self.name, self.pool, self.store, devices, self.host, acquire_timeout,
                            policy=policy or Policy.unrestricted())  # a library's caller is the operator
         self._changes = ChangeRunner(self, self.loads, manifest_path=Path(manifest_path), wanted_name=name,
                                      named=self._named)  # what only the change thread runs and moves
@@ -94,7 +95,9 @@ class Deployment(EmbeddedApi):
                       store: StateStore | None = None, acquire_timeout: float = DEFAULT_ACQUIRE_TIMEOUT,
                       debounce: float = 0.3, host: Host | None = None, policy: Policy | None = None) -> Deployment:
         """Apply the manifest at ``path`` and hold its model. ``watch=True`` reloads on changes. ``policy``: what
-        each of its manifests is admitted under (``admission.admit``; default: anything)."""
+        each of its manifests is admitted under (``admission.admit``; default: anything). ``host``: the budget
+        it loads under (default: its own ``Host.unlimited()``, which ``close`` stops; ``lifecycle.load`` and
+        ``keep_alive`` work under either)."""
         store = store or open_store(Path(state_dir) if state_dir is not None else None)
         dep = cls(Path(path), name=name, devices=devices, store=store, acquire_timeout=acquire_timeout, host=host,
                   policy=policy)
@@ -127,6 +130,7 @@ class Deployment(EmbeddedApi):
             self.start(**options)
         except BaseException:
             self._worker.stop()
+            self._stop_own_host()
             raise
 
     def start(self, *, force: bool = False, progress: ProgressSink | None = None, on_step: StepSink = None,
@@ -197,14 +201,15 @@ class Deployment(EmbeddedApi):
 
     def pin(self, timeout: float | None = None) -> Generation:
         """The current generation, pinned (``unpin`` it), waiting on this thread (the library's calls).
-        Under a host, an unloaded deployment is loaded first, once the host has made room (a
-        ``BudgetError`` naming the budget if it cannot in time). The event loop waits without a thread:
-        ``pool.try_pin`` and ``servable``."""
+        An unloaded deployment (on demand, keep-alive) is loaded first, once the host has made room (a
+        ``BudgetError`` naming the budget if it cannot in time; at once without a budget). The event loop
+        waits without a thread: ``pool.try_pin`` and ``servable``."""
         import time
 
+        gen = self.pool.try_pin()
+        if gen is not None:
+            return gen
         timeout = self.acquire_timeout if timeout is None else timeout
-        if self.host is None:
-            return self.pool.pin(timeout)
         deadline = time.monotonic() + timeout
         with self.wanted():
             while True:
@@ -219,15 +224,16 @@ class Deployment(EmbeddedApi):
                     raise ApplyError(f"deployment {self.name!r} is still loading after {timeout:g}s") from None
 
     def wanted(self) -> AbstractContextManager[None]:
-        """A request waits for this deployment (to load, then to pin it): under a host it is busy meanwhile,
-        so what loads for the request stays loaded until it is pinned."""
-        return self.host.wanted(self.name) if self.host is not None else nullcontext()
+        """A request waits for this deployment (to load, then to pin it): it is busy meanwhile, so what
+        loads for the request stays loaded until it is pinned."""
+        return self.host.wanted(self.name)
 
     def servable(self) -> Future[None]:
         """A future that ends once a pin may succeed (then pin again: ``pool.try_pin``): a generation is
-        current, or (under a host) the load on demand this asks the change thread for has ended, raising
-        what it raised. A caller waits on it without holding the change thread or a thread of its own."""
-        if self.host is None or not self.pool.unloaded:
+        current, or the load on demand this asks the change thread for (the deployment is unloaded) has
+        ended, raising what it raised. A caller waits on it without holding the change thread or a thread
+        of its own."""
+        if not self.pool.unloaded:
             return self.pool.changed()
         with self._loading_lock:  # a burst of requests asks for one load
             if self._loading is None or self._loading.done():
@@ -371,6 +377,13 @@ class Deployment(EmbeddedApi):
         except TimeoutError:  # a load that cannot be interrupted still runs: the process may exit anyway
             log.warning("%s: the change in progress did not end within %gs of close", self.name, 2 * timeout)
         self._worker.stop(timeout)
+        self._stop_own_host()
+
+    def _stop_own_host(self) -> None:
+        """Join the keep-alive thread of the unlimited host this deployment made (a given host's owner
+        stops that one)."""
+        if self._own_host:
+            self.host.stop()
 
     def __enter__(self) -> Deployment:
         return self

@@ -1,7 +1,8 @@
 """How a deployment's model comes to serve: its first load (``load_initial``: the whole apply, then
-serve), and the loads on demand when a request finds it serving nothing: under a host (``deploykit
-serve``) an unloaded deployment is loaded once the host has made room — a new revision of an on-demand
-deployment by the whole apply, else the current revision from its laid-out shards (``load_current``).
+serve), and the loads on demand when a request finds it serving nothing: an unloaded deployment is loaded
+once its host has made room (at once without a budget: ``Host.unlimited``) — a new revision of an
+on-demand deployment by the whole apply, else the current revision from its laid-out shards
+(``load_current``). ``budgeting`` decides which of these a start, a reload or a rollback runs.
 
 ``Loads`` holds what these loads need and remember (the pool, the store, the manifest still to apply,
 the revision whose shards this process verified); ``Deployment`` composes it, and ``budgeting`` works on
@@ -40,13 +41,13 @@ log = logging.getLogger(__name__)
 
 @dataclass
 class Loads:
-    """The loads of one deployment over its pool and store (under ``host``'s budget, if any)."""
+    """The loads of one deployment over its pool and store, under ``host`` (unlimited without a budget)."""
 
     name: str
     pool: GenerationPool
     store: StateStore
     devices: str | None
-    host: Host | None
+    host: Host
     acquire_timeout: float
     policy: Policy = field(default_factory=Policy.unrestricted)  # every manifest loaded is admitted under it
     pending: LoadedManifest | None = None  # an on-demand manifest to apply at its first load
@@ -77,16 +78,6 @@ class Loads:
         if outcome.revision is not None:
             self.verified = outcome.revision
 
-    def start(self, loaded: LoadedManifest, *, force: bool = False, progress: ProgressSink | None = None,
-              on_step: Callable[[str], None] | None = None, change: Change | None = None) -> bool:
-        """Serve at a start: ``load_initial``, or, when ``promoted_before_gates``, the last promoted revision
-        (``load_current``). True in that case: the caller then rolls ``loaded`` out from it, gates and all."""
-        if not force and self.promoted_before_gates(loaded) is not None:
-            self.load_current()
-            return True
-        self.load_initial(loaded, force=force, progress=progress, on_step=on_step, change=change)
-        return False
-
     def promoted_before_gates(self, loaded: LoadedManifest) -> Revision | None:
         """The current revision when a start's manifest rolls out through gates (a canary, or blue-green
         with gates) and differs from it (e.g. a restart in the middle of its canary): that one serves first,
@@ -110,8 +101,7 @@ class Loads:
             pending, self.pending = self.pending, None  # applied once: a failure is not repeated per request
             try:
                 admit(pending, self.policy)
-                self.load_initial(pending, change=Change(pending, self.devices, budget_cpu=(
-                    self.host.cpu_bytes if self.host is not None else None)))
+                self.load_initial(pending, change=Change(pending, self.devices, budget_cpu=self.host.cpu_bytes))
                 return False
             except DeploykitError as exc:
                 if self.store.current(self.name) is None:  # nothing else could serve: the next request tries

@@ -25,11 +25,11 @@ if TYPE_CHECKING:
 class Roster:
     """Thread-safe (each part behind its own lock)."""
 
-    def __init__(self, *, store: StateStore, devices: str | None, host: Host | None, policy: Policy) -> None:
+    def __init__(self, *, store: StateStore, devices: str | None, host: Host, policy: Policy) -> None:
         self.store = store
         self.policy = policy  # what every manifest of these deployments is admitted under (``admission``)
         self.devices = devices
-        self.host = host  # the memory budget every deployment loads under (None: each plans alone)
+        self.host = host  # what every deployment loads under (a budget, or ``Host.unlimited``)
         self.served = ServedSet()  # what serves, what is loading, and why a declared name does not serve
         self.owners = Owners()
         self.turns = Turns()  # one change of a name at a time
@@ -68,5 +68,4 @@ class Roster:
 
     def forget(self, name: str) -> None:
         """``name`` no longer holds room under the budget (deleted or pruned)."""
-        if self.host is not None:
-            self.host.forget(name)
+        self.host.forget(name)

@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING, Any
 
 from ...names import Phase
 from ...placement.inventory import process_rss
-from ..revisions.report import Held, status_report
+from ..revisions.report import LiveFacts, status_report
 from ..revisions.state import StateStore
 
 if TYPE_CHECKING:
@@ -114,10 +114,11 @@ class LiveStatus:
         return out
 
 
-def live_status(view: PoolView, state: State, *, name: str, host: Host | None, manifest: Path,
+def live_status(view: PoolView, state: State, *, name: str, host: Host, manifest: Path,
                 reloads: ReloadLog, rollout: CanaryProgress | None = None) -> LiveStatus:
     """The snapshot of one deployment: its pool ``view`` (read at one moment, first) and ``state`` (its one
-    state, read after: it can only be newer), with its budget under ``host`` (if any) and its reloads."""
+    state, read after: it can only be newer), its load state as ``host`` says, its budget where ``host`` has
+    one (None under ``Host.unlimited``: no budget was set) and its reloads."""
     gen = view.current
     engine = getattr(gen.runtime, "engine", None) if gen is not None else None
     process = engine_process(gen)
@@ -125,8 +126,8 @@ def live_status(view: PoolView, state: State, *, name: str, host: Host | None, m
     return LiveStatus(
         name=name, phase=_phase(state, process), trigger=str(state.trigger), generation=view.number,
         revision=view.revision, serving=state.phase != Phase.CLOSED and view.serving and not degraded,
-        loaded=(host.state(name) if host is not None else None) or ("loaded" if gen else "unloaded"),
-        budget=host.describe(name) if host is not None else None,
+        loaded=host.state(name) or ("loaded" if gen else "unloaded"),
+        budget=host.describe(name) if host.limited else None,
         in_flight=view.in_flight, last_error=state.message or (_engine_failure(process) if degraded else None),
         conflict=state.conflict, staged=view.candidate,
         created=gen.created if gen is not None else None,
@@ -178,7 +179,7 @@ def served_status(store: StateStore, name: str, live: LiveStatus | None) -> dict
     store's record (``status_report``) and, where this process holds it, its live state, which decides
     the phase and the error (a pending broken change, a conflict)."""
     waiting = live.budget.waiting if live is not None and live.budget is not None else None  # for room
-    held = None if live is None else Held(progressing=live.phase == Phase.PROGRESSING, error=live.last_error,
+    held = None if live is None else LiveFacts(progressing=live.phase == Phase.PROGRESSING, error=live.last_error,
                                           activity=waiting or _activity(live.rollout), serving=live.serving,
                                           conflict=live.conflict is not None)
     report = status_report(store, name, held)  # one place decides phase, error and conditions

@@ -28,6 +28,7 @@ from typing import TYPE_CHECKING, Any
 
 from ...threads import ThreadGroup
 from ..admission import Policy
+from ..budget.host import Host
 from ..revisions.state import StateStore
 from .api_changes import ApiChanges
 from .deployment import Deployment
@@ -40,7 +41,6 @@ from .status import served_status
 if TYPE_CHECKING:
     from ...artifacts.reshard import ProgressSink
     from ...spec.manifest import LoadedManifest
-    from ..budget.host import Host
     from ..revisions.change import Change
     from ..revisions.reconciler import ApplyOutcome
     from ..revisions.state import Revision
@@ -54,13 +54,14 @@ class Supervisor:
     start) and follows the files. ``rollback_owned``: the files are a git source's published commit, and
     ``rollback`` may serve a recorded revision of a name they own (an emergency; the files stay its owner).
     ``policy``: the operator's (default ``Policy()``: no engine binary, remote
-    code or cluster), which every manifest of every source passes before it becomes live."""
+    code or cluster), which every manifest of every source passes before it becomes live. ``host``: the
+    budget every deployment loads under (default: ``Host.unlimited()``, no budget); ``close`` stops it."""
 
     def __init__(self, path: Path | None, *, store: StateStore, devices: str | None = None, prune: bool = False,
                  debounce: float = 0.3, host: Host | None = None, policy: Policy | None = None,
                  rollback_owned: bool = False) -> None:
         self.path = Path(path).resolve() if path is not None else None
-        self.roster = Roster(store=store, devices=devices, host=host, policy=policy or Policy())
+        self.roster = Roster(store=store, devices=devices, host=host or Host.unlimited(), policy=policy or Policy())
         self.files = (FollowedFiles(self.roster, self.path, prune=prune, debounce=debounce)
                       if self.path is not None else None)
         self.api_changes = ApiChanges(self.roster, self.files, rollback_owned=rollback_owned)
@@ -83,7 +84,7 @@ class Supervisor:
         return self.roster.devices
 
     @property
-    def host(self) -> Host | None:
+    def host(self) -> Host:
         return self.roster.host
 
     @property
@@ -98,8 +99,7 @@ class Supervisor:
         Without a path: restore every recorded deployment instead."""
         self._starting = True
         try:
-            if self.host is not None:
-                self.host.start()
+            self.host.start()
             if self.files is None:
                 self.api_changes.restore()
             else:
@@ -205,8 +205,7 @@ class Supervisor:
         that nothing waits behind a canary's step (any thread; ``close`` follows)."""
         for _, dep in self.items():
             dep.interrupt(reason)
-        if self.host is not None:
-            self.host.interrupt()  # a load waiting for room (a start, a request's load) ends now
+        self.host.interrupt()  # a load waiting for room (a start, a request's load) ends now
 
     def close(self) -> None:
         self.roster.served.close()  # requests waiting for a load are answered: the server is stopping
@@ -221,5 +220,4 @@ class Supervisor:
         for _, dep in self.items():
             dep.interrupt("the server is stopping")  # loaded meanwhile: the same reason
             dep.close()
-        if self.host is not None:
-            self.host.stop()
+        self.host.stop()

@@ -29,7 +29,7 @@ def phase_of(*, progressing: bool, last_error: str | None, current: bool) -> Pha
 
 
 @dataclass(frozen=True)
-class Held:
+class LiveFacts:
     """What the process that holds a deployment knows of it now, which the store can only guess: whether a
     change runs (a canary's steps hold no apply lock, yet run), the error its live state shows, and what the
     change in progress is doing (e.g. "canary step 1 of 2: 50% of new requests")."""
@@ -67,7 +67,7 @@ def _plan_summary(plan: Plan | None) -> dict[str, Any] | None:
     return summary
 
 
-def status_report(store: StateStore, name: str, held: Held | None = None) -> dict[str, Any]:
+def status_report(store: StateStore, name: str, held: LiveFacts | None = None) -> dict[str, Any]:
     """Phase (Pending | Progressing | Ready | Failed), conditions with reasons, the serving revision's
     plan summary and the error that still matters: the shape of `deploykit status -o json`. ``held``: the
     live state of the process that holds it, which decides whether a change runs and its error (the store
@@ -124,7 +124,7 @@ def _ready_condition(current: Revision | None, serves: bool) -> dict[str, Any]:
                         else "nothing deployed yet")}
 
 
-def _progressing_message(latest: Revision | None, running: bool, held: Held | None) -> str:
+def _progressing_message(latest: Revision | None, running: bool, held: LiveFacts | None) -> str:
     if not running:
         return ""
     what = f"revision {latest.revision}" if latest is not None else "a change"

@@ -146,9 +146,8 @@ async def _pin(dep: Deployment) -> Generation:
             try:  # shielded: a request giving up must not cancel the load the others wait for
                 await asyncio.wait_for(asyncio.shield(asyncio.wrap_future(dep.servable())),
                                        max(0.0, deadline - loop.time()))
-            except NotLoaded:
-                if dep.host is None:
-                    raise
+            except NotLoaded:  # unloaded (keep-alive, pressure) since it looked: ``servable`` loads it
+                continue
             except TimeoutError:
                 raise APIError(503, f"model {dep.name!r} is still loading after {dep.acquire_timeout:g}s; "
                                "retry shortly", param="model", code="model_not_ready",

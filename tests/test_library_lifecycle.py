@@ -1,0 +1,118 @@
+"""``lifecycle`` without a host budget: a library ``Deployment`` (no ``host=``) loads, rolls out and unloads
+through an unlimited host, so ``load: on-demand`` and ``keep_alive`` mean what they say there too. Real
+Deployments of a tiny real chat model, real threads."""
+
+from __future__ import annotations
+
+import threading
+from pathlib import Path
+
+import pytest
+
+from chatmodel import build_chat_model
+from deploykit.control.live.deployment import Deployment
+from deploykit.control.live.supervisor import Supervisor
+from deploykit.control.revisions.state import StateStore
+from helpers import wait_until
+from manifests import replace_like_an_editor
+
+
+def text(model: Path, *, load: str = "eager", keep_alive: str = "forever", max_tokens: int = 64,
+         strategy: str = "auto") -> str:
+    return ("apiVersion: deploykit/v1\nkind: ModelDeployment\nmetadata: {name: chat}\nspec:\n"
+            f"  model: {{path: {model}, task: causal-lm, dtype: float32}}\n  placement: {{gpus: []}}\n"
+            f"  rollout: {{strategy: {strategy}}}\n"
+            f"  serving: {{max_tokens: {max_tokens}, prefix_cache: {{enabled: false}}}}\n"
+            f"  lifecycle: {{load: {load}, keep_alive: {keep_alive}}}\n")
+
+
+@pytest.fixture(scope="module")
+def chat_model(tmp_path_factory) -> Path:
+    return build_chat_model(tmp_path_factory.mktemp("chat") / "model")
+
+
+@pytest.fixture
+def deploy(tmp_path, chat_model):
+    deps: list[Deployment] = []
+
+    def make(**kwargs) -> Deployment:
+        path = tmp_path / "chat.yaml"
+        path.write_text(text(chat_model, **kwargs))
+        deps.append(Deployment.from_manifest(path, store=StateStore(tmp_path / "state")))
+        return deps[-1]
+
+    yield make
+    for dep in deps:
+        dep.close()
+
+
+def test_an_on_demand_deployment_without_a_budget_stays_unloaded_until_its_first_request(deploy):
+    dep = deploy(load="on-demand")
+    status = dep.status()
+    assert dep.pool.current is None and status["loaded"] == "unloaded"
+    assert status["serving"] is True and status["last_error"] is None  # it serves: at its first request
+    assert status["budget"] is None  # no budget was set: none is shown
+    assert dep.generate("hi", max_tokens=2).text is not None  # the first request loads it (generate pins)
+    assert dep.pool.current is not None and dep.status()["loaded"] == "loaded"
+    gen = dep.pin()
+    try:
+        assert gen is dep.pool.current
+    finally:
+        dep.unpin(gen)
+
+
+def keep_alive_threads() -> int:
+    return sum(t.name == "deploykit-keep-alive" and t.is_alive() for t in threading.enumerate())
+
+
+def test_keep_alive_without_a_budget_unloads_when_idle_and_the_next_request_loads_it_again(deploy):
+    before = keep_alive_threads()
+    dep = deploy(keep_alive="1s")
+    assert dep.status()["loaded"] == "loaded"  # eager: loaded at start
+    first = dep.pool.current
+    assert dep.generate("hi", max_tokens=2).text is not None
+    wait_until(lambda: dep.status()["loaded"] == "unloaded", what="the idle deployment unloaded after its keep-alive")
+    assert dep.pool.current is None and dep.status()["serving"] is True
+    assert dep.generate("hi", max_tokens=2).text is not None  # loaded again for this request
+    assert dep.pool.current is not None and dep.pool.current is not first
+    assert dep.status()["last_error"] is None
+    assert keep_alive_threads() == before + 1  # its own host's
+    dep.close()
+    assert keep_alive_threads() == before  # joined by close
+
+
+def test_a_change_of_an_unloaded_on_demand_deployment_is_applied_by_its_next_request(deploy, tmp_path, chat_model):
+    dep = deploy(load="on-demand")
+    replace_like_an_editor(tmp_path / "chat.yaml", text(chat_model, load="on-demand", max_tokens=32))
+    assert dep.reload() is False and dep.status()["last_error"] is None
+    assert dep.pool.current is None  # nothing loaded for the change: its next request applies it
+    assert dep.generate("hi", max_tokens=2).text is not None
+    assert dep.pool.current.runtime.limits.max_tokens == 32
+
+
+@pytest.mark.parametrize("strategy,expected", [("auto", "blue-green"), ("blue-green", "blue-green"),
+                                               ("recreate", "recreate")])
+def test_a_reload_without_a_budget_rolls_out_as_its_strategy_says(deploy, tmp_path, chat_model, strategy, expected):
+    dep = deploy(strategy=strategy)
+    replace_like_an_editor(tmp_path / "chat.yaml", text(chat_model, strategy=strategy, max_tokens=32))
+    assert dep.reload() is True
+    assert dep.reloads[-1].strategy == expected and dep.generation == 2
+    assert dep.reload() is False and dep.generation == 2  # nothing changed: a no-op
+
+
+def test_a_supervisor_without_a_budget_loads_on_demand_and_shows_no_budget(tmp_path, chat_model):
+    (tmp_path / "m").mkdir()
+    (tmp_path / "m" / "chat.yaml").write_text(text(chat_model, load="on-demand"))
+    supervisor = Supervisor(tmp_path / "m", store=StateStore(tmp_path / "state"))
+    try:
+        supervisor.start()
+        assert not supervisor.host.limited
+        [status] = supervisor.statuses()
+        assert (status["loaded"], status["budget"], status["serving"]) == ("unloaded", None, True)
+        dep = supervisor.get("chat")
+        assert dep.pool.current is None
+        assert dep.generate("hi", max_tokens=2).text is not None
+        [status] = supervisor.statuses()
+        assert (status["loaded"], status["budget"], status["phase"]) == ("loaded", None, "Ready")
+    finally:
+        supervisor.close()
