@@ -13,6 +13,8 @@ from chatmodel import build_chat_model
 from deploykit.control.live.deployment import Deployment
 from deploykit.control.live.supervisor import Supervisor
 from deploykit.control.revisions.state import StateStore
+from deploykit.errors import ApplyError
+from deploykit.spec.manifest import load_manifests
 from helpers import wait_until
 from manifests import replace_like_an_editor
 
@@ -116,3 +118,40 @@ def test_a_supervisor_without_a_budget_loads_on_demand_and_shows_no_budget(tmp_p
         assert (status["loaded"], status["budget"], status["phase"]) == ("loaded", None, "Ready")
     finally:
         supervisor.close()
+
+
+def test_a_pin_during_a_recreate_without_a_budget_says_a_recreate_reloads_it(deploy, tmp_path, chat_model):
+    """A recreate holds no generation while its new one loads: a ``pin`` that times out then says so (as
+    it did before every deployment had a host), not that the deployment is still loading."""
+    dep = deploy(strategy="recreate")
+    (tmp_path / "chat.yaml").write_text(text(chat_model, strategy="recreate", max_tokens=32))
+    [loaded] = load_manifests(tmp_path / "chat.yaml")
+    loading, release = threading.Event(), threading.Event()
+
+    def on_step(step: str) -> None:
+        if step == "load":  # drained: the old generation is gone, the new one not in yet
+            loading.set()
+            release.wait(30)
+
+    results: list[str] = []
+    roll = threading.Thread(target=lambda: results.append(dep.roll_to(loaded, on_step=on_step).strategy))
+    roll.start()
+    try:
+        assert loading.wait(30), "the recreate reached its load"
+        assert dep.pool.current is None
+        with pytest.raises(ApplyError, match=r"has no model ready after 0\.2s \(a recreate rollout is "
+                                             r"reloading it\)"):
+            dep.pin(timeout=0.2)
+    finally:
+        release.set()
+        roll.join(30)
+    assert results == ["recreate"] and dep.generation == 2
+
+
+def test_a_closed_deployment_without_a_budget_shows_nothing_loaded(deploy):
+    dep = deploy()
+    assert dep.status()["loaded"] == "loaded"
+    dep.close()
+    status = dep.status()
+    assert (status["phase"], status["serving"], status["loaded"]) == ("Closed", False, "unloaded")
+    assert dep.pool.current is None
