@@ -155,3 +155,25 @@ def test_a_closed_deployment_without_a_budget_shows_nothing_loaded(deploy):
     status = dep.status()
     assert (status["phase"], status["serving"], status["loaded"]) == ("Closed", False, "unloaded")
     assert dep.pool.current is None
+
+
+def test_keep_alive_without_a_budget_shows_in_the_model_metrics_but_no_budget(tmp_path, chat_model):
+    """Without a budget a keep-alive still unloads: ``/metrics`` counts it (``deploykit_model_*``) as under
+    one, and shows no ``deploykit_budget_*``, which only a budget has."""
+    from fastapi.testclient import TestClient
+
+    from deploykit.serve.app import create_app
+
+    (tmp_path / "m").mkdir()
+    (tmp_path / "m" / "chat.yaml").write_text(text(chat_model, keep_alive="1s"))
+    supervisor = Supervisor(tmp_path / "m", store=StateStore(tmp_path / "state"))
+    try:
+        supervisor.start()
+        dep = supervisor.get("chat")
+        wait_until(lambda: dep.status()["loaded"] == "unloaded", what="the idle deployment unloaded")
+        metrics = TestClient(create_app(supervisor)).get("/metrics").text
+        assert 'deploykit_model_unloads_total{model="chat",reason="idle"} 1.0' in metrics
+        assert 'deploykit_model_loaded{model="chat"} 0.0' in metrics
+        assert "deploykit_budget_" not in metrics
+    finally:
+        supervisor.close()
