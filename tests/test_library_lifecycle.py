@@ -177,3 +177,46 @@ def test_keep_alive_without_a_budget_shows_in_the_model_metrics_but_no_budget(tm
         assert "deploykit_budget_" not in metrics
     finally:
         supervisor.close()
+
+
+class HeldAtPlan(StateStore):
+    """Holds the change thread where revision 2's plan is recorded (``held``) until ``release``."""
+
+    def __init__(self, root: Path) -> None:
+        super().__init__(root)
+        self.held, self.release = threading.Event(), threading.Event()
+
+    def set_plan(self, name, revision, **kwargs):  # type: ignore[no-untyped-def]
+        if revision == 2:
+            self.held.set()
+            self.release.wait(30)
+        return super().set_plan(name, revision, **kwargs)
+
+
+def test_a_live_adapter_change_without_a_budget_shows_the_deployment_loaded_throughout(lora, tmp_path):
+    """``spec.adapters`` alone changes on the serving generation: it stays loaded and serving while the
+    change runs (status, and ``/v1/models``' ``loaded``), not "loading" as if it had no model."""
+    from fastapi.testclient import TestClient
+
+    from deploykit.serve.app import Deployments, create_app
+    from lora import adapters_manifest
+
+    path = tmp_path / "chat.yaml"
+    path.write_text(adapters_manifest(lora.base, {"pirate": lora.pirate}))
+    store = HeldAtPlan(tmp_path / "state")
+    dep = Deployment.from_manifest(path, store=store)
+    path.write_text(adapters_manifest(lora.base, {"pirate": lora.pirate, "polite": lora.polite}))
+    [loaded] = load_manifests(path)
+    results: list[str] = []
+    roll = threading.Thread(target=lambda: results.append(dep.roll_to(loaded).strategy))
+    roll.start()
+    try:
+        assert store.held.wait(30), "the live change reached its plan"
+        assert (dep.status()["loaded"], dep.status()["serving"]) == ("loaded", True)
+        card = TestClient(create_app(Deployments([dep]))).get("/v1/models/chat").json()
+        assert (card["loaded"], card["state"]) == (True, "loaded")
+    finally:
+        store.release.set()
+        roll.join(30)
+        dep.close()
+    assert results == ["live"]

@@ -266,18 +266,21 @@ class Host:
 
     @contextmanager
     def room(self, name: str, need: dict[str, int], *, reason: str, timeout: float | None = None,
-             beside: bool = False, stop: threading.Event | None = None,
+             beside: bool = False, resize: bool = False, stop: threading.Event | None = None,
              shrink: Shrink | None = None) -> Iterator[Grant]:
         """Reserve ``need`` for ``name`` while the block loads it, unloading idle deployments as the
         scheduler says (waiting up to ``timeout`` for room). ``beside``: a blue-green rollout's next
         generation, held beside the one that serves; else the block makes what it reserved what ``name``
-        holds. ``shrink``: ``need`` with its default prefix cache fitted to a room per tier (a cache is
+        holds. ``resize``: the serving generation itself grows or shrinks to ``need`` (a live change of
+        ``spec.adapters``): it stays loaded meanwhile, and keeps what it held if the block fails. ``shrink``: ``need`` with its default prefix cache fitted to a room per tier (a cache is
         evictable): where ``need`` does not fit beside the others but the plan does with a smaller cache, that
         is reserved rather than unloading anyone or waiting; the grant says the room to fit the plan to."""
         entry = self._entry(name)
         started = self.clock()
+        with self._cond:
+            held = dict(entry.bytes)
         grant = self._reserve(entry, need, timeout=self.wait_timeout if timeout is None else timeout, beside=beside,
-                              stop=stop, shrink=shrink)
+                              resize=resize, stop=stop, shrink=shrink)
         ok = False
         try:
             yield grant
@@ -289,9 +292,8 @@ class Host:
                     if ok:
                         entry.bytes = dict(grant.bytes)
                 else:
-                    entry.state = LOADED if ok and entry.pool.loaded else UNLOADED
-                    if ok:
-                        entry.bytes = dict(grant.bytes)
+                    entry.state = LOADED if (ok or resize) and entry.pool.loaded else UNLOADED
+                    entry.bytes = dict(grant.bytes) if ok or not resize else held
                 self._cond.notify_all()
             if ok:
                 self.loads[(name, reason)] += 1
@@ -304,13 +306,13 @@ class Host:
             raise BudgetError(f"{name!r} is not registered with the host budget")
         return entry
 
-    def _reserve(self, entry: Entry, need: dict[str, int], *, timeout: float, beside: bool,
+    def _reserve(self, entry: Entry, need: dict[str, int], *, timeout: float, beside: bool, resize: bool = False,
                  stop: threading.Event | None = None, shrink: Shrink | None = None) -> Grant:
         deadline = self.clock() + timeout
         try:
             while True:
                 with self._cond:
-                    decision = self._decide(entry, need, beside=beside, shrink=shrink)
+                    decision = self._decide(entry, need, beside=beside, resize=resize, shrink=shrink)
                     if isinstance(decision, Grant):
                         return decision
                     if isinstance(decision, Never):
@@ -336,7 +338,7 @@ class Host:
             with self._cond:
                 entry.waiting_for_room = None
 
-    def _decide(self, entry: Entry, need: dict[str, int], *, beside: bool,
+    def _decide(self, entry: Entry, need: dict[str, int], *, beside: bool, resize: bool = False,
                 shrink: Shrink | None) -> Grant | Room | Wait | Never:
         """Under the lock: reserve ``need`` (a ``Grant``) if it fits beside the others now, else ``need`` with
         its default prefix cache shrunk to the room left if that fits, else what the scheduler says for the
@@ -356,8 +358,8 @@ class Host:
             return decision
         if beside:
             entry.extra, entry.counted = dict(grant.bytes), entry.pool.plan
-        else:
-            entry.state, entry.bytes = LOADING, dict(grant.bytes)
+        else:  # a resize stays loaded: it serves throughout
+            entry.state, entry.bytes = LOADED if resize else LOADING, dict(grant.bytes)
         return grant
 
     def _left(self, residents: list[Resident], want: str) -> dict[str, int]:

@@ -169,7 +169,7 @@ def roll_budgeted(loads: Loads, host: Host, change: Change, *, force: bool = Fal
                       abort=abort, publish=publish)
     if not force and live_adapter_diff(loads.store, loads.pool.current, loaded) is not None:
         # spec.adapters alone, on the serving generation: room for its new size, not for a second generation
-        with host.rolling(loads.name), host.room(loads.name, need, reason="rollout"):
+        with host.rolling(loads.name), host.room(loads.name, need, reason="rollout", resize=True):
             return rollout.run(loaded, progress=progress, on_step=on_step, change=change)
     with host.rolling(loads.name):
         requested = loaded.manifest.spec.rollout.strategy
