@@ -220,3 +220,21 @@ def test_a_live_adapter_change_without_a_budget_shows_the_deployment_loaded_thro
         roll.join(30)
         dep.close()
     assert results == ["live"]
+
+
+def test_a_failed_change_leaves_the_serving_revisions_keep_alive(deploy, tmp_path, chat_model):
+    """A change that fails (its health check: NaN weights) while asking for ``keep_alive: 1s`` leaves the
+    serving revision's lifecycle as it was (forever): what serves is not unloaded for the failed change."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    broken = Path(shutil.copytree(chat_model, tmp_path / "nan-model"))
+    weights = load_file(broken / "model.safetensors")
+    weights["model.norm.weight"][:] = float("nan")
+    save_file(weights, broken / "model.safetensors", metadata={"format": "pt"})
+    dep = deploy(strategy="blue-green")
+    replace_like_an_editor(tmp_path / "chat.yaml", text(broken, strategy="blue-green", keep_alive="0.1s"))
+    assert dep.reload() is False and "not finite" in dep.status()["last_error"]
+    assert dep.host.describe("chat").keep_alive is None  # forever, as the serving revision says
+    assert dep.host.unload_expired() == [] and dep.status()["loaded"] == "loaded"

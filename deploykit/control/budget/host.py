@@ -93,6 +93,16 @@ class BudgetView:
     waiting: str | None = None  # why its load waits for room, while it does ("waiting for room: ...")
 
 
+@dataclass(frozen=True)
+class Registration:
+    """What ``Host.register`` was last told of a deployment (``Host.registration``): to tell it again."""
+
+    need: dict[str, int]
+    priority: int
+    keep_alive: float | None
+    shrink: Shrink | None
+
+
 @dataclass
 class Entry:
     """What the host knows of one deployment."""
@@ -171,6 +181,15 @@ class Host:
             entry.want, entry.shrink = dict(need), shrink
         if keep_alive is not None:
             self.start()  # someone to unload it once idle past its keep-alive (``stop`` joins it)
+
+    def registration(self, name: str) -> Registration | None:
+        """What ``register`` was last told of ``name`` (None: not registered), so that a change that fails
+        can give back the serving revision's (``budgeting.roll_budgeted``)."""
+        with self._cond:
+            entry = self._entries.get(name)
+            if entry is None:
+                return None
+            return Registration(dict(entry.want or entry.bytes), entry.priority, entry.keep_alive, entry.shrink)
 
     def _zero(self) -> dict[str, int]:
         return {tier: 0 for tier in self.budget.tiers}

@@ -152,11 +152,28 @@ def roll_budgeted(loads: Loads, host: Host, change: Change, *, force: bool = Fal
                   progress: ProgressSink | None = None, on_step: StepSink = None,
                   abort: AbortSignal | None = None,
                   publish: Callable[[CanaryProgress | None], None] | None = None) -> RolloutResult:
-    loaded = change.loaded
-    lifecycle = loaded.manifest.spec.lifecycle
+    """Roll ``change`` out under the host (see the module docstring). The host knows the change's plan and
+    ``lifecycle`` from now on; a change that fails gives the serving revision's back (its priority and
+    keep-alive: what serves is not unloaded for a change that never served)."""
+    lifecycle = change.loaded.manifest.spec.lifecycle
     need = need_of(change, loads.pool.current)
+    before = host.registration(loads.name)
     host.register(loads.name, loads.pool, need, priority=lifecycle.priority, keep_alive=lifecycle.keep_alive,
                   shrink=shrink_of(change, loads.pool.current))
+    try:
+        return _roll(loads, host, change, need, force=force, progress=progress, on_step=on_step, abort=abort,
+                     publish=publish)
+    except BaseException:
+        if before is not None:
+            host.register(loads.name, loads.pool, before.need, priority=before.priority,
+                          keep_alive=before.keep_alive, shrink=before.shrink)
+        raise
+
+
+def _roll(loads: Loads, host: Host, change: Change, need: dict[str, int], *, force: bool,
+          progress: ProgressSink | None, on_step: StepSink, abort: AbortSignal | None,
+          publish: Callable[[CanaryProgress | None], None] | None) -> RolloutResult:
+    loaded = change.loaded
     probe = _probe(loads, change, force=force)
     if probe.status == "unchanged":
         loads.pending = None  # back to what is recorded: nothing left to apply
