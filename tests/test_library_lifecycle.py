@@ -238,3 +238,17 @@ def test_a_failed_change_leaves_the_serving_revisions_keep_alive(deploy, tmp_pat
     assert dep.reload() is False and "not finite" in dep.status()["last_error"]
     assert dep.host.describe("chat").keep_alive is None  # forever, as the serving revision says
     assert dep.host.unload_expired() == [] and dep.status()["loaded"] == "loaded"
+
+
+def test_a_forced_change_of_an_unloaded_deployment_is_applied_forced_by_its_next_request(deploy, tmp_path):
+    """``force`` (lay out again, a new revision even of an unchanged manifest) is kept with the change an
+    unloaded deployment defers: its next request applies it forced, as the caller was told (``deferred``)."""
+    dep = deploy(load="on-demand", keep_alive="1s")
+    assert dep.generate("hi", max_tokens=2).text is not None  # revision 1, loaded
+    wait_until(lambda: dep.status()["loaded"] == "unloaded", what="the idle deployment unloaded")
+    [loaded] = load_manifests(tmp_path / "chat.yaml")  # the same manifest, forced
+    result = dep.roll_to(loaded, force=True)
+    assert result.outcome.status == "deferred" and dep.pending is not None
+    assert dep.generate("hi", max_tokens=2).text is not None  # the forced apply, at its first request
+    assert [r.revision for r in dep.store.history("chat")] == [1, 2]
+    assert dep.store.current("chat").revision == 2 and dep.pending is None

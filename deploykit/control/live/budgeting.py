@@ -125,7 +125,7 @@ def _start(loads: Loads, host: Host, change: Change, need: dict[str, int], shrin
         probe = _probe(loads, change, force=force)
         loads.last_outcome = probe
         if probe.status != "unchanged":
-            loads.pending = loaded  # applied (laid out, loaded, checked, recorded) at its first request
+            loads.defer(loaded, force=force)  # applied (laid out, loaded, checked, recorded) at its first request
             loads.last_outcome = replace(probe, status="deferred")
         loads.pool.mark_unloaded()
         return False
@@ -176,11 +176,11 @@ def _roll(loads: Loads, host: Host, change: Change, need: dict[str, int], *, for
     loaded = change.loaded
     probe = _probe(loads, change, force=force)
     if probe.status == "unchanged":
-        loads.pending = None  # back to what is recorded: nothing left to apply
+        loads.defer(None)  # back to what is recorded: nothing left to apply
         loads.store.settle(loads.name)  # a no-op confirms what serves: earlier errors are over (as apply does)
         return RolloutResult(False, "none", probe)
     if loads.pool.unloaded:
-        loads.pending = loaded  # nothing serves: its next request applies it (no room taken now)
+        loads.defer(loaded, force=force)  # nothing serves: its next request applies it (no room taken now)
         return RolloutResult(False, "none", replace(probe, status="deferred"))
     rollout = Rollout(loads.pool, loads.store, devices=loads.devices, acquire_timeout=loads.acquire_timeout,
                       abort=abort, publish=publish)
