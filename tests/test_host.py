@@ -582,3 +582,19 @@ def test_a_failing_change_of_an_unloaded_deployment_is_tried_once_and_the_last_r
     assert [(r.revision, r.phase) for r in f.store.history("b")] == [(1, "Ready"), (2, "Failed")]
     status = b.status()
     assert status["serving"] and status["phase"] == "Failed" and "finite" in (status["last_error"] or ""), status
+
+
+def test_a_resize_that_fails_keeps_the_serving_generation_loaded_with_what_it_held(fleet):
+    """A live change of ``spec.adapters`` resizes the serving generation in its room (``resize``): it stays
+    loaded while it runs, and a failure leaves it loaded with the bytes it held, not unloaded."""
+    f = fleet(ONE)
+    f.add("a")
+    held = f.host.used()
+    with pytest.raises(RuntimeError, match="the adapter failed"):
+        with f.host.room("a", {"cpu": held["cpu"] + 1000}, reason="rollout", resize=True):
+            assert f.states() == {"a": "loaded"} and f.host.used() == {"cpu": held["cpu"] + 1000}
+            raise RuntimeError("the adapter failed")
+    assert f.states() == {"a": "loaded"} and f.host.used() == held
+    with f.host.room("a", {"cpu": held["cpu"] + 1000}, reason="rollout", resize=True):
+        pass
+    assert f.states() == {"a": "loaded"} and f.host.used() == {"cpu": held["cpu"] + 1000}

@@ -13,6 +13,8 @@ from chatmodel import build_chat_model
 from deploykit.control.live.deployment import Deployment
 from deploykit.control.live.supervisor import Supervisor
 from deploykit.control.revisions.state import StateStore
+from deploykit.errors import ApplyError
+from deploykit.spec.manifest import load_manifests
 from helpers import wait_until
 from manifests import replace_like_an_editor
 
@@ -116,3 +118,137 @@ def test_a_supervisor_without_a_budget_loads_on_demand_and_shows_no_budget(tmp_p
         assert (status["loaded"], status["budget"], status["phase"]) == ("loaded", None, "Ready")
     finally:
         supervisor.close()
+
+
+def test_a_pin_during_a_recreate_without_a_budget_says_a_recreate_reloads_it(deploy, tmp_path, chat_model):
+    """A recreate holds no generation while its new one loads: a ``pin`` that times out then says so (as
+    it did before every deployment had a host), not that the deployment is still loading."""
+    dep = deploy(strategy="recreate")
+    (tmp_path / "chat.yaml").write_text(text(chat_model, strategy="recreate", max_tokens=32))
+    [loaded] = load_manifests(tmp_path / "chat.yaml")
+    loading, release = threading.Event(), threading.Event()
+
+    def on_step(step: str) -> None:
+        if step == "load":  # drained: the old generation is gone, the new one not in yet
+            loading.set()
+            release.wait(30)
+
+    results: list[str] = []
+    roll = threading.Thread(target=lambda: results.append(dep.roll_to(loaded, on_step=on_step).strategy))
+    roll.start()
+    try:
+        assert loading.wait(30), "the recreate reached its load"
+        assert dep.pool.current is None
+        with pytest.raises(ApplyError, match=r"has no model ready after 0\.2s \(a recreate rollout is "
+                                             r"reloading it\)"):
+            dep.pin(timeout=0.2)
+    finally:
+        release.set()
+        roll.join(30)
+    assert results == ["recreate"] and dep.generation == 2
+
+
+def test_a_closed_deployment_without_a_budget_shows_nothing_loaded(deploy):
+    dep = deploy()
+    assert dep.status()["loaded"] == "loaded"
+    dep.close()
+    status = dep.status()
+    assert (status["phase"], status["serving"], status["loaded"]) == ("Closed", False, "unloaded")
+    assert dep.pool.current is None
+
+
+def test_keep_alive_without_a_budget_shows_in_the_model_metrics_but_no_budget(tmp_path, chat_model):
+    """Without a budget a keep-alive still unloads: ``/metrics`` counts it (``deploykit_model_*``) as under
+    one, and shows no ``deploykit_budget_*``, which only a budget has."""
+    from fastapi.testclient import TestClient
+
+    from deploykit.serve.app import create_app
+
+    (tmp_path / "m").mkdir()
+    (tmp_path / "m" / "chat.yaml").write_text(text(chat_model, keep_alive="1s"))
+    supervisor = Supervisor(tmp_path / "m", store=StateStore(tmp_path / "state"))
+    try:
+        supervisor.start()
+        dep = supervisor.get("chat")
+        wait_until(lambda: dep.status()["loaded"] == "unloaded", what="the idle deployment unloaded")
+        metrics = TestClient(create_app(supervisor)).get("/metrics").text
+        assert 'deploykit_model_unloads_total{model="chat",reason="idle"} 1.0' in metrics
+        assert 'deploykit_model_loaded{model="chat"} 0.0' in metrics
+        assert "deploykit_budget_" not in metrics
+    finally:
+        supervisor.close()
+
+
+class HeldAtPlan(StateStore):
+    """Holds the change thread where revision 2's plan is recorded (``held``) until ``release``."""
+
+    def __init__(self, root: Path) -> None:
+        super().__init__(root)
+        self.held, self.release = threading.Event(), threading.Event()
+
+    def set_plan(self, name, revision, **kwargs):  # type: ignore[no-untyped-def]
+        if revision == 2:
+            self.held.set()
+            self.release.wait(30)
+        return super().set_plan(name, revision, **kwargs)
+
+
+def test_a_live_adapter_change_without_a_budget_shows_the_deployment_loaded_throughout(lora, tmp_path):
+    """``spec.adapters`` alone changes on the serving generation: it stays loaded and serving while the
+    change runs (status, and ``/v1/models``' ``loaded``), not "loading" as if it had no model."""
+    from fastapi.testclient import TestClient
+
+    from deploykit.serve.app import Deployments, create_app
+    from lora import adapters_manifest
+
+    path = tmp_path / "chat.yaml"
+    path.write_text(adapters_manifest(lora.base, {"pirate": lora.pirate}))
+    store = HeldAtPlan(tmp_path / "state")
+    dep = Deployment.from_manifest(path, store=store)
+    path.write_text(adapters_manifest(lora.base, {"pirate": lora.pirate, "polite": lora.polite}))
+    [loaded] = load_manifests(path)
+    results: list[str] = []
+    roll = threading.Thread(target=lambda: results.append(dep.roll_to(loaded).strategy))
+    roll.start()
+    try:
+        assert store.held.wait(30), "the live change reached its plan"
+        assert (dep.status()["loaded"], dep.status()["serving"]) == ("loaded", True)
+        card = TestClient(create_app(Deployments([dep]))).get("/v1/models/chat").json()
+        assert (card["loaded"], card["state"]) == (True, "loaded")
+    finally:
+        store.release.set()
+        roll.join(30)
+        dep.close()
+    assert results == ["live"]
+
+
+def test_a_failed_change_leaves_the_serving_revisions_keep_alive(deploy, tmp_path, chat_model):
+    """A change that fails (its health check: NaN weights) while asking for ``keep_alive: 1s`` leaves the
+    serving revision's lifecycle as it was (forever): what serves is not unloaded for the failed change."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    broken = Path(shutil.copytree(chat_model, tmp_path / "nan-model"))
+    weights = load_file(broken / "model.safetensors")
+    weights["model.norm.weight"][:] = float("nan")
+    save_file(weights, broken / "model.safetensors", metadata={"format": "pt"})
+    dep = deploy(strategy="blue-green")
+    replace_like_an_editor(tmp_path / "chat.yaml", text(broken, strategy="blue-green", keep_alive="0.1s"))
+    assert dep.reload() is False and "not finite" in dep.status()["last_error"]
+    assert dep.host.describe("chat").keep_alive is None  # forever, as the serving revision says
+    assert dep.host.unload_expired() == [] and dep.status()["loaded"] == "loaded"
+
+
+def test_a_forced_change_of_an_unloaded_deployment_is_applied_forced_by_its_next_request(deploy, tmp_path):
+    """``force`` (lay out again, a new revision even of an unchanged manifest) is kept with the change an
+    unloaded deployment defers: its next request applies it forced, as the caller was told (``deferred``)."""
+    dep = deploy(load="on-demand", keep_alive="1s")
+    assert dep.generate("hi", max_tokens=2).text is not None  # revision 1, loaded
+    wait_until(lambda: dep.status()["loaded"] == "unloaded", what="the idle deployment unloaded")
+    [loaded] = load_manifests(tmp_path / "chat.yaml")  # the same manifest, forced
+    result = dep.roll_to(loaded, force=True)
+    assert result.outcome.status == "deferred" and dep.pending is not None
+    assert dep.generate("hi", max_tokens=2).text is not None  # the forced apply, at its first request
+    assert [r.revision for r in dep.store.history("chat")] == [1, 2]
+    assert dep.store.current("chat").revision == 2 and dep.pending is None

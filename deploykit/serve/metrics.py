@@ -137,7 +137,7 @@ class DeploymentCollector:
         yield from rates
         yield from rollout_metrics([(name, snap) for name, _, snap in snapshots])
         host = getattr(self.registry, "host", None)
-        if host is not None and host.limited:  # no budget set (``Host.unlimited``): no budget metrics
+        if host is not None:  # no budget set (``Host.unlimited``): its loads and unloads, no budget metrics
             yield from budget_metrics(host, {name: snap.loaded for name, _, snap in snapshots})
 
 
@@ -214,7 +214,8 @@ def rollout_metrics(deployments: list[tuple[str, LiveStatus]]) -> Iterator[Any]:
 
 
 def budget_metrics(host: Host, loaded_of: dict[str, str]) -> Iterator[Any]:
-    """The host budget: what is loaded, loads and unloads by reason, the budget and its use per tier."""
+    """The host: what is loaded, loads and unloads by reason (keep-alive unloads without a budget too), and,
+    where a budget is set (``host.limited``), the budget and its use per tier."""
     loaded = GaugeMetricFamily("deploykit_model_loaded", "1 while the model is in memory, else 0 (unloaded "
                                "ones load at their next request)", labels=["model"])
     loads = CounterMetricFamily("deploykit_model_loads", "Loads under the budget", labels=["model", "reason"])
@@ -238,7 +239,9 @@ def budget_metrics(host: Host, loaded_of: dict[str, str]) -> Iterator[Any]:
     records = list(host.load_seconds)
     seconds.add_metric([], [(str(b) if b != float("inf") else "+Inf", sum(r <= b for r in records))
                             for b in _LOAD_BUCKETS], sum(records))
-    yield from (loaded, loads, unloads, budget, used, seconds)
+    yield from (loaded, loads, unloads, seconds)
+    if host.limited:
+        yield from (budget, used)
 
 
 def new_registry(deployments: Registry, sources: Sources | None = None) -> tuple[CollectorRegistry, ServingMetrics]:

@@ -93,6 +93,16 @@ class BudgetView:
     waiting: str | None = None  # why its load waits for room, while it does ("waiting for room: ...")
 
 
+@dataclass(frozen=True)
+class Registration:
+    """What ``Host.register`` was last told of a deployment (``Host.registration``): to tell it again."""
+
+    need: dict[str, int]
+    priority: int
+    keep_alive: float | None
+    shrink: Shrink | None
+
+
 @dataclass
 class Entry:
     """What the host knows of one deployment."""
@@ -171,6 +181,15 @@ class Host:
             entry.want, entry.shrink = dict(need), shrink
         if keep_alive is not None:
             self.start()  # someone to unload it once idle past its keep-alive (``stop`` joins it)
+
+    def registration(self, name: str) -> Registration | None:
+        """What ``register`` was last told of ``name`` (None: not registered), so that a change that fails
+        can give back the serving revision's (``budgeting.roll_budgeted``)."""
+        with self._cond:
+            entry = self._entries.get(name)
+            if entry is None:
+                return None
+            return Registration(dict(entry.want or entry.bytes), entry.priority, entry.keep_alive, entry.shrink)
 
     def _zero(self) -> dict[str, int]:
         return {tier: 0 for tier in self.budget.tiers}
@@ -266,18 +285,21 @@ class Host:
 
     @contextmanager
     def room(self, name: str, need: dict[str, int], *, reason: str, timeout: float | None = None,
-             beside: bool = False, stop: threading.Event | None = None,
+             beside: bool = False, resize: bool = False, stop: threading.Event | None = None,
              shrink: Shrink | None = None) -> Iterator[Grant]:
         """Reserve ``need`` for ``name`` while the block loads it, unloading idle deployments as the
         scheduler says (waiting up to ``timeout`` for room). ``beside``: a blue-green rollout's next
         generation, held beside the one that serves; else the block makes what it reserved what ``name``
-        holds. ``shrink``: ``need`` with its default prefix cache fitted to a room per tier (a cache is
+        holds. ``resize``: the serving generation itself grows or shrinks to ``need`` (a live change of
+        ``spec.adapters``): it stays loaded meanwhile, and keeps what it held if the block fails. ``shrink``: ``need`` with its default prefix cache fitted to a room per tier (a cache is
         evictable): where ``need`` does not fit beside the others but the plan does with a smaller cache, that
         is reserved rather than unloading anyone or waiting; the grant says the room to fit the plan to."""
         entry = self._entry(name)
         started = self.clock()
+        with self._cond:
+            held = dict(entry.bytes)
         grant = self._reserve(entry, need, timeout=self.wait_timeout if timeout is None else timeout, beside=beside,
-                              stop=stop, shrink=shrink)
+                              resize=resize, stop=stop, shrink=shrink)
         ok = False
         try:
             yield grant
@@ -289,9 +311,8 @@ class Host:
                     if ok:
                         entry.bytes = dict(grant.bytes)
                 else:
-                    entry.state = LOADED if ok and entry.pool.loaded else UNLOADED
-                    if ok:
-                        entry.bytes = dict(grant.bytes)
+                    entry.state = LOADED if (ok or resize) and entry.pool.loaded else UNLOADED
+                    entry.bytes = dict(grant.bytes) if ok or not resize else held
                 self._cond.notify_all()
             if ok:
                 self.loads[(name, reason)] += 1
@@ -304,13 +325,13 @@ class Host:
             raise BudgetError(f"{name!r} is not registered with the host budget")
         return entry
 
-    def _reserve(self, entry: Entry, need: dict[str, int], *, timeout: float, beside: bool,
+    def _reserve(self, entry: Entry, need: dict[str, int], *, timeout: float, beside: bool, resize: bool = False,
                  stop: threading.Event | None = None, shrink: Shrink | None = None) -> Grant:
         deadline = self.clock() + timeout
         try:
             while True:
                 with self._cond:
-                    decision = self._decide(entry, need, beside=beside, shrink=shrink)
+                    decision = self._decide(entry, need, beside=beside, resize=resize, shrink=shrink)
                     if isinstance(decision, Grant):
                         return decision
                     if isinstance(decision, Never):
@@ -336,7 +357,7 @@ class Host:
             with self._cond:
                 entry.waiting_for_room = None
 
-    def _decide(self, entry: Entry, need: dict[str, int], *, beside: bool,
+    def _decide(self, entry: Entry, need: dict[str, int], *, beside: bool, resize: bool = False,
                 shrink: Shrink | None) -> Grant | Room | Wait | Never:
         """Under the lock: reserve ``need`` (a ``Grant``) if it fits beside the others now, else ``need`` with
         its default prefix cache shrunk to the room left if that fits, else what the scheduler says for the
@@ -356,8 +377,8 @@ class Host:
             return decision
         if beside:
             entry.extra, entry.counted = dict(grant.bytes), entry.pool.plan
-        else:
-            entry.state, entry.bytes = LOADING, dict(grant.bytes)
+        else:  # a resize stays loaded: it serves throughout
+            entry.state, entry.bytes = LOADED if resize else LOADING, dict(grant.bytes)
         return grant
 
     def _left(self, residents: list[Resident], want: str) -> dict[str, int]:

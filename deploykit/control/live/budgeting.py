@@ -125,7 +125,7 @@ def _start(loads: Loads, host: Host, change: Change, need: dict[str, int], shrin
         probe = _probe(loads, change, force=force)
         loads.last_outcome = probe
         if probe.status != "unchanged":
-            loads.pending = loaded  # applied (laid out, loaded, checked, recorded) at its first request
+            loads.defer(loaded, force=force)  # applied (laid out, loaded, checked, recorded) at its first request
             loads.last_outcome = replace(probe, status="deferred")
         loads.pool.mark_unloaded()
         return False
@@ -152,24 +152,41 @@ def roll_budgeted(loads: Loads, host: Host, change: Change, *, force: bool = Fal
                   progress: ProgressSink | None = None, on_step: StepSink = None,
                   abort: AbortSignal | None = None,
                   publish: Callable[[CanaryProgress | None], None] | None = None) -> RolloutResult:
-    loaded = change.loaded
-    lifecycle = loaded.manifest.spec.lifecycle
+    """Roll ``change`` out under the host (see the module docstring). The host knows the change's plan and
+    ``lifecycle`` from now on; a change that fails gives the serving revision's back (its priority and
+    keep-alive: what serves is not unloaded for a change that never served)."""
+    lifecycle = change.loaded.manifest.spec.lifecycle
     need = need_of(change, loads.pool.current)
+    before = host.registration(loads.name)
     host.register(loads.name, loads.pool, need, priority=lifecycle.priority, keep_alive=lifecycle.keep_alive,
                   shrink=shrink_of(change, loads.pool.current))
+    try:
+        return _roll(loads, host, change, need, force=force, progress=progress, on_step=on_step, abort=abort,
+                     publish=publish)
+    except BaseException:
+        if before is not None:
+            host.register(loads.name, loads.pool, before.need, priority=before.priority,
+                          keep_alive=before.keep_alive, shrink=before.shrink)
+        raise
+
+
+def _roll(loads: Loads, host: Host, change: Change, need: dict[str, int], *, force: bool,
+          progress: ProgressSink | None, on_step: StepSink, abort: AbortSignal | None,
+          publish: Callable[[CanaryProgress | None], None] | None) -> RolloutResult:
+    loaded = change.loaded
     probe = _probe(loads, change, force=force)
     if probe.status == "unchanged":
-        loads.pending = None  # back to what is recorded: nothing left to apply
+        loads.defer(None)  # back to what is recorded: nothing left to apply
         loads.store.settle(loads.name)  # a no-op confirms what serves: earlier errors are over (as apply does)
         return RolloutResult(False, "none", probe)
     if loads.pool.unloaded:
-        loads.pending = loaded  # nothing serves: its next request applies it (no room taken now)
+        loads.defer(loaded, force=force)  # nothing serves: its next request applies it (no room taken now)
         return RolloutResult(False, "none", replace(probe, status="deferred"))
     rollout = Rollout(loads.pool, loads.store, devices=loads.devices, acquire_timeout=loads.acquire_timeout,
                       abort=abort, publish=publish)
     if not force and live_adapter_diff(loads.store, loads.pool.current, loaded) is not None:
         # spec.adapters alone, on the serving generation: room for its new size, not for a second generation
-        with host.rolling(loads.name), host.room(loads.name, need, reason="rollout"):
+        with host.rolling(loads.name), host.room(loads.name, need, reason="rollout", resize=True):
             return rollout.run(loaded, progress=progress, on_step=on_step, change=change)
     with host.rolling(loads.name):
         requested = loaded.manifest.spec.rollout.strategy

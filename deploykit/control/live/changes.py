@@ -145,7 +145,7 @@ class ChangeRunner:
         serves, through its gates (a failure goes to status, as a reload's)."""
         pending = None if self.closed else self.loads.take_pending()
         from_file = self.given is None  # a watched file's change: the file, not this copy, rules after it
-        if pending is not None and self._reload_once(pending, adopt=not from_file) is True:
+        if pending is not None and self._reload_once(pending[0], force=pending[1], adopt=not from_file) is True:
             self._notify()
 
     def load_on_demand(self, grant: Grant) -> None:

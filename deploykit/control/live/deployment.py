@@ -221,7 +221,15 @@ class Deployment(EmbeddedApi):
                 except NotLoaded:  # unloaded (keep-alive, pressure) since it looked: load it
                     continue
                 except FutureTimeout:
-                    raise ApplyError(f"deployment {self.name!r} is still loading after {timeout:g}s") from None
+                    raise ApplyError(self._not_ready(timeout)) from None
+
+    def _not_ready(self, timeout: float) -> str:
+        """Why ``pin`` found no generation in ``timeout``: a load (on demand) still runs, or a recreate
+        holds none while its new generation loads."""
+        if self.pool.unloaded:
+            return f"deployment {self.name!r} is still loading after {timeout:g}s"
+        return (f"deployment {self.name!r} has no model ready after {timeout:g}s "
+                "(a recreate rollout is reloading it)")
 
     def wanted(self) -> AbstractContextManager[None]:
         """A request waits for this deployment (to load, then to pin it): it is busy meanwhile, so what

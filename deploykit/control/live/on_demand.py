@@ -51,6 +51,7 @@ class Loads:
     acquire_timeout: float
     policy: Policy = field(default_factory=Policy.unrestricted)  # every manifest loaded is admitted under it
     pending: LoadedManifest | None = None  # an on-demand manifest to apply at its first load
+    pending_force: bool = False  # that apply is forced (``force``: laid out again, a new revision), as asked
     pending_failure: tuple[DeploykitError, LoadedManifest] | None = None  # it failed: the last Ready one serves
     last_outcome: ApplyOutcome | None = None
     verified: int | None = field(default=None)  # the revision whose shards this process checked by hash
@@ -99,13 +100,15 @@ class Loads:
         be rolled out from it (``take_pending``), gates and all, never loaded unjudged."""
         if self.pending is not None and self.promoted_before_gates(self.pending) is None:
             pending, self.pending = self.pending, None  # applied once: a failure is not repeated per request
+            force, self.pending_force = self.pending_force, False
             try:
                 admit(pending, self.policy)
-                self.load_initial(pending, change=Change(pending, self.devices, budget_cpu=self.host.cpu_bytes))
+                self.load_initial(pending, force=force,
+                                  change=Change(pending, self.devices, budget_cpu=self.host.cpu_bytes))
                 return False
             except DeploykitError as exc:
                 if self.store.current(self.name) is None:  # nothing else could serve: the next request tries
-                    self.pending = pending                  # it again (its files may be mended meanwhile)
+                    self.pending, self.pending_force = pending, force  # it again (its files may be mended)
                     raise
                 log.warning("%s: its pending change failed (%s); the last Ready revision loads", self.name, exc)
                 self.pending_failure = (exc, pending)
@@ -124,7 +127,12 @@ class Loads:
         failure, self.pending_failure = self.pending_failure, None
         return failure
 
-    def take_pending(self) -> LoadedManifest | None:
-        """The pending change, once: the caller rolls it out."""
-        pending, self.pending = self.pending, None
-        return pending
+    def defer(self, loaded: LoadedManifest | None, *, force: bool = False) -> None:
+        """``loaded`` is the pending change (None: none is), applied by the next load, forced if ``force``."""
+        self.pending, self.pending_force = loaded, force and loaded is not None
+
+    def take_pending(self) -> tuple[LoadedManifest, bool] | None:
+        """The pending change and whether it is forced, once: the caller rolls it out."""
+        pending, force = self.pending, self.pending_force
+        self.defer(None)
+        return (pending, force) if pending is not None else None

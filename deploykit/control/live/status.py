@@ -117,7 +117,8 @@ class LiveStatus:
 def live_status(view: PoolView, state: State, *, name: str, host: Host, manifest: Path,
                 reloads: ReloadLog, rollout: CanaryProgress | None = None) -> LiveStatus:
     """The snapshot of one deployment: its pool ``view`` (read at one moment, first) and ``state`` (its one
-    state, read after: it can only be newer), its load state as ``host`` says, its budget where ``host`` has
+    state, read after: it can only be newer), its load state as ``host`` says (once closed, as its pool
+    does: the host may still hold its last word), its budget where ``host`` has
     one (None under ``Host.unlimited``: no budget was set) and its reloads."""
     gen = view.current
     engine = getattr(gen.runtime, "engine", None) if gen is not None else None
@@ -126,7 +127,7 @@ def live_status(view: PoolView, state: State, *, name: str, host: Host, manifest
     return LiveStatus(
         name=name, phase=_phase(state, process), trigger=str(state.trigger), generation=view.number,
         revision=view.revision, serving=state.phase != Phase.CLOSED and view.serving and not degraded,
-        loaded=host.state(name) or ("loaded" if gen else "unloaded"),
+        loaded=(host.state(name) if state.phase != Phase.CLOSED else None) or ("loaded" if gen else "unloaded"),
         budget=host.describe(name) if host.limited else None,
         in_flight=view.in_flight, last_error=state.message or (_engine_failure(process) if degraded else None),
         conflict=state.conflict, staged=view.candidate,
