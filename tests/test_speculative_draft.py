@@ -219,30 +219,29 @@ def test_a_draft_checkpoint_that_cannot_draft_is_refused_at_its_field(tmp_path: 
     assert field == "spec.speculative.draft.path" and line == 9 and says in message, message
 
 
-def test_a_quantized_self_draft_of_a_quantized_model_is_refused_at_its_field(tmp_path: Path) -> None:
+def refused(path: Path, model: str, speculative: str) -> str:
+    """The ManifestError of a manifest at ``path`` with ``model`` and ``speculative`` (its indented lines)."""
     from deploykit.errors import ManifestError
     from deploykit.spec.manifest import load_manifests
 
-    path = tmp_path / "m.yaml"
     path.write_text("apiVersion: deploykit/v1\nkind: ModelDeployment\nmetadata: {name: m}\nspec:\n"
-                    "  model: {path: /m, quantization: int8}\n  speculative:\n    method: draft\n"
-                    "    draft: {quantized: int4}\n")
+                    f"  model: {model}\n  speculative:\n{speculative}")
     with pytest.raises(ManifestError) as info:
         load_manifests(path)
-    assert "spec.speculative.draft.quantized" in str(info.value) and "already quantized" in str(info.value)
+    return str(info.value)
+
+
+def test_a_quantized_self_draft_of_a_quantized_model_is_refused_at_its_field(tmp_path: Path) -> None:
+    said = refused(tmp_path / "m.yaml", "{path: /m, quantization: int8}", "    method: draft\n    draft: {quantized: int4}\n")
+    assert "spec.speculative.draft.quantized" in said and "already quantized" in said
 
 
 def test_prompt_lookup_sizes_beside_a_draft_model_are_refused_not_ignored(tmp_path: Path) -> None:
-    from deploykit.errors import ManifestError
     from deploykit.spec.manifest import load_manifests
 
     path = tmp_path / "m.yaml"
-    path.write_text("apiVersion: deploykit/v1\nkind: ModelDeployment\nmetadata: {name: m}\nspec:\n"
-                    "  model: {path: /m}\n  speculative:\n    method: draft\n    ngram_max: 8\n"
-                    "    draft: {quantized: int4}\n")
-    with pytest.raises(ManifestError) as info:
-        load_manifests(path)
-    assert "m.yaml:8:" in str(info.value) and "spec.speculative.ngram_max" in str(info.value), str(info.value)
+    said = refused(path, "{path: /m}", "    method: draft\n    ngram_max: 8\n    draft: {quantized: int4}\n")
+    assert "m.yaml:8:" in said and "spec.speculative.ngram_max" in said, said
     path.write_text(path.read_text().replace("    ngram_max: 8\n", "    ngram_max: 4\n"))  # the default
     assert load_manifests(path)[0].manifest.spec.speculative.method == "draft"
 
