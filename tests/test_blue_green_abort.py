@@ -199,7 +199,7 @@ def test_sigterm_while_a_real_server_loads_a_blue_green_candidate_ends_it_within
         started = time.monotonic()
         server.process.send_signal(signal.SIGTERM)
         assert server.stop() == 0, server.stderr
-        assert time.monotonic() - started < 15, server.stderr  # the whole load: 42 s
+        assert time.monotonic() - started < 25, server.stderr  # the whole load: 42 s; a loaded CI needs room
     assert tensors.read_text().count("tensor") < 10
     last = StateStore(tmp_path / "state").history("chat")[-1]
     assert (last.revision, last.phase, last.reason) == (
