@@ -318,6 +318,72 @@ def test_adapter_rows_verify_with_their_own_adapter(lora: Any) -> None:
     assert stats["speculative_accepted"] > 0
 
 
+LONG = tuple((7 * i) % 250 + 4 for i in range(150))  # read in chunks of 16 beside the running rows
+
+
+def test_rows_verify_packed_beside_a_long_prompt_being_read(llama: Any) -> None:
+    """Copying rows draft while a prompt longer than ``prefill_chunk`` is read: their verifications share the
+    forwards with its chunks (mixed.py: each row adds its own positions, the chunk its tokens), and every
+    answer, the rows' and the prompt's, is the one without speculation."""
+    requests = [GenerationRequest(p, max_new_tokens=48) for p in repeating_prompts(6, seed=12)]
+    requests.append(GenerationRequest(LONG, max_new_tokens=12))
+    plain, _ = answers(llama, requests, None, prefill_chunk=16)
+    fast, stats = answers(llama, requests, NGRAM, prefill_chunk=16)
+    assert [r.token_ids for r in fast] == [r.token_ids for r in plain]
+    assert stats["speculative_steps_with_chunk"] > 0 and stats["speculative_accepted"] > 0, stats
+
+
+def test_adapter_rows_verify_packed_beside_a_prompt_with_its_own_adapter(lora: Any) -> None:
+    """The same with LoRA adapters: pirate and base rows verify beside a long pirate prompt's chunks, each
+    packed token with its own row's adapter."""
+    model = AutoModelForCausalLM.from_pretrained(lora.base, dtype=torch.float32)
+    adapters = Adapters(model)
+    adapters.load(AdapterSource("pirate", str(lora.pirate)))
+    tokenizer = AutoTokenizer.from_pretrained(lora.base)
+    prompt = chat_ids(lora.base, "hi")
+    long = chat_ids(lora.base, " ".join(["tell me of the sea and the ship"] * 12))
+    requests = [GenerationRequest(prompt, max_new_tokens=40, adapter="pirate"),
+                GenerationRequest(prompt, max_new_tokens=40),
+                GenerationRequest(long, max_new_tokens=16, adapter="pirate")]
+    plain, _ = answers(model, requests, None, tokenizer=tokenizer, adapters=adapters, prefill_chunk=16)
+    fast, stats = answers(model, requests, NGRAM, tokenizer=tokenizer, adapters=adapters, prefill_chunk=16)
+    assert [r.token_ids for r in fast] == [r.token_ids for r in plain]
+    assert stats["speculative_steps_with_chunk"] > 0 and stats["speculative_accepted"] > 0, stats
+
+
+def test_packed_verification_counts_each_rows_own_positions(llama: Any) -> None:
+    """One copying row drafts, the other rows do not: the packed forward holds the copying row's ``k + 1``
+    positions and one for each other row (not every row widened), and each cache keeps what it accepted."""
+    from deploykit.engine.forwards import Forwards
+    from deploykit.engine.kvcache import growing_cache, with_cache
+    from deploykit.engine.mixed import Layout
+
+    seen: list[int] = []
+    forward = llama.forward
+
+    def counting(*args: Any, **kwargs: Any) -> Any:
+        seen.append(kwargs["input_ids"].shape[1])
+        return forward(*args, **kwargs)
+
+    rows = [RequestHandle(GenerationRequest((5, 6, 7, 5, 6), max_new_tokens=8), id=str(i)) for i in range(3)]
+    for h in rows:
+        h.tokens.append(7)
+    fw = Forwards(llama, None, None)
+    cache, mask = growing_cache(llama.config), torch.ones(3, 5, dtype=torch.long)
+    llama(input_ids=torch.tensor([[5, 6, 7, 5, 6]] * 3), attention_mask=mask, use_cache=True, **with_cache(llama, cache))
+    llama.forward = counting
+    try:
+        logits, _, wide = fw.mixed(rows, None, 0, cache, mask, [[5, 6, 7], [], []])
+    finally:
+        del llama.forward
+    assert seen == [4 + 1 + 1] and logits.shape[0] == 6  # not 3 rows x 4
+    assert wide.tolist() == [[1] * 9, [1] * 6 + [0] * 3, [1] * 6 + [0] * 3]
+    with torch.inference_mode():  # the copying row's positions are its own: they equal a forward of it alone
+        alone = llama(input_ids=torch.tensor([[5, 6, 7, 5, 6, 7, 5, 6, 7]])).logits[0, 5:].float()
+    torch.testing.assert_close(logits[:4], alone, atol=1e-4, rtol=1e-4)
+    assert Layout(3, cache, wide, None, [4, 1, 1]).packed == 6
+
+
 def test_a_draft_stops_before_the_first_token_the_grammar_forbids(tmp_path: Path) -> None:
     from chatmodel import build_chat_model
 

@@ -120,25 +120,38 @@ class Forwards:
         assert mask.shape[1] == width + k + 1
         return out.logits.float(), returned_cache(out), mask
 
-    def mixed(self, rows: list[RequestHandle], p: Prefill, chunk: int, cache: Any, mask: torch.Tensor
+    def mixed(self, rows: list[RequestHandle], p: Prefill | None, chunk: int, cache: Any, mask: torch.Tensor,
+              drafts: list[list[int]] | None = None
               ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
-        """The mixed forward of the rows' next tokens and up to ``chunk`` tokens of ``p``: the rows' logits,
-        ``p``'s once its last token is read, and the rows' new mask."""
-        mask = F.pad(mask, (0, 1), value=1)
-        ids, positions, end = p.next_chunk(chunk, self.device)
-        tokens = torch.tensor([[h.tokens[-1] for h in rows]], device=self.device)
-        keep = torch.arange(len(rows) + (1 if end == len(p.prompt) else 0), device=self.device)
-        if len(keep) > len(rows):  # the chunk's last token gives the prompt's first new one
-            keep[-1] = len(rows) + ids.shape[1] - 1
-        slots = [h.request.adapter for h in rows] + [p.handle.request.adapter] * ids.shape[1]  # per packed token
-        adapters = self.adapters.packed(slots, keep.tolist()) if self.adapters else nullcontext()
-        with self._forward_lock, adapters, mixed_attention(self.model, Layout(len(rows), cache, mask, p.cache)):
+        """The packed forward (``mixed.py``) of the rows' next tokens (each row's last token and its draft,
+        when ``drafts``) and up to ``chunk`` tokens of ``p`` (None: no chunk): the rows' logits
+        (``[sum(1 + len(draft)), vocab]``, row after row), ``p``'s once its last token is read, and the rows'
+        new mask (each row's columns past its own tokens 0)."""
+        drafts = drafts or [[] for _ in rows]
+        counts = [1 + len(d) for d in drafts]
+        most, packed = max(counts), sum(counts)
+        before = mask.sum(1)  # each row's real positions so far
+        new = torch.arange(most, device=mask.device)[None] < torch.tensor(counts, device=mask.device)[:, None]
+        mask = torch.cat([mask, new.to(mask.dtype)], 1)
+        tokens = torch.tensor([[t for h, d in zip(rows, drafts) for t in (h.tokens[-1], *d)]], device=self.device)
+        positions = torch.cat([before[i] + torch.arange(n, device=mask.device) for i, n in enumerate(counts)])
+        ids, chunk_positions, end = (p.next_chunk(chunk, self.device) if p is not None else
+                                     (tokens[:, :0], positions[:0], 0))
+        read = p is not None and end == len(p.prompt)  # the chunk's last token gives the prompt's first new one
+        keep = list(range(packed)) + ([packed + ids.shape[1] - 1] if read else [])
+        slots = [h.request.adapter for h, n in zip(rows, counts) for _ in range(n)]
+        slots += [p.handle.request.adapter] * ids.shape[1] if p is not None else []  # per packed token
+        adapters = self.adapters.packed(slots, keep) if self.adapters else nullcontext()
+        layout = Layout(len(rows), cache, mask, p.cache if p is not None else None,
+                        counts if most > 1 else None)
+        with self._forward_lock, adapters, mixed_attention(self.model, layout):
             out = self.model(input_ids=torch.cat([tokens, ids], 1),
-                             position_ids=torch.cat([mask.sum(1) - 1, positions])[None], use_cache=False,
-                             logits_to_keep=keep)
-        p.done = end
+                             position_ids=torch.cat([positions, chunk_positions.to(positions.device)])[None],
+                             use_cache=False, logits_to_keep=torch.tensor(keep, device=self.device))
+        if p is not None:
+            p.done = end
         logits = out.logits[0].float()
-        return logits[:len(rows)], (logits[len(rows):] if len(keep) > len(rows) else None), mask
+        return logits[:packed], (logits[packed:] if read else None), mask
 
     def prompt_logprobs(self, r: GenerationRequest) -> list[TokenLogprobs]:
         """A forward of the whole prompt alone, keeping every position's logits (the batch keeps one)."""

@@ -18,6 +18,13 @@ sequence is one row, so each adapted layer takes it as one row per token for the
 (``adapters.Adapters.packed``), each token with its own row's adapter. Only models whose attention is plain
 full attention through transformers' ``sdpa`` are mixed (no sliding window, no chunked attention, not an
 encoder-decoder); the loop alternates decode steps and chunks for the rest, as before.
+
+Verification of drafts (``speculative.py``) is the same packed forward, with or without a chunk beside it:
+row i contributes its last token and its ``k_i`` drafted tokens, ``k_i + 1`` positions (``Layout.counts``),
+beside rows that decode one, so the projections, MLPs and head read ``sum(k_i + 1)`` tokens, not every row
+widened to the longest draft. Each row's cache still grows by the batch's most new positions (the padded
+rectangle); the columns a shorter row has no token for are zeros its mask hides, and the queries of a row
+are scattered into ``[rows, heads, most, dim]`` for ``sdpa`` (causal over the new columns) and gathered back.
 """
 
 from __future__ import annotations
@@ -38,19 +45,42 @@ _current = threading.local()  # the mixed step of this thread's forward (each en
 
 @dataclass
 class Layout:
-    """What the mixed forward's attention needs: the batch's cache and mask (with the new column), the
-    prompt's cache, and how many of the packed tokens are the rows' (the rest are the chunk)."""
+    """What the mixed forward's attention needs: the batch's cache and mask (with the new columns), the
+    prompt's cache (None: no chunk), and how many of the packed tokens each row has (the rest are the chunk).
+    ``counts`` None: one token per row (a decode step beside a chunk)."""
 
     rows: int
     batch: Any  # the batch's DynamicCache (GrowingLayers)
-    mask: torch.Tensor  # [rows, width + 1], 0 for left padding
-    prompt: Any  # the prompt's DynamicCache (GrowingLayers)
-    masks: dict[tuple[str, str], torch.Tensor] = field(default_factory=dict)  # per device: the two masks
+    mask: torch.Tensor  # [rows, width + most], 0 for left padding and for a row's columns past its tokens
+    prompt: Any  # the prompt's DynamicCache (GrowingLayers), or None
+    counts: list[int] | None = None  # packed tokens per row (verification: 1 + its drafts)
+    masks: dict[tuple[str, str], torch.Tensor] = field(default_factory=dict)  # per device: the masks, the index
+
+    @property
+    def packed(self) -> int:
+        """How many of the packed tokens are the rows'."""
+        return self.rows if self.counts is None else sum(self.counts)
 
     def row_mask(self, device: torch.device) -> torch.Tensor:
+        """``[rows, 1, most, width + most]``: each row's queries see its real columns, its own new ones causally."""
         key = ("rows", str(device))
         if key not in self.masks:
-            self.masks[key] = self.mask.to(device=device, dtype=torch.bool)[:, None, None, :]
+            seen = self.mask.to(device=device, dtype=torch.bool)[:, None, None, :]
+            most = 1 if self.counts is None else max(self.counts)
+            if most > 1:
+                cols = torch.arange(seen.shape[-1], device=device)[None, :] - (seen.shape[-1] - most)
+                seen = seen & (cols <= torch.arange(most, device=device)[:, None])[None, None]
+            self.masks[key] = seen
+        return self.masks[key]
+
+    def index(self, device: torch.device) -> torch.Tensor:
+        """Where each of the rows' packed tokens sits in ``[rows * most]`` (row i's j-th at ``i * most + j``)."""
+        key = ("index", str(device))
+        if key not in self.masks:
+            counts = self.counts or [1] * self.rows
+            most = max(counts)
+            self.masks[key] = torch.tensor([i * most + j for i, n in enumerate(counts) for j in range(n)],
+                                           device=device)
         return self.masks[key]
 
     def chunk_mask(self, device: torch.device, chunk: int, total: int) -> torch.Tensor:
@@ -88,23 +118,43 @@ def mixed_attention(model: Any, layout: Layout) -> Iterator[None]:
 
 def _mixed_attention(module: Any, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                      attention_mask: Any, **kwargs: Any) -> tuple[torch.Tensor, None]:
-    """The rows' tokens over their rows, the chunk over the prompt (``query``: ``[1, heads, rows + chunk,
-    dim]``); the output ``[1, rows + chunk, heads, dim]`` as transformers' ``sdpa`` gives it."""
+    """The rows' tokens over their rows, the chunk over the prompt (``query``: ``[1, heads, packed + chunk,
+    dim]``); the output ``[1, packed + chunk, heads, dim]`` as transformers' ``sdpa`` gives it."""
     layout: Layout = _current.layout
-    j, r = module.layer_idx, layout.rows
-    keys, values = layout.batch.layers[j].update(_per_row(key[:, :, :r]), _per_row(value[:, :, :r]))
-    rows, _ = sdpa_attention_forward(module, _per_row(query[:, :, :r]), keys, values,
-                                     layout.row_mask(query.device), **kwargs)
+    j, r = module.layer_idx, layout.packed
+    if layout.counts is None:
+        keys, values = layout.batch.layers[j].update(_per_row(key[:, :, :r]), _per_row(value[:, :, :r]))
+        rows, _ = sdpa_attention_forward(module, _per_row(query[:, :, :r]), keys, values,
+                                         layout.row_mask(query.device), **kwargs)
+        rows = rows.transpose(0, 1)
+    else:
+        index = layout.index(query.device)
+        keys, values = layout.batch.layers[j].update(_scattered(key[:, :, :r], index, layout),
+                                                     _scattered(value[:, :, :r], index, layout))
+        rows, _ = sdpa_attention_forward(module, _scattered(query[:, :, :r], index, layout), keys, values,
+                                         layout.row_mask(query.device), **kwargs)
+        rows = rows.reshape(-1, *rows.shape[2:])[index][None]  # [rows, most, heads, dim] -> [1, packed, ...]
+    if layout.prompt is None:
+        return rows, None
     chunk = query.shape[2] - r
     keys, values = layout.prompt.layers[j].update(key[:, :, r:], value[:, :, r:])
     read, _ = sdpa_attention_forward(module, query[:, :, r:], keys, values,
                                      layout.chunk_mask(query.device, chunk, keys.shape[2]), **kwargs)
-    return torch.cat([rows.transpose(0, 1), read], dim=1), None
+    return torch.cat([rows, read], dim=1), None
 
 
 def _per_row(x: torch.Tensor) -> torch.Tensor:
     """``[1, heads, rows, dim]`` (one packed sequence) as ``[rows, heads, 1, dim]`` (one token per row)."""
     return x[0].transpose(0, 1).unsqueeze(2)
+
+
+def _scattered(x: torch.Tensor, index: torch.Tensor, layout: Layout) -> torch.Tensor:
+    """``[1, heads, packed, dim]`` as ``[rows, heads, most, dim]``: each row's tokens first, zeros after."""
+    assert layout.counts is not None
+    heads, dim, most = x.shape[1], x.shape[3], max(layout.counts)
+    out = x.new_zeros(layout.rows * most, heads, dim)
+    out[index] = x[0].transpose(0, 1)
+    return out.view(layout.rows, most, heads, dim).transpose(1, 2)
 
 
 AttentionInterface.register(MIXED, _mixed_attention)

@@ -19,8 +19,9 @@ step, ``mixed.py``, each token with its row's LoRA adapter; where a model cannot
 steps alternate):
 running rows keep producing tokens meanwhile, and such a prompt joins the batch only once it is read. With
 ``spec.speculative`` (``speculative.py``) a decode step whose rows have drafts is a verification step: every
-row's last token and its drafts in one forward, the accepted ones kept (not while a prompt's chunk is read
-beside the rows: that step decodes one token per row). Limits of
+row's last token and its drafts in one forward (packed where the model mixes: a row with k drafts adds
+k + 1 positions, one that decodes adds one, beside a prompt's chunk when one is read), the accepted ones
+kept. Limits of
 the padded loop: rows pad to the longest row while they run together (the padding goes when it leaves),
 short new prompts still join in one padded prefill step, and it serves full and sliding-window attention
 (a windowed layer keeps every position, the model's mask applies the window: ``kvcache.growing_cache``),
@@ -168,14 +169,16 @@ class PaddedBackend:
 
     def _decode_and_read(self, rows: list[RequestHandle], p: Prefill, cache: Any, mask: torch.Tensor
                          ) -> tuple[list[RequestHandle], torch.Tensor | None, Any, torch.Tensor, list[RequestHandle]]:
-        """A mixed step (``mixed.py``): the rows' next tokens and a chunk of ``p`` in one forward; once ``p``
-        is read, its cache joins the batch's and its row gets logits too. When the forward fails, neither
-        cache keeps any of it, and the step is a decode step alone (each row's failure its own), the chunk
-        read alone at the next step (its own failure its own)."""
+        """A mixed step (``mixed.py``): the rows' next tokens (their drafts too, verified: ``_verify``) and a
+        chunk of ``p`` in one forward; once ``p`` is read, its cache joins the batch's and its row gets
+        logits. When the forward fails, neither cache keeps any of it, and the step is a decode step alone
+        (each row's failure its own), the chunk read alone at the next step (its own failure its own)."""
         width, read = mask.shape[1], p.done
+        drafts = self.speculator.drafts(rows) if self.speculator is not None else []
         started = time.perf_counter()
         try:
-            logits, chunk_logits, mask = self._fw.mixed(rows, p, self._chunks.next(True, len(rows)), cache, mask)
+            logits, chunk_logits, mask = self._fw.mixed(rows, p, self._chunks.next(True, len(rows)), cache, mask,
+                                                        drafts if any(drafts) else None)
         except Exception:
             truncate(cache, width)
             truncate(p.cache, read)
@@ -183,12 +186,16 @@ class PaddedBackend:
             rows, decoded, cache, mask = self._fw.decode_rows(rows, cache, mask)
             return rows, decoded, cache, mask, rows
         self.mixed_steps += 1
-        if self._chunks.step_seconds is not None:  # what the chunk added to a decode step
+        step_rows = rows
+        if any(drafts):  # the rows' tokens are chosen here (verification's time is not the chunk's)
+            mask = self._accept(rows, drafts, logits, cache, mask, width, None)
+            logits, step_rows = logits[:0], []
+        elif self._chunks.step_seconds is not None:  # what the chunk added to a decode step
             self._chunks.read(p.done - read, max(0.0, time.perf_counter() - started - self._chunks.step_seconds))
         if chunk_logits is None:
-            return rows, logits, cache, mask, rows
+            return rows, logits, cache, mask, step_rows
         cache, mask = merged(cache, mask, p.cache, torch.ones(1, p.done, dtype=torch.long, device=self.device))
-        return rows + [p.handle], torch.cat([logits, chunk_logits]), cache, mask, rows + [p.handle]
+        return rows + [p.handle], torch.cat([logits, chunk_logits]), cache, mask, step_rows + [p.handle]
 
     def _read(self, p: Prefill, cache: Any, mask: torch.Tensor, *, decoding: bool
               ) -> tuple[torch.Tensor | None, Any, torch.Tensor, list[RequestHandle]]:
@@ -221,23 +228,38 @@ class PaddedBackend:
 
     def _verify(self, rows: list[RequestHandle], drafts: list[list[int]], cache: Any, mask: torch.Tensor
                 ) -> tuple[list[RequestHandle], torch.Tensor | None, Any, torch.Tensor]:
-        """The rows' last tokens and drafts in one forward; each row's tokens chosen from its positions in
-        turn while they equal its draft, and the cache cut back to what was accepted (``speculative.py``).
-        When the forward fails, the cache keeps none of it and the step is a decode step (each row's failure
-        its own)."""
-        assert self.speculator is not None
+        """The rows' last tokens and drafts in one forward (packed where the model mixes: each row's own
+        positions only; else every row widened to the longest draft); each row's tokens chosen from its
+        positions in turn while they equal its draft, and the cache cut back to what was accepted
+        (``speculative.py``). When the forward fails, the cache keeps none of it and the step is a decode
+        step (each row's failure its own)."""
         width, started = mask.shape[1], time.perf_counter()
         try:
-            logits, cache, wide = self._fw.verify(rows, drafts, cache, mask)
+            if self.mixable:
+                logits, _, wide = self._fw.mixed(rows, None, 0, cache, mask, drafts)
+            else:
+                logits, cache, wide = self._fw.verify(rows, drafts, cache, mask)
         except Exception:
             truncate(cache, width)
             return self._fw.decode_rows(rows, cache, mask)
-        seconds = time.perf_counter() - started
-        self.speculator.stepped()
-        kept = [self.speculator.accept(h, d, logits[i, :len(d) + 1], self._choose_one)
-                for i, (h, d) in enumerate(zip(rows, drafts))]
-        self.speculator.verified(seconds, len(rows), sum(kept))
-        return rows, None, cache, keep_verified(cache, wide, width, kept)
+        return rows, None, cache, self._accept(rows, drafts, logits, cache, wide, width,
+                                               time.perf_counter() - started)
+
+    def _accept(self, rows: list[RequestHandle], drafts: list[list[int]], logits: torch.Tensor, cache: Any,
+                wide: torch.Tensor, width: int, seconds: float | None) -> torch.Tensor:
+        """Choose each row's tokens from its verified positions (``logits``: packed, row after row, or
+        ``[rows, most, vocab]`` widened) and cut the cache back to what each kept; the new mask. ``seconds``:
+        the forward's time, weighed against decoding's (None: a chunk shared it)."""
+        assert self.speculator is not None
+        self.speculator.stepped(with_chunk=seconds is None)
+        kept, at = [], 0
+        for i, (h, d) in enumerate(zip(rows, drafts)):
+            own = logits[at:at + len(d) + 1] if logits.dim() == 2 else logits[i, :len(d) + 1]
+            at += len(d) + 1
+            kept.append(self.speculator.accept(h, d, own, self._choose_one))
+        if seconds is not None:
+            self.speculator.verified(seconds, len(rows), sum(kept))
+        return keep_verified(cache, wide, width, kept)
 
     def _choose(self, rows: list[RequestHandle], logits: torch.Tensor | None) -> None:
         """Each row's next token (one argmax for all plain greedy rows); a row that fails here fails alone."""

@@ -7,9 +7,11 @@ so far; method draft, the tokens a draft model chooses greedily after them (``dr
 per row). Under a grammar the draft stops before the first token the grammar forbids (its matcher tries
 them, then rolls back).
 
-Verification (``forwards.Forwards.verify``): one forward of every row's last token and its drafts, ``K + 1``
-positions per row (``K`` the longest draft; a row with fewer fills the rest, which its causal mask keeps out of
-its real positions). Each position's logits are then chosen from exactly as a decode step would (``choose``:
+Verification: one forward of every row's last token and its drafts. Where the model's forwards can be mixed
+(``mixed.py``) it is packed: a row with ``k`` drafts adds ``k + 1`` positions, a row without adds one, and a
+prompt's chunk being read can share the forward (``forwards.Forwards.mixed``); elsewhere every row is widened
+to ``K + 1`` positions (``K`` the longest draft; a row with fewer fills the rest, which its causal mask keeps
+out of its real positions: ``forwards.Forwards.verify``). Each position's logits are then chosen from exactly as a decode step would (``choose``:
 penalties, bias, grammar, temperature / top_p with the row's own generator, logprobs), one position after
 another; the draft is accepted while the chosen token equals it. For greedy rows that is the answer without
 speculation, token for token. For a sampled row the draft is a point mass q = 1 on token x: sampling y from the
@@ -101,6 +103,7 @@ class Counters:
     accepted: int = 0  # of those, emitted
     steps: int = 0  # verification forwards
     emitted: int = 0  # tokens those forwards produced (accepted drafts and one chosen token per row)
+    with_chunk: int = 0  # of the forwards, those that read a prompt's chunk beside the rows (mixed.py)
     lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
 
 
@@ -226,12 +229,14 @@ class Speculator:
             self.counters.accepted += accepted
             self.counters.emitted += emitted
 
-    def stepped(self) -> None:
+    def stepped(self, with_chunk: bool = False) -> None:
         with self.counters.lock:
             self.counters.steps += 1
+            self.counters.with_chunk += with_chunk
 
     def stats(self) -> dict[str, int]:
         c = self.counters
         with c.lock:
             return {"speculative_drafted": c.drafted, "speculative_accepted": c.accepted,
-                    "speculative_steps": c.steps, "speculative_emitted": c.emitted}
+                    "speculative_steps": c.steps, "speculative_emitted": c.emitted,
+                    "speculative_steps_with_chunk": c.with_chunk}
