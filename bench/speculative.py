@@ -161,7 +161,8 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--threads", type=int, default=None, help="llama.cpp's compute threads, every contender")
-    parser.add_argument("--transformers-checkpoint", type=Path, default=Path("/work/main/.bench/smollm2-f32"))
+    parser.add_argument("--transformers-checkpoint", type=Path,
+                        default=Path(__file__).resolve().parent.parent / ".bench" / "smollm2-f32")
     args = parser.parse_args()
     checkpoint = args.transformers_checkpoint if args.transformers_checkpoint.is_dir() else None
     with tempfile.TemporaryDirectory(prefix="bench-speculative-") as tmp:

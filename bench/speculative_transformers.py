@@ -26,7 +26,7 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-DEFAULT = Path("/work/main/.bench/smollm2-f32")
+DEFAULT = Path(__file__).resolve().parent.parent / ".bench" / "smollm2-f32"
 TEXT = ("The lighthouse keeper climbed the spiral stairs every evening at dusk. He trimmed the wick, polished "
         "the great lens until it shone, and wrote the weather in a leather logbook: wind from the north-east, "
         "a heavy swell, rain before midnight. Ships passed far out on the dark water, and each one, he liked to "
@@ -92,12 +92,16 @@ def variants(args: argparse.Namespace) -> list[tuple[str, Any, Any]]:
         from deploykit.engine.drafting import DraftModel
 
         for threads in args.draft_threads:
-            out.append((f"{scheme}-t{threads}", Speculation(method="draft", num_tokens=args.num_tokens,
-                                                            draft_quantized=scheme), DraftModel(draft, threads)))
+            for sure in args.draft_confidence:
+                name = f"{scheme}-t{threads}" + (f"-c{sure:g}" if len(args.draft_confidence) > 1 else "")
+                out.append((name, Speculation(method="draft", num_tokens=args.num_tokens, draft_quantized=scheme),
+                            DraftModel(draft, threads, sure)))
     return out
 
 
 def main() -> None:
+    from deploykit.engine.drafting import DRAFT_CONFIDENCE
+
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--model", type=Path, default=None)
     parser.add_argument("--import-gguf", action="store_true")
@@ -110,6 +114,9 @@ def main() -> None:
     parser.add_argument("--clients", type=int, default=1, help="concurrent requests on the one engine")
     parser.add_argument("--draft-threads", type=lambda v: [int(x) for x in v.split(",")], default=[1],
                         help="--task chat: the draft's torch threads to run (0: as the engine's), e.g. 1,0")
+    parser.add_argument("--draft-confidence", type=lambda v: [float(x) for x in v.split(",")],
+                        default=[DRAFT_CONFIDENCE], help="--task chat: the probabilities under which a draft "
+                        "stops (drafting.DRAFT_CONFIDENCE; 0: never early), e.g. 0,0.1")
     args = parser.parse_args()
     loaded = load(args)
     if loaded is None:

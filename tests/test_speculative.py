@@ -141,6 +141,17 @@ def test_one_verification_step_that_pays_after_a_hold_ends_the_holds() -> None:
     assert [drafting() for _ in range(9)] == [False] * 8 + [True]
 
 
+def test_a_lone_row_is_left_to_its_own_pace() -> None:
+    """One row's verification that did not pay holds nothing: its ``Pace`` backs it off (a hold of a lone row
+    drafting with a model whose drafts mostly pay would cost it the steps after one unlucky draft)."""
+    spec = Speculator(Speculation(num_tokens=6, ngram_min=1, ngram_max=3))
+    rows = [RequestHandle(GenerationRequest((1, 2, 3, 1, 2, 3, 1, 2), max_new_tokens=64), id="a")]
+    spec.decoded(0.10)
+    spec.verified(0.20, rows=1, emitted=1)
+    spec.verified(0.20, rows=1, emitted=1)
+    assert spec.gain is None and any(spec.drafts(rows))
+
+
 def test_a_batch_that_empties_forgets_its_holds() -> None:
     """A request that comes after the batch emptied drafts at once: the holds (up to 64 steps) and the gain were
     the rows' that left."""

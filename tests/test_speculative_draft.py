@@ -142,14 +142,27 @@ def test_the_draft_cache_follows_the_accepted_tokens(llama: Any, int8_draft: Any
     """After a rejected draft the row's cache is cut back to the shared prefix: its drafts then equal those
     of a fresh cache over the same sequence."""
     seq = list(repeating_prompts(2, seed=17)[1])
-    kept = DraftModel(int8_draft)
+    kept = DraftModel(int8_draft, confidence=0)  # random weights: every token unsure, and the drafts must be long
     first = kept.draft("r", seq, 5)
     diverged = seq + first[:2] + [(first[2] + 1) % 256]
-    fresh = DraftModel(int8_draft)
+    fresh = DraftModel(int8_draft, confidence=0)
     assert kept.draft("r", diverged, 5) == fresh.draft("r", diverged, 5)
     assert kept.cached_positions() == fresh.cached_positions() == len(diverged) + 4
     kept.keep(set())
     assert kept.cached_positions() == 0
+
+
+def test_a_draft_stops_after_a_token_its_model_is_unsure_of(int8_draft: Any) -> None:
+    """A drafted token the draft model gave less than ``confidence`` is the draft's last (it is still
+    proposed); with ``confidence`` 0 the draft runs to ``k``. The tiny model's random weights give every token
+    about 1 / vocabulary: unsure at any threshold above that."""
+    seq = list(repeating_prompts(2, seed=17)[1])
+    probs = torch.softmax(int8_draft(input_ids=torch.tensor([seq])).logits[0, -1].float(), -1)
+    assert float(probs.max()) < 0.1
+    assert len(DraftModel(int8_draft, confidence=0).draft("r", seq, 5)) == 5
+    unsure = DraftModel(int8_draft)  # drafting.DRAFT_CONFIDENCE
+    assert unsure.draft("r", seq, 5) == DraftModel(int8_draft, confidence=0).draft("r", seq, 1)
+    assert unsure.cached_positions() == len(seq)  # the one drafted token was never fed
 
 
 def test_a_draft_that_fails_to_load_leaves_the_model_serving(llama: Any, tmp_path: Path) -> None:

@@ -98,7 +98,7 @@ def test_a_draft_model_with_a_shorter_context_drafts_within_it(caplog: pytest.Lo
     torch.manual_seed(0)
     small = AutoModelForCausalLM.from_config(GPT2Config(n_embd=32, n_layer=2, n_head=2, vocab_size=256,
                                                         n_positions=32)).eval()
-    draft = DraftModel(small)
+    draft = DraftModel(small, confidence=0)  # random weights: every token unsure, and the drafts must be long
     seq = [(5 * i) % 250 + 3 for i in range(40)]
     with caplog.at_level("WARNING", logger="deploykit.engine.drafting"):
         assert draft.draft("long", seq, 4) == []

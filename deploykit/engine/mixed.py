@@ -57,6 +57,11 @@ class Layout:
     masks: dict[tuple[str, str], torch.Tensor] = field(default_factory=dict)  # per device: the masks, the index
 
     @property
+    def uniform(self) -> bool:
+        """Whether every row has as many packed tokens (no row's columns need filling)."""
+        return self.counts is None or min(self.counts) == max(self.counts)
+
+    @property
     def packed(self) -> int:
         """How many of the packed tokens are the rows'."""
         return self.rows if self.counts is None else sum(self.counts)
@@ -133,7 +138,8 @@ def _mixed_attention(module: Any, query: torch.Tensor, key: torch.Tensor, value:
                                                      _scattered(value[:, :, :r], index, layout))
         rows, _ = sdpa_attention_forward(module, _scattered(query[:, :, :r], index, layout), keys, values,
                                          layout.row_mask(query.device), **kwargs)
-        rows = rows.reshape(-1, *rows.shape[2:])[index][None]  # [rows, most, heads, dim] -> [1, packed, ...]
+        rows = rows.reshape(-1, *rows.shape[2:])  # [rows, most, heads, dim] -> [1, packed, heads, dim]
+        rows = (rows if layout.uniform else rows[index])[None]
     if layout.prompt is None:
         return rows, None
     chunk = query.shape[2] - r
@@ -152,6 +158,8 @@ def _scattered(x: torch.Tensor, index: torch.Tensor, layout: Layout) -> torch.Te
     """``[1, heads, packed, dim]`` as ``[rows, heads, most, dim]``: each row's tokens first, zeros after."""
     assert layout.counts is not None
     heads, dim, most = x.shape[1], x.shape[3], max(layout.counts)
+    if layout.uniform:  # every row has ``most`` tokens (one row verifying): the packed tokens are the rectangle
+        return x[0].transpose(0, 1).reshape(layout.rows, most, heads, dim).transpose(1, 2)
     out = x.new_zeros(layout.rows * most, heads, dim)
     out[index] = x[0].transpose(0, 1)
     return out.view(layout.rows, most, heads, dim).transpose(1, 2)

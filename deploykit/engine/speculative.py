@@ -31,7 +31,8 @@ forward holds at most ``VERIFY_POSITIONS`` positions, so under batch load drafts
 batch as a whole (either method), drafting pauses while verification steps give fewer tokens per second than
 decode steps do (``Speculator.verified``: the tokens a verification step emitted per row, times a decode
 step's time over its own, a running mean under 1): for 4, 8, 16 .. 64 steps, then one step drafts to measure
-anew (its gain alone: one that pays ends the holds), and a batch that empties forgets them. Many rows whose drafts mostly fail (open-ended chat under load) pay for the wider forward without
+anew (its gain alone: one that pays ends the holds), and a batch that empties forgets them. A lone row is
+left to its own pace: one step whose drafts all failed would hold a row whose drafts mostly pay. Many rows whose drafts mostly fail (open-ended chat under load) pay for the wider forward without
 getting tokens back; one row copying its prompt gets several per forward.
 """
 
@@ -160,7 +161,7 @@ class Speculator:
         its drafts for the next ``_pause`` steps (doubling it) while that pays less than decoding. The step
         after a hold is judged on its own gain (one that pays ends the holds)."""
         self.timed(seconds)
-        if self._decode_seconds is None or seconds <= 0 or rows < 1:
+        if self._decode_seconds is None or seconds <= 0 or rows < 2:  # one row: its own pace backs off (Pace)
             return
         gain = emitted / rows * self._decode_seconds / seconds
         # the step after a hold measures anew: the mean before it is what the hold already answered
